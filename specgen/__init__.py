@@ -1,0 +1,35 @@
+"""specgen: config-driven local text generation with exact speculative decoding.
+
+>>> import specgen
+>>> pipe = specgen.pipeline("target=tiny", "drafter=tiny", "sampling.temperature=0.8")
+>>> gen = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=8, seed=0)
+>>> gen.guarantee
+'exact'
+"""
+
+from __future__ import annotations
+
+from specgen.errors import ConfigError, ModelLoadError, NumericalError, PromptError, SpecgenError
+from specgen.events import FinishEvent, Generation, TokenEvent
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "FinishEvent",
+    "Generation",
+    "ModelLoadError",
+    "NumericalError",
+    "PromptError",
+    "SpecgenError",
+    "TokenEvent",
+    "pipeline",
+]
+
+
+def pipeline(*overrides: str, progress: bool = True):
+    """Compose the config with CLI-style ``overrides`` and build a Pipeline."""
+    from specgen.build import build_pipeline
+    from specgen.config import compose
+
+    return build_pipeline(compose(overrides), progress=progress)

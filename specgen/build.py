@@ -1,0 +1,128 @@
+"""cfg -> Pipeline: instantiate the components, check alignment, declare the guarantee.
+
+The guarantee is decided here, once, before any generation:
+
+* ``off: <reason>`` -- speculation disabled (by the user, no drafter, or p and q
+  cannot be aligned: different tokenizers, an impure processor);
+* ``greedy`` -- temperature 0: output equals plain greedy decoding token for token;
+* ``exact`` -- sampling: every output sequence has exactly the target's distribution.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from specgen.config import physical_cores, to_container
+from specgen.drafters import Drafter, DrafterRuntime
+from specgen.engine import Defaults, Pipeline
+from specgen.errors import ConfigError, SpecgenError
+from specgen.models import LoadedModel, load_model, resolve_device, resolve_dtype
+from specgen.processors import build_stack
+
+log = logging.getLogger(__name__)
+
+
+def set_threads(value) -> int:
+    """Apply ``threads`` (auto = physical cores) to torch and return it."""
+    threads = physical_cores() if value in (None, "auto") else int(value)
+    if threads < 1:
+        raise ConfigError(f"threads must be >= 1 or auto, got {value}")
+    torch.set_num_threads(threads)
+    return threads
+
+
+def _bad_words(entries: list, tokenizer) -> list[list[int]]:
+    sequences = []
+    for entry in entries or []:
+        if isinstance(entry, str):
+            sequences.extend(tokenizer.token_ids(entry))
+        elif isinstance(entry, int):
+            sequences.append([entry])
+        else:
+            sequences.append([int(t) for t in entry])
+    return sequences
+
+
+def _processor_entries(cfg: Mapping, tokenizer) -> list[dict]:
+    entries = []
+    for entry in cfg.get("processors") or []:
+        entry = dict(entry)
+        if entry.get("name") == "bad_words":
+            entry["bad_words"] = _bad_words(entry.get("bad_words"), tokenizer)
+        entries.append(entry)
+    return entries
+
+
+def _build_drafter(cfg: Mapping, runtime: DrafterRuntime) -> Drafter | None:
+    from hydra.utils import instantiate
+
+    spec = dict(cfg["drafter"])
+    if spec.get("kind") == "none" or not spec.get("_target_"):
+        return None
+    try:
+        factory = instantiate(spec, _partial_=True, _convert_="all")
+        return factory(runtime=runtime)
+    except SpecgenError:
+        raise
+    except Exception as exc:
+        cause = exc.__cause__ if isinstance(exc.__cause__, SpecgenError) else None
+        if cause is not None:
+            raise cause from exc
+        raise ConfigError(f"cannot build drafter {spec.get('_target_')}: {exc}") from exc
+
+
+def _decide_guarantee(cfg: Mapping, drafter: Drafter | None, target: LoadedModel, stack) -> tuple[str, Drafter | None]:
+    if not cfg["speculative"]:
+        return "off: speculative=false", None
+    if drafter is None:
+        return "off: drafter=none", None
+    if drafter.tokenizer is not None:
+        mismatch = target.tokenizer.mismatch(drafter.tokenizer)
+        if mismatch:
+            return f"off: drafter tokenizer does not match the target's ({mismatch})", None
+    impure = stack.impure
+    if impure:
+        names = ", ".join(p.name for p in impure)
+        return f"off: processor {names} cannot be evaluated on hypothetical histories (declare pure: true if it is)", None
+    return ("greedy" if stack.greedy else "exact"), drafter
+
+
+def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
+    """Instantiate everything ``cfg`` describes and decide the run's guarantee."""
+    cfg = to_container(cfg) if not isinstance(cfg, dict) else cfg
+    set_threads(cfg.get("threads", "auto"))
+    device = resolve_device(str(cfg.get("device", "auto")))
+    dtype = resolve_dtype(str(cfg.get("dtype", "auto")), device)
+    target_cfg = cfg["target"]
+    target = load_model(target_cfg["source"], name="target", dtype=dtype, device=device,
+                        extra_eos=tuple(target_cfg.get("eos_ids") or ()), progress=progress)
+
+    def load(source, name="drafter"):
+        return load_model(source, name=name, dtype=dtype, device=device,
+                          extra_eos=tuple(target_cfg.get("eos_ids") or ()), progress=progress)
+
+    sampling = cfg["sampling"]
+    temperature = float(sampling.get("temperature", 0.0))
+    if temperature < 0:
+        raise ConfigError(f"sampling.temperature must be >= 0 (0 = greedy), got {temperature}")
+    stack = build_stack(_processor_entries(cfg, target.tokenizer), greedy=temperature == 0.0,
+                        eos_ids=target.tokenizer.eos_ids, vocab_size=target.tokenizer.vocab_size)
+    drafter = None
+    if cfg["speculative"]:
+        drafter = _build_drafter(cfg, DrafterRuntime(target=target, load=load))
+    guarantee, drafter = _decide_guarantee(cfg, drafter, target, stack)
+    if drafter is not None and getattr(drafter, "lm", None) is not None:
+        drafter.lm.vocab_size = target.tokenizer.vocab_size
+    stop = cfg.get("stop") or []
+    defaults = Defaults(
+        max_new_tokens=int(cfg.get("max_new_tokens", 128)),
+        seed=int(cfg.get("seed", 0)),
+        stop=tuple([stop] if isinstance(stop, str) else stop),
+        chat=cfg.get("chat", "auto"),
+        system=cfg.get("system"),
+    )
+    return Pipeline(target=target.lm, tokenizer=target.tokenizer, drafter=drafter, stack=stack,
+                    guarantee=guarantee, defaults=defaults, config=cfg)

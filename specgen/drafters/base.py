@@ -1,0 +1,104 @@
+"""The drafter interface.
+
+A :class:`Drafter` holds what is shared across requests (weights, settings) and
+opens one :class:`DraftSession` per request. A session proposes candidates,
+observes how many were accepted, and can be rolled back to the committed state.
+Everything a session caches must be recoverable from the committed tokens, so
+``sync`` after a commit or an aborted round restores it exactly.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from specgen.processors import CommittedCounts, ProcessorStack
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft candidates for one round.
+
+    tokens: [num_draft] candidate ids, a chain (or tree nodes if ``parents`` is set).
+    draft_probs: [num_draft, vocab] float64, the distribution each token was
+        sampled from; None when the proposal is deterministic (q one-hot).
+    parents: for tree drafts, the parent node index of each token (-1 = root);
+        None for a chain.
+    """
+
+    tokens: list[int]
+    draft_probs: torch.Tensor | None = None
+    parents: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+EMPTY = Proposal([])
+
+
+@dataclass
+class DraftContext:
+    """What a session may read of its request.
+
+    committed: the committed tokens and their counts (read-only for drafters).
+    stack: the processor stack the drafter samples from (same config as the target's).
+    generator: the drafter's own RNG, part of the round's transaction.
+    """
+
+    committed: CommittedCounts
+    stack: ProcessorStack
+    generator: torch.Generator
+
+
+class DraftSession(ABC):
+    """Per-request drafting state."""
+
+    @abstractmethod
+    def propose(self, budget: int) -> Proposal:
+        """Up to ``budget`` candidates following the committed tokens."""
+
+    def observe(self, num_accepted: int) -> None:
+        """Called after every commit; default: resynchronise caches."""
+        self.sync()
+
+    def sync(self) -> None:
+        """Drop anything not backed by the committed tokens (used on rollback too)."""
+
+
+class Drafter(ABC):
+    """A proposal source. ``deterministic`` drafters always return draft_probs=None."""
+
+    name = "drafter"
+    deterministic = False
+    #: The tokenizer of an independent draft model, or None when it shares the target's.
+    tokenizer = None
+
+    def __init__(self, num_tokens: int):
+        if int(num_tokens) != num_tokens or num_tokens < 1:
+            from specgen.errors import ConfigError
+
+            raise ConfigError(f"drafter.num_tokens must be a positive integer, got {num_tokens}")
+        self.num_tokens = int(num_tokens)
+
+    @abstractmethod
+    def session(self, ctx: DraftContext) -> DraftSession:
+        """Open a session for one request."""
+
+    @property
+    def extra_memory_bytes(self) -> int:
+        """Bytes of weights the drafter adds beyond the target."""
+        return 0
+
+
+@dataclass
+class DrafterRuntime:
+    """What drafter factories get besides their config: the loaded target and a loader.
+
+    load: ``load(source_mapping, name=...) -> LoadedModel`` with the pipeline's dtype/device.
+    """
+
+    target: object
+    load: object

@@ -1,0 +1,61 @@
+"""Prompt-lookup drafting (n-gram matching over the request's own tokens).
+
+Finds the most recent earlier occurrence of the last n tokens (n from
+``max_ngram`` down to ``min_ngram``) and proposes what followed it. The proposal
+is deterministic, so q is one-hot and exact verification accepts token x with
+probability p(x).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specgen.drafters.base import EMPTY, DraftContext, Drafter, DraftSession, Proposal
+
+
+def lookup(tokens: list[int], budget: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Continuation of the latest earlier match of the longest matching suffix n-gram."""
+    length = len(tokens)
+    if budget <= 0 or length < min_ngram + 1:
+        return []
+    seq = torch.tensor(tokens, dtype=torch.long)  # [length]
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        pattern = seq[-n:]
+        windows = seq[:-1].unfold(0, n, 1)  # [length - n, n]; excludes the suffix itself
+        hits = (windows == pattern).all(dim=1).nonzero()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return tokens[start : start + budget]
+    return []
+
+
+class NgramSession(DraftSession):
+    def __init__(self, drafter: NgramDrafter, ctx: DraftContext):
+        self.drafter = drafter
+        self.ctx = ctx
+
+    def propose(self, budget: int) -> Proposal:
+        tokens = lookup(self.ctx.committed.tokens, budget, self.drafter.max_ngram, self.drafter.min_ngram)
+        return Proposal(tokens) if tokens else EMPTY
+
+
+class NgramDrafter(Drafter):
+    name = "ngram"
+    deterministic = True
+
+    def __init__(self, num_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1):
+        super().__init__(num_tokens)
+        if not 1 <= min_ngram <= max_ngram:
+            from specgen.errors import ConfigError
+
+            raise ConfigError(f"drafter needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram = int(max_ngram)
+        self.min_ngram = int(min_ngram)
+
+    def session(self, ctx: DraftContext) -> DraftSession:
+        return NgramSession(self, ctx)
+
+
+def build(*, runtime, kind: str = "ngram", num_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1) -> NgramDrafter:
+    """Hydra factory (``_target_`` of conf/drafter/ngram.yaml)."""
+    return NgramDrafter(num_tokens=num_tokens, max_ngram=max_ngram, min_ngram=min_ngram)

@@ -1,0 +1,75 @@
+"""An independent small language model as drafter.
+
+The draft model has its own KV cache and samples each candidate from the same
+processor stack as the target, evaluated on its own history (committed tokens +
+its earlier candidates). The recorded ``draft_probs`` are exactly the
+distributions it sampled from, so verification is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specgen.drafters.base import EMPTY, DraftContext, Drafter, DraftSession, Proposal
+from specgen.models import CausalLM
+from specgen.processors import History
+from specgen.sampling import sample_token
+
+
+class SmallModelSession(DraftSession):
+    def __init__(self, lm: CausalLM, ctx: DraftContext):
+        self.lm = lm
+        self.ctx = ctx
+        self.cache = lm.new_cache()
+
+    def propose(self, budget: int) -> Proposal:
+        if budget <= 0:
+            return EMPTY
+        committed = self.ctx.committed
+        stack = self.ctx.stack
+        self.cache.sync(committed.tokens)
+        if len(self.cache) == len(committed.tokens):
+            self.cache.crop(len(self.cache) - 1)  # re-feed the last token to get its logits
+        feed = committed.tokens[len(self.cache) :]
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for step in range(budget):
+            raw = self.lm.forward(self.cache, feed, keep=1)  # [1, vocab]
+            history = History(committed, tokens, num_positions=1, start=step)
+            if stack.greedy:
+                token = stack.argmax(raw, history)[0]
+            else:
+                q_row = stack.probs(raw, history)[0]  # [vocab]
+                token = sample_token(q_row, self.ctx.generator)
+                rows.append(q_row)
+            tokens.append(token)
+            feed = [token]
+        draft_probs = None if stack.greedy else torch.stack(rows)  # [budget, vocab]
+        return Proposal(tokens, draft_probs)
+
+    def sync(self) -> None:
+        self.cache.sync(self.ctx.committed.tokens)
+
+
+class SmallModelDrafter(Drafter):
+    """lm: the draft model (vocabulary aligned with the target's); tokenizer: its TokenizerInfo."""
+
+    name = "small_model"
+
+    def __init__(self, lm: CausalLM, tokenizer, num_tokens: int = 4):
+        super().__init__(num_tokens)
+        self.lm = lm
+        self.tokenizer = tokenizer
+
+    def session(self, ctx: DraftContext) -> DraftSession:
+        return SmallModelSession(self.lm, ctx)
+
+    @property
+    def extra_memory_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.lm.model.parameters())
+
+
+def build(*, runtime, source, kind: str = "small_model", num_tokens: int = 4) -> SmallModelDrafter:
+    """Hydra factory: load the draft model described by ``source``."""
+    loaded = runtime.load(source, name="drafter")
+    return SmallModelDrafter(loaded.lm, loaded.tokenizer, num_tokens=num_tokens)

@@ -1,0 +1,140 @@
+"""The pipeline: one generation loop that yields events.
+
+``Pipeline.stream`` is the only loop. It runs speculative rounds when the
+pipeline's guarantee allows it, else plain steps, and yields a
+:class:`~specgen.events.TokenEvent` per committed token followed by one
+:class:`~specgen.events.FinishEvent`. Closing the iterator early (Ctrl-C, a
+cancel button) ends the request with ``finish_reason="cancelled"``; a round that
+was interrupted is rolled back, never half-committed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specgen.drafters import DraftContext, Drafter
+from specgen.errors import ConfigError, PromptError
+from specgen.events import FinishEvent, Generation, TokenEvent
+from specgen.models import CausalLM, TokenizerInfo
+from specgen.processors import ProcessorStack
+from specgen.round import RoundContext, plain_step, speculative_round
+from specgen.state import Request
+from specgen.stats import Clock, Stats
+from specgen.text import TextStream
+
+
+@dataclass
+class Defaults:
+    max_new_tokens: int = 128
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    chat: bool | str = "auto"
+    system: str | None = None
+
+
+class Pipeline:
+    """A composed target + drafter + processor stack with a declared guarantee.
+
+    guarantee: "exact" | "greedy" | "approximate: <why>" | "off: <reason>";
+    speculation runs only when it is not "off".
+    """
+
+    def __init__(self, *, target: CausalLM, tokenizer: TokenizerInfo, drafter: Drafter | None,
+                 stack: ProcessorStack, guarantee: str, defaults: Defaults, config=None):
+        self.target = target
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.stack = stack
+        self.guarantee = guarantee
+        self.defaults = defaults
+        self.config = config
+        self.device = target.device
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter is not None and not self.guarantee.startswith("off")
+
+    def encode(self, prompt, *, chat=None, system=None) -> list[int]:
+        chat = self.defaults.chat if chat is None else chat
+        system = self.defaults.system if system is None else system
+        return self.tokenizer.encode_prompt(prompt, chat=chat, system=system)
+
+    def generate(self, prompt=None, **kwargs) -> Generation:
+        """Run :meth:`stream` to the end and return its :class:`Generation`."""
+        for event in self.stream(prompt, **kwargs):
+            if isinstance(event, FinishEvent):
+                return event.generation
+        raise RuntimeError("stream ended without a finish event")
+
+    def stream(self, prompt: str | Sequence[dict] | None = None, *, prompt_ids: Sequence[int] | None = None,
+               max_new_tokens: int | None = None, seed: int | None = None, stop: Sequence[str] | None = None,
+               speculative: bool | None = None, chat=None, system=None) -> Iterator[TokenEvent | FinishEvent]:
+        """Generate from ``prompt`` (text or chat messages) or ``prompt_ids``.
+
+        speculative: False forces plain decoding for this call; True or None uses
+        the pipeline's setting. Validation happens before the first event.
+        """
+        ids = self._prompt_ids(prompt, prompt_ids, chat, system)
+        max_new = self.defaults.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if max_new < 1:
+            raise ConfigError(f"max_new_tokens must be at least 1, got {max_new}")
+        room = self.target.context_length - len(ids)
+        if room < 1:
+            raise PromptError(f"the prompt has {len(ids)} tokens but the model's context is "
+                              f"{self.target.context_length}; shorten the prompt")
+        use_spec = self.speculative and speculative is not False
+        guarantee = self.guarantee if use_spec else (self.guarantee if not self.speculative else "off: speculative=false")
+        return self._run(ids, min(max_new, room), max_new > room, seed, stop, use_spec, guarantee)
+
+    def _prompt_ids(self, prompt, prompt_ids, chat, system) -> list[int]:
+        if (prompt is None) == (prompt_ids is None):
+            raise PromptError("give exactly one of prompt or prompt_ids")
+        if prompt_ids is not None:
+            ids = [int(i) for i in prompt_ids]
+            bad = [i for i in ids if not 0 <= i < self.tokenizer.vocab_size]
+            if bad:
+                raise PromptError(f"prompt_ids {bad[:5]} are outside the vocabulary (size {self.tokenizer.vocab_size})")
+        else:
+            ids = self.encode(prompt, chat=chat, system=system)
+        if not ids:
+            raise PromptError("the prompt is empty")
+        return ids
+
+    def _run(self, ids, max_new, context_bound, seed, stop, use_spec, guarantee):
+        seed = self.defaults.seed if seed is None else int(seed)
+        stop = tuple(self.defaults.stop if stop is None else stop)
+        request = Request(prompt_ids=ids, vocab_size=self.tokenizer.vocab_size, device=self.device,
+                          target_cache=self.target.new_cache(), text=TextStream(self.tokenizer.decode, stop),
+                          eos_ids=self.tokenizer.eos_ids, max_new_tokens=max_new, seed=seed)
+        stats = Stats(prompt_tokens=len(ids))
+        ctx = RoundContext(self.target, self.stack, stats, Clock(self.device))
+        if use_spec:
+            request.draft = self.drafter.session(DraftContext(request.committed, self.stack, request.draft_rng))
+            stats.drafter_memory_bytes = self.drafter.extra_memory_bytes
+        start = time.perf_counter()
+        finish_reason = None
+        try:
+            while request.finish_reason is None:
+                if use_spec:
+                    events = speculative_round(request, ctx, self.drafter.num_tokens)
+                else:
+                    events = plain_step(request, ctx)
+                if stats.ttft is None:
+                    stats.ttft = time.perf_counter() - start
+                stats.new_tokens += len(events)
+                stats.wall = time.perf_counter() - start
+                yield from events
+            finish_reason = request.finish_reason
+        finally:
+            stats.wall = time.perf_counter() - start
+            if finish_reason is None:
+                finish_reason = "cancelled"
+        if finish_reason == "length" and context_bound:
+            finish_reason = "context"
+        tail = request.text.flush()
+        generation = Generation(request.text.text, list(request.generated), guarantee, finish_reason, stats, ids)
+        yield FinishEvent(tail, finish_reason, generation)

@@ -1,0 +1,25 @@
+"""Errors that specgen raises for bad input.
+
+Every error a user can cause derives from :class:`SpecgenError`; the CLI prints
+its message on one line and exits with status 2 instead of dumping a traceback.
+"""
+
+
+class SpecgenError(Exception):
+    """Base class for user-facing errors with a clear, specific message."""
+
+
+class ConfigError(SpecgenError):
+    """An override or config value is invalid."""
+
+
+class ModelLoadError(SpecgenError):
+    """Weights are missing, corrupt, or cannot be converted."""
+
+
+class PromptError(SpecgenError):
+    """The prompt cannot be generated from (too long, empty, ...)."""
+
+
+class NumericalError(SpecgenError):
+    """A model produced NaN/Inf logits or a distribution with no mass."""

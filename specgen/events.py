@@ -1,0 +1,61 @@
+"""What the engine yields. Consumers (CLI, TUI, scripts, bench) only read these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specgen.stats import Stats
+
+#: How a committed token was produced.
+TOKEN_KINDS = ("accepted", "resampled", "bonus", "plain")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One committed token.
+
+    kind: "accepted" (a draft token kept), "resampled" (drawn from the residual
+        after a rejection), "bonus" (drawn from the target with no draft left to
+        check), "plain" (speculation off).
+    draft_position: 1-based position in the round's draft this token took (for
+        "bonus", number of drafts + 1); None for "plain".
+    accept_prob: min(1, p/q) for accepted tokens and for the rejected draft token
+        a resample replaced; None for bonus/plain.
+    text: text this token releases (may be "" while a character or a possible
+        stop string is incomplete).
+    """
+
+    token_id: int
+    text: str
+    kind: str
+    draft_position: int | None
+    accept_prob: float | None
+    round: int
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    """Last event of a stream: remaining text and the whole result."""
+
+    text: str
+    finish_reason: str
+    generation: Generation
+
+    kind = "finish"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The result of one request.
+
+    text / token_ids: new tokens only (token_ids include an EOS that ended it).
+    guarantee: "exact" | "greedy" | "approximate: <why>" | "off: <reason>".
+    finish_reason: "eos" | "length" | "stop" | "cancelled" | "context".
+    """
+
+    text: str
+    token_ids: list[int]
+    guarantee: str
+    finish_reason: str
+    stats: Stats
+    prompt_ids: list[int]

@@ -1,0 +1,91 @@
+"""Prompt encoding, EOS ids and vocabulary comparison around a tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+
+from specgen.errors import PromptError
+
+Messages = Sequence[dict]
+
+
+class TokenizerInfo:
+    """Wraps an HF tokenizer (or :class:`~specgen.models.tiny.TinyTokenizer`).
+
+    vocab_size: number of ids that have a token (``len(tokenizer)``).
+    eos_ids: every id that ends generation (tokenizer EOS + generation config EOS).
+    """
+
+    def __init__(self, tokenizer, extra_eos: Iterable[int] = ()):
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        eos = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
+        self.eos_ids = sorted({int(i) for i in [*eos, *extra_eos] if i is not None and int(i) < self.vocab_size})
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode_prompt(self, prompt: str | Messages, *, chat: bool | str = "auto", system: str | None = None) -> list[int]:
+        """Token ids for a prompt string or a list of chat messages.
+
+        chat: True applies the chat template (error if there is none), False encodes
+        the raw text, "auto" applies it when the tokenizer has one.
+        """
+        use_chat = self.has_chat_template if chat == "auto" else bool(chat)
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            messages = list(prompt)
+            if not use_chat:
+                raise PromptError("a list of chat messages needs a tokenizer with a chat template")
+        if use_chat:
+            if not self.has_chat_template:
+                raise PromptError("chat=true but this tokenizer has no chat template; use chat=false")
+            if system and messages[0].get("role") != "system":
+                messages = [{"role": "system", "content": system}, *messages]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return [int(i) for i in ids]
+        text = prompt if system is None else f"{system}\n\n{prompt}"
+        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_ids(self, word: str) -> list[list[int]]:
+        """Id sequences a word may appear as (bare and with a leading space), for bad words."""
+        variants = []
+        for text in (word, " " + word):
+            ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+            if ids and ids not in variants:
+                variants.append(ids)
+        return variants
+
+    def fingerprint(self) -> str:
+        """Hash of the vocabulary, special tokens and EOS ids."""
+        payload = {
+            "vocab": sorted(self.tokenizer.get_vocab().items()),
+            "special": sorted(int(i) for i in getattr(self.tokenizer, "all_special_ids", [])),
+            "eos": self.eos_ids,
+        }
+        return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
+
+    def mismatch(self, other: TokenizerInfo) -> str | None:
+        """None when both sides map every id to the same token; else the first difference."""
+        if self.vocab_size != other.vocab_size:
+            return f"vocab sizes differ ({self.vocab_size} vs {other.vocab_size})"
+        mine, theirs = self.tokenizer.get_vocab(), other.tokenizer.get_vocab()
+        if mine != theirs:
+            diff = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
+            return f"vocabularies differ, e.g. {diff}"
+        if self.eos_ids != other.eos_ids:
+            return f"EOS ids differ ({self.eos_ids} vs {other.eos_ids})"
+        mine_special = sorted(getattr(self.tokenizer, "all_special_ids", []))
+        theirs_special = sorted(getattr(other.tokenizer, "all_special_ids", []))
+        if mine_special != theirs_special:
+            return f"special tokens differ ({mine_special} vs {theirs_special})"
+        return None

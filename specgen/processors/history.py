@@ -1,0 +1,124 @@
+"""Token histories at a batch of positions, for processors that depend on them.
+
+Position ``j`` of a batch sees the committed tokens plus the first ``j`` candidate
+tokens. The committed part is kept as running count vectors by
+:class:`CommittedCounts`; the candidate part is added on demand, so a stack with
+no history-dependent processor pays nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+
+@dataclass
+class CommittedCounts:
+    """Running token statistics of the committed sequence of one request.
+
+    seen:      [vocab] how often each id occurs in prompt + generated tokens
+    generated: [vocab] how often each id occurs in generated tokens only
+    """
+
+    seen: torch.Tensor
+    generated: torch.Tensor
+    tokens: list[int] = field(default_factory=list)
+    num_prompt: int = 0
+
+    @classmethod
+    def start(cls, prompt_ids: list[int], vocab_size: int, device: torch.device) -> CommittedCounts:
+        seen = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        if prompt_ids:
+            ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+            seen.index_add_(0, ids, torch.ones(len(prompt_ids), device=device))
+        generated = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        return cls(seen, generated, list(prompt_ids), len(prompt_ids))
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    def commit(self, new_tokens: list[int]) -> None:
+        """Append committed tokens and update the counts."""
+        if not new_tokens:
+            return
+        ids = torch.tensor(new_tokens, dtype=torch.long, device=self.seen.device)
+        ones = torch.ones(len(new_tokens), device=self.seen.device)
+        self.seen.index_add_(0, ids, ones)
+        self.generated.index_add_(0, ids, ones)
+        self.tokens.extend(new_tokens)
+
+    def truncate(self, length: int) -> None:
+        """Roll the committed sequence back to ``length`` tokens (never into the prompt)."""
+        if length < self.num_prompt:
+            raise ValueError("cannot roll back into the prompt")
+        dropped = self.tokens[length:]
+        if not dropped:
+            return
+        ids = torch.tensor(dropped, dtype=torch.long, device=self.seen.device)
+        ones = torch.ones(len(dropped), device=self.seen.device)
+        self.seen.index_add_(0, ids, -ones)
+        self.generated.index_add_(0, ids, -ones)
+        del self.tokens[length:]
+
+
+class History:
+    """Histories for ``num_positions`` consecutive positions starting at ``start``.
+
+    Row ``r`` describes position ``j = start + r``, whose history is the committed
+    tokens + ``candidates[:j]``. Tensors are built lazily and cached.
+    """
+
+    def __init__(self, committed: CommittedCounts, candidates: list[int], num_positions: int, start: int = 0):
+        if start + num_positions > len(candidates) + 1:
+            raise ValueError("a position can only see candidates before it")
+        self.committed = committed
+        self.candidates = candidates[: max(start + num_positions - 1, 0)]
+        self.num_positions = num_positions
+        self.start = start
+
+    def _candidate_prefix_counts(self) -> torch.Tensor:
+        """[num_positions, vocab]: counts of candidates strictly before each row's position."""
+        vocab = self.committed.seen.shape[0]
+        counts = torch.zeros(self.num_positions, vocab, device=self.committed.seen.device)
+        for j, token in enumerate(self.candidates):
+            first_row = max(j + 1 - self.start, 0)
+            if first_row < self.num_positions:
+                counts[first_row:, token] += 1.0
+        return counts
+
+    @cached_property
+    def seen_counts(self) -> torch.Tensor:
+        """[num_positions, vocab] counts over prompt + generated + candidate prefix."""
+        return self.committed.seen.unsqueeze(0) + self._prefix_counts
+
+    @cached_property
+    def generated_counts(self) -> torch.Tensor:
+        """[num_positions, vocab] counts over generated + candidate prefix."""
+        return self.committed.generated.unsqueeze(0) + self._prefix_counts
+
+    @cached_property
+    def _prefix_counts(self) -> torch.Tensor:
+        return self._candidate_prefix_counts()
+
+    @cached_property
+    def num_generated(self) -> torch.Tensor:
+        """[num_positions] number of generated tokens each row's position has seen."""
+        base = self.committed.num_generated + self.start
+        return torch.arange(base, base + self.num_positions, device=self.committed.seen.device)
+
+    def tail(self, row: int, length: int) -> list[int]:
+        """The last ``length`` tokens of the history at ``row`` (fewer if shorter)."""
+        if length <= 0:
+            return []
+        own = self.candidates[: self.start + row]
+        if len(own) >= length:
+            return own[len(own) - length :]
+        need = length - len(own)
+        return self.committed.tokens[-need:] + own if need else own
+
+    def full(self, row: int) -> list[int]:
+        """The whole token history at ``row`` (prompt included)."""
+        return self.committed.tokens + self.candidates[: self.start + row]

@@ -1,0 +1,24 @@
+"""Pure sampling maths: distributions, draws and speculative acceptance.
+
+Nothing here touches a model, a cache or I/O; every function takes tensors and
+an explicit ``torch.Generator`` and returns plain values.
+"""
+
+from specgen.sampling.probs import greedy_token, normalise, sample_token, uniform
+from specgen.sampling.rejection import (
+    Verdict,
+    positive_residual,
+    verify_chain,
+    verify_chain_greedy,
+)
+
+__all__ = [
+    "Verdict",
+    "greedy_token",
+    "normalise",
+    "positive_residual",
+    "sample_token",
+    "uniform",
+    "verify_chain",
+    "verify_chain_greedy",
+]

@@ -1,0 +1,90 @@
+"""The state of one request, with the round transaction's commit and rollback.
+
+Everything a round may change lives here: committed tokens and their counts,
+target and draft KV caches, the two RNGs, the text stream (detokeniser + stop
+buffer) and the finish reason. :meth:`Request.commit` is the only way tokens
+enter it; :meth:`Request.restore` is the only rollback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specgen.drafters import DraftSession
+from specgen.models import KVCache
+from specgen.processors import CommittedCounts
+from specgen.text import TextState, TextStream
+
+
+@dataclass
+class Snapshot:
+    length: int
+    target_rng: torch.Tensor
+    draft_rng: torch.Tensor
+    text: TextState
+    finish_reason: str | None
+
+
+class Request:
+    """prompt_ids: the encoded prompt; limits come from the pipeline call."""
+
+    def __init__(self, *, prompt_ids: list[int], vocab_size: int, device: torch.device, target_cache: KVCache,
+                 text: TextStream, eos_ids: list[int], max_new_tokens: int, seed: int):
+        self.committed = CommittedCounts.start(prompt_ids, vocab_size, device)
+        self.target_cache = target_cache
+        self.text = text
+        self.eos_ids = set(eos_ids)
+        self.max_new_tokens = max_new_tokens
+        self.target_rng = torch.Generator(device=device).manual_seed(seed)
+        self.draft_rng = torch.Generator(device=device).manual_seed(seed ^ 0x5DEECE66D)
+        self.draft: DraftSession | None = None
+        self.finish_reason: str | None = None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.committed.tokens[self.committed.num_prompt :]
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - self.committed.num_generated
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(len(self.committed.tokens), self.target_rng.get_state(), self.draft_rng.get_state(),
+                        self.text.snapshot(), self.finish_reason)
+
+    def restore(self, snap: Snapshot) -> None:
+        """Roll every piece of state back to ``snap`` (used when a round fails)."""
+        self.committed.truncate(snap.length)
+        self.target_cache.sync(self.committed.tokens)
+        if self.draft is not None:
+            self.draft.sync()
+        self.target_rng.set_state(snap.target_rng)
+        self.draft_rng.set_state(snap.draft_rng)
+        self.text.restore(snap.text)
+        self.finish_reason = snap.finish_reason
+
+    def commit(self, tokens: list[int], num_accepted: int) -> list[tuple[int, str]]:
+        """Commit a round's tokens (accepted prefix + one); return (token, text) pairs.
+
+        Stops at EOS, at ``max_new_tokens`` and when a stop string completes; the
+        tokens after such a point are dropped. Caches keep only what the
+        committed tokens back.
+        """
+        kept: list[tuple[int, str]] = []
+        for token in tokens:
+            if self.finish_reason is not None:
+                break
+            kept.append((token, self.text.push(token)))
+            if self.text.stopped:
+                self.finish_reason = "stop"
+            elif token in self.eos_ids:
+                self.finish_reason = "eos"
+            elif self.committed.num_generated + len(kept) >= self.max_new_tokens:
+                self.finish_reason = "length"
+        self.committed.commit([t for t, _ in kept])
+        self.target_cache.sync(self.committed.tokens)
+        if self.draft is not None:
+            self.draft.observe(num_accepted)
+        return kept
