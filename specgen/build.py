@@ -74,7 +74,11 @@ def _build_drafter(cfg: Mapping, runtime: DrafterRuntime) -> Drafter | None:
         raise ConfigError(f"cannot build drafter {spec.get('_target_')}: {exc}") from exc
 
 
-def _decide_guarantee(cfg: Mapping, drafter: Drafter | None, target: LoadedModel, stack) -> tuple[str, Drafter | None]:
+REDUCED_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _decide_guarantee(cfg: Mapping, drafter: Drafter | None, target: LoadedModel, stack,
+                      dtype: torch.dtype) -> tuple[str, Drafter | None]:
     if not cfg["speculative"]:
         return "off: speculative=false", None
     if drafter is None:
@@ -87,6 +91,10 @@ def _decide_guarantee(cfg: Mapping, drafter: Drafter | None, target: LoadedModel
     if impure:
         names = ", ".join(p.name for p in impure)
         return f"off: processor {names} cannot be evaluated on hypothetical histories (declare pure: true if it is)", None
+    if dtype in REDUCED_PRECISION:
+        name = str(dtype).removeprefix("torch.")
+        return (f"approximate: {name} rounds a multi-token verify pass differently from single-token steps, "
+                "so near-ties can flip; use dtype=float32 for the exact guarantee"), drafter
     return ("greedy" if stack.greedy else "exact"), drafter
 
 
@@ -113,7 +121,7 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
     drafter = None
     if cfg["speculative"]:
         drafter = _build_drafter(cfg, DrafterRuntime(target=target, load=load))
-    guarantee, drafter = _decide_guarantee(cfg, drafter, target, stack)
+    guarantee, drafter = _decide_guarantee(cfg, drafter, target, stack, dtype)
     if drafter is not None and getattr(drafter, "lm", None) is not None:
         drafter.lm.vocab_size = target.tokenizer.vocab_size
     stop = cfg.get("stop") or []

@@ -9,6 +9,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from specgen.errors import ConfigError
+from specgen import schema  # noqa: F401  (registers the structured-config schemas)
 
 #: Keys whose values are free text; the CLI quotes them so Hydra's parser accepts any characters.
 TEXT_KEYS = ("prompt", "system", "prompt_file")
@@ -80,14 +81,19 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
             cfg = hydra_compose(config_name="config", overrides=prepared)
-    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+    except (HydraException, OmegaConfBaseException, ValueError, TypeError) as exc:
         raise ConfigError(f"invalid override: {first_line(exc)}") from exc
     return cfg
 
 
 def first_line(exc: BaseException) -> str:
+    """The message of a Hydra/OmegaConf error on one line, without its key dump."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    if exc.__cause__ is not None and str(exc.__cause__).strip() not in text:
+        text += "\n" + str(exc.__cause__).strip()
+    lines = [ln.strip() for ln in text.splitlines()]
+    kept = [ln for ln in lines if ln and not ln.startswith(("full_key:", "object_type=", "reference_type="))]
+    return ": ".join(kept) if kept else type(exc).__name__
 
 
 def to_container(cfg) -> dict:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from specgen.drafters import DraftContext, Drafter
-from specgen.errors import ConfigError, PromptError
+from specgen.errors import ConfigError, DeadEndError, PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.models import CausalLM, TokenizerInfo
 from specgen.processors import ProcessorStack
@@ -72,11 +72,15 @@ class Pipeline:
 
     def stream(self, prompt: str | Sequence[dict] | None = None, *, prompt_ids: Sequence[int] | None = None,
                max_new_tokens: int | None = None, seed: int | None = None, stop: Sequence[str] | None = None,
-               speculative: bool | None = None, chat=None, system=None) -> Iterator[TokenEvent | FinishEvent]:
+               speculative: bool | None = None, chat=None, system=None,
+               schema=None, regex: str | None = None) -> Iterator[TokenEvent | FinishEvent]:
         """Generate from ``prompt`` (text or chat messages) or ``prompt_ids``.
 
         speculative: False forces plain decoding for this call; True or None uses
-        the pipeline's setting. Validation happens before the first event.
+        the pipeline's setting. schema / regex: constrain this call's output (a
+        JSON schema as dict, JSON string, file path or pydantic model class; a
+        regex); the grammar mask joins the processor stack of both p and q.
+        Validation happens before the first event.
         """
         ids = self._prompt_ids(prompt, prompt_ids, chat, system)
         max_new = self.defaults.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
@@ -88,7 +92,19 @@ class Pipeline:
                               f"{self.target.context_length}; shorten the prompt")
         use_spec = self.speculative and speculative is not False
         guarantee = self.guarantee if use_spec else (self.guarantee if not self.speculative else "off: speculative=false")
-        return self._run(ids, min(max_new, room), max_new > room, seed, stop, use_spec, guarantee)
+        stack = self._stack_for(schema, regex)
+        return self._run(ids, min(max_new, room), max_new > room, seed, stop, use_spec, guarantee, stack)
+
+    def _stack_for(self, schema, regex) -> ProcessorStack:
+        if schema is None and regex is None:
+            return self.stack
+        if schema is not None and regex is not None:
+            raise ConfigError("give schema= or regex=, not both")
+        from specgen.grammar import grammar_processor
+
+        spec = {"kind": "json_schema", "schema": schema} if schema is not None else {"kind": "regex", "pattern": regex}
+        processor = grammar_processor(spec, self.tokenizer)
+        return ProcessorStack([processor, *self.stack.processors], greedy=self.stack.greedy)
 
     def _prompt_ids(self, prompt, prompt_ids, chat, system) -> list[int]:
         if (prompt is None) == (prompt_ids is None):
@@ -104,35 +120,44 @@ class Pipeline:
             raise PromptError("the prompt is empty")
         return ids
 
-    def _run(self, ids, max_new, context_bound, seed, stop, use_spec, guarantee):
+    def open_request(self, ids: list[int], *, max_new_tokens: int, seed: int | None = None,
+                     stop: Sequence[str] | None = None, use_spec: bool = True,
+                     stack: ProcessorStack | None = None) -> tuple[Request, RoundContext]:
+        """Fresh request state and round context (the engine loop's setup; tests drive rounds with it)."""
         seed = self.defaults.seed if seed is None else int(seed)
         stop = tuple(self.defaults.stop if stop is None else stop)
+        stack = self.stack if stack is None else stack
         request = Request(prompt_ids=ids, vocab_size=self.tokenizer.vocab_size, device=self.device,
                           target_cache=self.target.new_cache(), text=TextStream(self.tokenizer.decode, stop),
-                          eos_ids=self.tokenizer.eos_ids, max_new_tokens=max_new, seed=seed)
+                          eos_ids=self.tokenizer.eos_ids, max_new_tokens=max_new_tokens, seed=seed)
         stats = Stats(prompt_tokens=len(ids))
-        ctx = RoundContext(self.target, self.stack, stats, Clock(self.device))
-        if use_spec:
-            request.draft = self.drafter.session(DraftContext(request.committed, self.stack, request.draft_rng))
+        ctx = RoundContext(self.target, stack, stats, Clock(self.device))
+        if use_spec and self.speculative:
+            request.draft = self.drafter.session(DraftContext(request.committed, stack, request.draft_rng))
             stats.drafter_memory_bytes = self.drafter.extra_memory_bytes
+        return request, ctx
+
+    def _run(self, ids, max_new, context_bound, seed, stop, use_spec, guarantee, stack):
+        request, ctx = self.open_request(ids, max_new_tokens=max_new, seed=seed, stop=stop,
+                                         use_spec=use_spec, stack=stack)
+        stats = ctx.stats
         start = time.perf_counter()
-        finish_reason = None
-        try:
-            while request.finish_reason is None:
-                if use_spec:
+        while request.finish_reason is None:
+            try:
+                if request.draft is not None:
                     events = speculative_round(request, ctx, self.drafter.num_tokens)
                 else:
                     events = plain_step(request, ctx)
-                if stats.ttft is None:
-                    stats.ttft = time.perf_counter() - start
-                stats.new_tokens += len(events)
-                stats.wall = time.perf_counter() - start
-                yield from events
-            finish_reason = request.finish_reason
-        finally:
+            except DeadEndError:
+                request.finish_reason = "dead_end"
+                break
+            if stats.ttft is None:
+                stats.ttft = time.perf_counter() - start
+            stats.new_tokens += len(events)
             stats.wall = time.perf_counter() - start
-            if finish_reason is None:
-                finish_reason = "cancelled"
+            yield from events
+        stats.wall = time.perf_counter() - start
+        finish_reason = request.finish_reason
         if finish_reason == "length" and context_bound:
             finish_reason = "context"
         tail = request.text.flush()

@@ -23,3 +23,11 @@ class PromptError(SpecgenError):
 
 class NumericalError(SpecgenError):
     """A model produced NaN/Inf logits or a distribution with no mass."""
+
+
+class DeadEndError(SpecgenError):
+    """No token is allowed at a committed position (e.g. a grammar with no way on).
+
+    The engine ends the generation with ``finish_reason="dead_end"`` instead of
+    sampling a garbage token.
+    """

@@ -45,7 +45,7 @@ def speculative_round(request: Request, ctx: RoundContext, num_tokens: int) -> l
         t1 = clock()
         # verify: one target forward over the uncached committed tokens + candidates
         committed = request.committed
-        feed = committed.tokens[len(request.target_cache) :] + proposal.tokens
+        feed = request.target_cache.uncached(committed.tokens) + proposal.tokens
         raw = ctx.target.forward(request.target_cache, feed, keep=len(proposal) + 1)  # [num_draft + 1, vocab]
         t2 = clock()
         # process + accept
@@ -88,7 +88,7 @@ def plain_step(request: Request, ctx: RoundContext) -> list[TokenEvent]:
     try:
         t0 = clock()
         committed = request.committed
-        raw = ctx.target.forward(request.target_cache, committed.tokens[len(request.target_cache) :], keep=1)
+        raw = ctx.target.forward(request.target_cache, request.target_cache.uncached(committed.tokens), keep=1)
         t1 = clock()
         history = History(committed, [], num_positions=1)
         if ctx.stack.greedy:

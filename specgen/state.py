@@ -21,6 +21,8 @@ from specgen.text import TextState, TextStream
 @dataclass
 class Snapshot:
     length: int
+    target_cache_length: int
+    draft_mark: object
     target_rng: torch.Tensor
     draft_rng: torch.Tensor
     text: TextState
@@ -51,15 +53,17 @@ class Request:
         return self.max_new_tokens - self.committed.num_generated
 
     def snapshot(self) -> Snapshot:
-        return Snapshot(len(self.committed.tokens), self.target_rng.get_state(), self.draft_rng.get_state(),
-                        self.text.snapshot(), self.finish_reason)
+        return Snapshot(len(self.committed.tokens), len(self.target_cache),
+                        None if self.draft is None else self.draft.mark(),
+                        self.target_rng.get_state(), self.draft_rng.get_state(), self.text.snapshot(), self.finish_reason)
 
     def restore(self, snap: Snapshot) -> None:
         """Roll every piece of state back to ``snap`` (used when a round fails)."""
         self.committed.truncate(snap.length)
         self.target_cache.sync(self.committed.tokens)
+        self.target_cache.crop(snap.target_cache_length)
         if self.draft is not None:
-            self.draft.sync()
+            self.draft.rollback(snap.draft_mark)
         self.target_rng.set_state(snap.target_rng)
         self.draft_rng.set_state(snap.draft_rng)
         self.text.restore(snap.text)

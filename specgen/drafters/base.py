@@ -65,7 +65,15 @@ class DraftSession(ABC):
         self.sync()
 
     def sync(self) -> None:
-        """Drop anything not backed by the committed tokens (used on rollback too)."""
+        """Drop anything not backed by the committed tokens."""
+
+    def mark(self) -> object:
+        """An opaque marker of the session's state, taken before a round."""
+        return None
+
+    def rollback(self, mark: object) -> None:
+        """Return to the state of ``mark`` (the committed tokens are already restored)."""
+        self.sync()
 
 
 class Drafter(ABC):

@@ -27,10 +27,7 @@ class SmallModelSession(DraftSession):
             return EMPTY
         committed = self.ctx.committed
         stack = self.ctx.stack
-        self.cache.sync(committed.tokens)
-        if len(self.cache) == len(committed.tokens):
-            self.cache.crop(len(self.cache) - 1)  # re-feed the last token to get its logits
-        feed = committed.tokens[len(self.cache) :]
+        feed = self.cache.uncached(committed.tokens)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for step in range(budget):
@@ -49,6 +46,13 @@ class SmallModelSession(DraftSession):
 
     def sync(self) -> None:
         self.cache.sync(self.ctx.committed.tokens)
+
+    def mark(self) -> int:
+        return len(self.cache)
+
+    def rollback(self, mark: int) -> None:
+        self.sync()
+        self.cache.crop(mark)
 
 
 class SmallModelDrafter(Drafter):

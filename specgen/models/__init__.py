@@ -38,9 +38,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto': bfloat16 on CUDA and on CPU (measured faster for verify batches), else as named."""
+    """'auto': float32 on CPU (token-exact verification), bfloat16 on CUDA; else as named."""
     if name == "auto":
-        return torch.bfloat16
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in _DTYPES:
         raise ConfigError(f"dtype={name!r} is not one of auto, {', '.join(sorted(_DTYPES))}")
     return _DTYPES[name]
@@ -52,7 +52,7 @@ def load_model(source: Mapping, *, name: str, dtype: torch.dtype, device: torch.
     kind = source.get("kind")
     if kind == "tiny":
         args = {k: v for k, v in source.items() if k != "kind"}
-        model = build_tiny_model(**args).to(device=device, dtype=dtype if dtype != torch.float16 else torch.float32)
+        model = build_tiny_model(**args).to(device=device, dtype=dtype)
         tokenizer = TinyTokenizer(model.config.vocab_size)
         return LoadedModel(CausalLM(model, len(tokenizer), name), TokenizerInfo(tokenizer, extra_eos))
     from specgen.models.loading import load_model_and_tokenizer

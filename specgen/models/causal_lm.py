@@ -37,6 +37,15 @@ class KVCache:
             keep += 1
         self.crop(keep)
 
+    def uncached(self, committed: list[int]) -> list[int]:
+        """Sync to ``committed`` and return the tokens to feed next (at least one:
+        if every committed token is cached, the last one is dropped and re-fed so
+        its logits can be computed)."""
+        self.sync(committed)
+        if len(self.tokens) >= len(committed):
+            self.crop(len(committed) - 1)
+        return committed[len(self.tokens) :]
+
     def crop(self, length: int) -> None:
         if length >= len(self.tokens):
             return

