@@ -95,3 +95,22 @@ def test_console_script_end_to_end(tmp_path):
     assert "[greedy]" in result.stderr
     assert result.stdout.strip() != ""
     assert not Path(tmp_path, "outputs").exists()
+
+
+def test_ctrl_c_mid_stream_exits_cleanly(monkeypatch, capsys):
+    """KeyboardInterrupt inside a round: partial text kept, status 130, no traceback."""
+    import specgen.round as round_module
+
+    real_round = round_module.speculative_round
+    calls = {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_round(*args, **kwargs)
+
+    monkeypatch.setattr("specgen.engine.speculative_round", interrupted)
+    code, out, err = _run_main(monkeypatch, capsys, *TINY_ARGS[:-1], "max_new_tokens=50", "prompt=count")
+    assert code == 130
+    assert "specgen: cancelled" in err and "Traceback" not in err

@@ -81,6 +81,13 @@ class TopK(Processor):
 
 
 class TopP(Processor):
+    """Keep the smallest set of most likely tokens whose mass reaches ``top_p``.
+
+    Ties at the boundary are all kept (the rule is "probability >= that of the
+    last token needed"), so the result does not depend on sort order. Only the
+    top candidates are sorted: k grows until the mass is reached.
+    """
+
     name = "top_p"
     argmax_invariant = True
 
@@ -89,13 +96,18 @@ class TopP(Processor):
         self.top_p = float(top_p)
 
     def __call__(self, logits, history):
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [N, V]
-        probs = torch.softmax(sorted_logits.to(torch.float64), dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        drop_sorted = mass_before >= self.top_p  # keeps the smallest prefix reaching top_p
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-        return logits.masked_fill_(drop, NEG_INF)
+        probs = torch.softmax(logits.to(torch.float64), dim=-1)  # [N, V]
+        vocab = probs.shape[-1]
+        k = min(vocab, 256)
+        while True:
+            top = torch.topk(probs, k, dim=-1).values  # [N, k], descending
+            mass = torch.cumsum(top, dim=-1)
+            if k == vocab or bool((mass[:, -1] >= self.top_p).all()):
+                break
+            k = min(vocab, k * 8)
+        needed = torch.searchsorted(mass, torch.full_like(mass[:, :1], self.top_p))  # [N, 1]
+        threshold = top.gather(-1, needed.clamp_max(k - 1))  # [N, 1]
+        return logits.masked_fill_(probs < threshold, NEG_INF)
 
 
 class MinP(Processor):
