@@ -123,3 +123,20 @@ def test_reduced_precision_is_declared_approximate():
     assert pipe.guarantee.startswith("approximate: bfloat16 rounds a multi-token verify pass differently")
     assert pipe.speculative
     assert len(pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=6).token_ids) > 0
+
+
+def test_placeholder_ids_have_no_probability():
+    """Qwen's GGUF tokenizer names its padding rows [PADnnn]; they are cut from the vocabulary."""
+    from specgen.models.tokenizer import TokenizerInfo
+
+    class PaddedTokenizer:
+        eos_token_id = 0
+        names = ["<eos>", "a", "b", "[PAD3]", "[PAD4]"]
+
+        def __len__(self):
+            return len(self.names)
+
+        def convert_ids_to_tokens(self, i):
+            return self.names[i]
+
+    assert TokenizerInfo(PaddedTokenizer()).vocab_size == 3

@@ -4,23 +4,39 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Sequence
 
 from specgen.errors import PromptError
 
 Messages = Sequence[dict]
 
+#: Placeholder names GGUF conversion gives to embedding rows that have no token (Qwen pads 151665..151935).
+_PLACEHOLDER = re.compile(r"\[PAD\d+\]")
+
+
+def real_vocab_size(tokenizer) -> int:
+    """``len(tokenizer)`` minus a trailing run of placeholder ids that stand for no token."""
+    size = len(tokenizer)
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    if convert is None:
+        return size
+    while size > 0 and _PLACEHOLDER.fullmatch(str(convert(size - 1) or "")):
+        size -= 1
+    return size
+
 
 class TokenizerInfo:
     """Wraps an HF tokenizer (or :class:`~specgen.models.tiny.TinyTokenizer`).
 
-    vocab_size: number of ids that have a token (``len(tokenizer)``).
+    vocab_size: number of ids that have a token (``len(tokenizer)`` without
+        trailing placeholder ids); logits are cut to this width on both sides.
     eos_ids: every id that ends generation (tokenizer EOS + generation config EOS).
     """
 
     def __init__(self, tokenizer, extra_eos: Iterable[int] = ()):
         self.tokenizer = tokenizer
-        self.vocab_size = len(tokenizer)
+        self.vocab_size = real_vocab_size(tokenizer)
         eos = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
         self.eos_ids = sorted({int(i) for i in [*eos, *extra_eos] if i is not None and int(i) < self.vocab_size})
 
