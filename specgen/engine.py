@@ -4,8 +4,8 @@
 pipeline's guarantee allows it, else plain steps, and yields a
 :class:`~specgen.events.TokenEvent` per committed token followed by one
 :class:`~specgen.events.FinishEvent`. Closing the iterator early (Ctrl-C, a
-cancel button) ends the request with ``finish_reason="cancelled"``; a round that
-was interrupted is rolled back, never half-committed.
+cancel button) ends the request: a round that was interrupted is rolled back,
+never half-committed, and the pipeline stays ready for the next request.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import torch
 
 from specgen.drafters import DraftContext, Drafter
 from specgen.errors import ConfigError, DeadEndError, PromptError
@@ -91,7 +90,7 @@ class Pipeline:
             raise PromptError(f"the prompt has {len(ids)} tokens but the model's context is "
                               f"{self.target.context_length}; shorten the prompt")
         use_spec = self.speculative and speculative is not False
-        guarantee = self.guarantee if use_spec else (self.guarantee if not self.speculative else "off: speculative=false")
+        guarantee = self.guarantee if use_spec or not self.speculative else "off: speculative=false"
         stack = self._stack_for(schema, regex)
         return self._run(ids, min(max_new, room), max_new > room, seed, stop, use_spec, guarantee, stack)
 

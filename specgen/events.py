@@ -50,7 +50,7 @@ class Generation:
 
     text / token_ids: new tokens only (token_ids include an EOS that ended it).
     guarantee: "exact" | "greedy" | "approximate: <why>" | "off: <reason>".
-    finish_reason: "eos" | "length" | "stop" | "cancelled" | "context".
+    finish_reason: "eos" | "length" | "stop" | "context" (context window full) | "dead_end".
     """
 
     text: str

@@ -64,7 +64,7 @@ class DraftSession(ABC):
         """Called after every commit; default: resynchronise caches."""
         self.sync()
 
-    def sync(self) -> None:
+    def sync(self) -> None:  # noqa: B027 (stateless sessions have nothing to drop)
         """Drop anything not backed by the committed tokens."""
 
     def mark(self) -> object:
