@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-
 from specgen.drafters import DraftContext, Drafter
 from specgen.errors import ConfigError, DeadEndError, PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
@@ -72,14 +71,16 @@ class Pipeline:
     def stream(self, prompt: str | Sequence[dict] | None = None, *, prompt_ids: Sequence[int] | None = None,
                max_new_tokens: int | None = None, seed: int | None = None, stop: Sequence[str] | None = None,
                speculative: bool | None = None, chat=None, system=None,
-               schema=None, regex: str | None = None) -> Iterator[TokenEvent | FinishEvent]:
+               schema=None, regex: str | None = None, stats: Stats | None = None) -> Iterator[TokenEvent | FinishEvent]:
         """Generate from ``prompt`` (text or chat messages) or ``prompt_ids``.
 
         speculative: False forces plain decoding for this call; True or None uses
         the pipeline's setting. schema / regex: constrain this call's output (a
         JSON schema as dict, JSON string, file path or pydantic model class; a
         regex); the grammar mask joins the processor stack of both p and q.
-        Validation happens before the first event.
+        stats: an empty Stats for the engine to fill as rounds commit (live
+        numbers for a UI, readable between events); the FinishEvent's generation
+        carries the same object. Validation happens before the first event.
         """
         ids = self._prompt_ids(prompt, prompt_ids, chat, system)
         max_new = self.defaults.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
@@ -92,7 +93,7 @@ class Pipeline:
         use_spec = self.speculative and speculative is not False
         guarantee = self.guarantee if use_spec or not self.speculative else "off: speculative=false"
         stack = self._stack_for(schema, regex)
-        return self._run(ids, min(max_new, room), max_new > room, seed, stop, use_spec, guarantee, stack)
+        return self._run(ids, min(max_new, room), max_new > room, seed, stop, use_spec, guarantee, stack, stats)
 
     def _stack_for(self, schema, regex) -> ProcessorStack:
         if schema is None and regex is None:
@@ -121,7 +122,7 @@ class Pipeline:
 
     def open_request(self, ids: list[int], *, max_new_tokens: int, seed: int | None = None,
                      stop: Sequence[str] | None = None, use_spec: bool = True,
-                     stack: ProcessorStack | None = None) -> tuple[Request, RoundContext]:
+                     stack: ProcessorStack | None = None, stats: Stats | None = None) -> tuple[Request, RoundContext]:
         """Fresh request state and round context (the engine loop's setup; tests drive rounds with it)."""
         seed = self.defaults.seed if seed is None else int(seed)
         stop = tuple(self.defaults.stop if stop is None else stop)
@@ -129,16 +130,17 @@ class Pipeline:
         request = Request(prompt_ids=ids, vocab_size=self.tokenizer.vocab_size, device=self.device,
                           target_cache=self.target.new_cache(), text=TextStream(self.tokenizer.decode, stop),
                           eos_ids=self.tokenizer.eos_ids, max_new_tokens=max_new_tokens, seed=seed)
-        stats = Stats(prompt_tokens=len(ids))
+        stats = Stats() if stats is None else stats
+        stats.prompt_tokens = len(ids)
         ctx = RoundContext(self.target, stack, stats, Clock(self.device))
         if use_spec and self.speculative:
             request.draft = self.drafter.session(DraftContext(request.committed, stack, request.draft_rng))
             stats.drafter_memory_bytes = self.drafter.extra_memory_bytes
         return request, ctx
 
-    def _run(self, ids, max_new, context_bound, seed, stop, use_spec, guarantee, stack):
+    def _run(self, ids, max_new, context_bound, seed, stop, use_spec, guarantee, stack, stats):
         request, ctx = self.open_request(ids, max_new_tokens=max_new, seed=seed, stop=stop,
-                                         use_spec=use_spec, stack=stack)
+                                         use_spec=use_spec, stack=stack, stats=stats)
         stats = ctx.stats
         start = time.perf_counter()
         while request.finish_reason is None:
