@@ -162,3 +162,11 @@ def test_stop_string_across_tokens_and_drafts():
             assert spec_events[-1].generation.text == spec_text
             return
     pytest.fail("no seed produced text long enough for a stop string")
+
+
+def test_drafter_with_a_shorter_context_stops_drafting_at_its_limit():
+    pipe = tiny_pipeline("drafter.source.context_length=10", "drafter.num_tokens=3", "target.source.init_scale=3")
+    spec = pipe.generate(prompt_ids=[1, 2, 3, 4, 5], max_new_tokens=20)
+    plain = pipe.generate(prompt_ids=[1, 2, 3, 4, 5], max_new_tokens=20, speculative=False)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.drafted <= 3 * 5

@@ -12,5 +12,6 @@ Modules, in the order data flows:
 ``cli``        the Hydra entry point (``specgen-bench``) and :func:`~specgen.bench.cli.run_bench`.
 
 >>> from specgen.bench.cli import compose_bench, run_bench
->>> result = run_bench(compose_bench(["target=tiny", "drafter=tiny", "threads=1", "bench.out_dir=null"]))  # doctest: +SKIP
+>>> cfg = compose_bench(["target=tiny", "drafter=tiny", "threads=1", "bench.out_dir=null"])
+>>> result = run_bench(cfg)  # doctest: +SKIP
 """

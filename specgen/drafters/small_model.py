@@ -23,9 +23,10 @@ class SmallModelSession(DraftSession):
         self.cache = lm.new_cache()
 
     def propose(self, budget: int) -> Proposal:
+        committed = self.ctx.committed
+        budget = min(budget, self.lm.context_length - len(committed.tokens))  # the draft model's own window
         if budget <= 0:
             return EMPTY
-        committed = self.ctx.committed
         stack = self.ctx.stack
         feed = self.cache.uncached(committed.tokens)
         tokens: list[int] = []
