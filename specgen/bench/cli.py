@@ -1,0 +1,132 @@
+"""The ``specgen-bench`` command: run the matrix, print the table, write results.
+
+stdout gets the markdown tables only; progress, notes and the results path go
+to stderr. With ``bench.out_dir`` set (default ``bench_results``) each run
+writes ``<out_dir>/<time>-<target>-<drafter>/`` holding ``results.jsonl`` (one
+row per cell), ``samples.jsonl`` (one per timed generation), ``table.md`` and
+the PNG plots. Errors a user can cause exit with status 2 and one line.
+
+    specgen-bench target=tiny drafter=tiny threads=1 bench.gammas=[2,4] bench.temperatures=[0,0.7]
+    specgen-bench -m drafter=ngram,none bench.temperatures=[0]        # Hydra multirun
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from specgen.bench.plots import write_plots
+from specgen.bench.report import LEGEND, header, markdown, run_config, write_jsonl
+from specgen.bench.runner import Settings, run_matrix
+from specgen.bench.summary import summarise
+from specgen.config import conf_dir, first_line, prepare_overrides, to_container
+from specgen.errors import ConfigError, SpecgenError
+
+CONFIG_NAME = "bench"
+
+
+@dataclass
+class BenchResult:
+    """rows: one per cell (written to results.jsonl); out_dir: None when nothing was written."""
+
+    rows: list[dict]
+    samples: list[dict]
+    table: str
+    notes: list[str]
+    out_dir: Path | None
+
+
+def compose_bench(overrides: Sequence[str] = ()) -> DictConfig:
+    """Compose the bench config like the command line does (for scripts and tests)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            return compose(config_name=CONFIG_NAME, overrides=prepare_overrides(list(overrides)))
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(f"invalid override: {first_line(exc)}") from exc
+
+
+def run_bench(cfg: DictConfig, names: Mapping[str, str] | None = None, *, out=None, err=None) -> BenchResult:
+    """Run the matrix ``cfg`` describes, print the table to ``out`` and write the results.
+
+    names: the chosen target/drafter config names (labels for rows and folders).
+    """
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    resolved = to_container(cfg)
+    bench = resolved["bench"]
+    settings = Settings.from_config(bench)
+    run = run_matrix(cfg, settings, progress=bool(bench.get("progress", True)))
+    config = run_config(resolved, names or {})
+    rows = summarise(run.samples, run.hf_spec_method, run.calibration)
+    for row in rows:
+        row.update(target=config["target"], drafter=config["drafter"], config=config, environment=run.environment,
+                   calibration=run.calibration)
+    num_prompts = len({s["prompt_index"] for s in run.samples})
+    title = header(config, run.environment, num_prompts)
+    table = markdown(rows)
+    out.write(f"{title}\n\n{table}")
+    out.flush()
+    for note in run.notes:
+        err.write(f"specgen-bench: {note}\n")
+    out_dir = None
+    if bench.get("out_dir"):
+        out_dir = _new_run_dir(Path(str(bench["out_dir"])), config)
+        write_jsonl(out_dir / "results.jsonl", rows)
+        write_jsonl(out_dir / "samples.jsonl", run.samples)
+        notes = "".join(f"- {note}\n" for note in run.notes)
+        (out_dir / "table.md").write_text(f"{title}\n\n{table}\n{LEGEND}\n" + (f"\nNotes:\n{notes}" if notes else ""))
+        if bench.get("plots", True):
+            write_plots(rows, out_dir, title)
+        err.write(f"specgen-bench: results in {out_dir}\n")
+    return BenchResult(rows, run.samples, table, run.notes, out_dir)
+
+
+def _new_run_dir(root: Path, config: Mapping) -> Path:
+    stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{config['target']}-{config['drafter']}".replace("/", "_")
+    root.mkdir(parents=True, exist_ok=True)
+    for suffix in [""] + [f"-{i}" for i in range(2, 1000)]:
+        path = root / f"{stem}{suffix}"
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise ConfigError(f"cannot create a new run folder under {root}")
+
+
+@hydra.main(config_path=str(conf_dir()), config_name=CONFIG_NAME, version_base=None)
+def _hydra_main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    choices = HydraConfig.get().runtime.choices
+    try:
+        run_bench(cfg, {"target": choices.get("target"), "drafter": choices.get("drafter")})
+    except SpecgenError as exc:
+        sys.stderr.write(f"specgen-bench: error: {exc}\n")
+        raise SystemExit(2) from None
+
+
+def main() -> None:
+    """Console entry point (``specgen-bench``): quote free-text overrides, quiet HF, hand over to Hydra."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    sys.argv = [sys.argv[0], *prepare_overrides(sys.argv[1:])]
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Rows out: the environment record, JSONL files and the markdown tables.
+
+Every JSONL row is self-describing: the cell, its metrics (see summary.py),
+the run's config (target, drafter, sampling, bench settings) and environment
+(torch/transformers versions, threads, dtype, device).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from specgen.bench.summary import STAGES
+
+
+def environment(pipe) -> dict:
+    """Versions, threads, dtype and device the pipeline runs with."""
+    import transformers
+
+    import specgen
+
+    device = pipe.device
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = _cpu_name()
+    return {
+        "torch": torch.__version__, "transformers": transformers.__version__, "specgen": specgen.__version__,
+        "python": platform.python_version(), "platform": platform.platform(),
+        "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "dtype": str(next(pipe.target.model.parameters()).dtype).replace("torch.", ""),
+        "device": str(device), "device_name": device_name,
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def run_config(cfg: Mapping, names: Mapping[str, str]) -> dict:
+    """The part of the resolved config that defines a cell's numbers."""
+    return {
+        "target": names.get("target") or cfg["target"].get("name"),
+        "drafter": names.get("drafter") or cfg["drafter"].get("kind"),
+        "drafter_config": {k: v for k, v in cfg["drafter"].items() if k != "_target_"},
+        "sampling": dict(cfg["sampling"]),
+        "device": cfg.get("device"), "dtype": cfg.get("dtype"), "threads": cfg.get("threads"),
+        "bench": dict(cfg["bench"]),
+    }
+
+
+def write_jsonl(path: Path, records: Sequence[Mapping]) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record, default=str) + "\n")
+
+
+def _num(value, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _median(block: Mapping | None, digits: int = 2) -> str:
+    return "–" if not block else _num(block["median"], digits)
+
+
+def _with_spread(block: Mapping | None, digits: int = 1) -> str:
+    if not block:
+        return "–"
+    return f"{block['median']:.{digits}f} [{block['p25']:.{digits}f}–{block['p75']:.{digits}f}]"
+
+
+def _method_label(row: Mapping) -> str:
+    return row["method"] if row["gamma"] is None else f"{row['method']} γ={row['gamma']}"
+
+
+def _model_caption(calibration: Mapping | None) -> str:
+    text = "Speed model: predicted speedup = E[K]·(1 + o_plain) / (v + γ̄·c + o), in target forwards of 1 token"
+    if calibration:
+        text += (f" ({1e3 * calibration['step_s']:.1f} ms, measured at {calibration['context_tokens']} context tokens;"
+                 " v and c measured the same way)")
+    return text
+
+
+def header(config: Mapping, env: Mapping, num_prompts: int) -> str:
+    """One line naming the models, machine and run size."""
+    return (f"target={config['target']} drafter={config['drafter']} | {env['device']} ({env['device_name']}), "
+            f"{env['dtype']}, {env['threads']} thread(s) | torch {env['torch']}, transformers "
+            f"{env['transformers']} | {num_prompts} prompt(s), {config['bench']['max_new_tokens']} new tokens each")
+
+
+def markdown(rows: Sequence[Mapping]) -> str:
+    """The main table (one line per cell) and the speed-model table for speculative cells."""
+    lines = [
+        "| task | T | method | tok/s median [IQR] | ×plain | ×HF generate | ×HF spec | τ | acceptance by position "
+        "| ms/round draft·verify·process·commit·other | TTFT ms | TPOT ms | =plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        engine = row.get("engine") or {}
+        accept = " ".join(_num(a) for a in engine.get("acceptance_per_position") or []) or "–"
+        split = "·".join(_num(engine["per_round_ms"][stage], 1) for stage in (*STAGES, "other")) if engine else "–"
+        lines.append(
+            f"| {row['task']} | {row['temperature']:g} | {_method_label(row)} | {_with_spread(row['tokens_per_s'])} "
+            f"| {_median(row['speedup_vs_plain'])} | {_median(row['speedup_vs_hf_generate'])} "
+            f"| {_median(row['speedup_vs_hf_spec'])} | {_num(engine.get('tau'))} | {accept} | {split} "
+            f"| {_median(row['ttft_ms'], 1)} | {_median(row['tpot_ms'], 1)} | {_num(row['matches_plain'])} |"
+        )
+    model_rows = [row for row in rows if row.get("speed_model")]
+    if model_rows:
+        lines += ["", _model_caption(model_rows[0].get("calibration")), "",
+                  "| task | T | γ | E[K] | v | γ̄ | c | o | predicted | measured | median ×plain | decode ×plain "
+                  "| drafter MB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for row in model_rows:
+            m = row["speed_model"]
+            lines.append(
+                f"| {row['task']} | {row['temperature']:g} | {row['gamma']} | {_num(m['E_K'])} | {_num(m['v'])} "
+                f"| {_num(m['gamma'])} | {_num(m['c'], 3)} | {_num(m['o'])} | {_num(m['predicted'])} "
+                f"| {_num(m['measured'])} | {_median(row['speedup_vs_plain'])} "
+                f"| {_median(row['decode_speedup_vs_plain'])} | {row['drafter_memory_bytes'] / 2**20:.1f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+LEGEND = (
+    "tok/s: new tokens / wall time per prompt (median, [25th–75th percentile]). ×plain, ×HF generate: median over "
+    "prompts of the paired ratio to specgen plain / HF generate() on the same prompt. ×HF spec: specgen speculative "
+    "vs HF's counterpart (assisted generation or prompt lookup) at the same γ. τ: tokens per target call. "
+    "=plain: share of prompts whose greedy output equals specgen plain token for token. Speed model: E[K] tokens per "
+    "round, γ̄ mean draft tokens per round, v a target forward of k+1 tokens averaged over the rounds' draft lengths k, "
+    "c a draft token, o (o_plain) the rest "
+    "of a round (of a plain step): process, commit, loop; measured: aggregate tokens/s ratio to plain (prefill "
+    "included); decode ×plain: median paired ratio of 1/TPOT (prefill excluded, like the prediction); drafter MB: "
+    "weights the drafter adds."
+)
