@@ -20,7 +20,8 @@ from specgen.drafters import Drafter, DrafterRuntime
 from specgen.engine import Defaults, Pipeline
 from specgen.errors import ConfigError, SpecgenError
 from specgen.models import LoadedModel, load_model, resolve_device, resolve_dtype
-from specgen.processors import build_stack
+from specgen.grammar import grammar_processor
+from specgen.processors import ProcessorStack, build_stack
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,9 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
         raise ConfigError(f"sampling.temperature must be >= 0 (0 = greedy), got {temperature}")
     stack = build_stack(_processor_entries(cfg, target.tokenizer), greedy=temperature == 0.0,
                         eos_ids=target.tokenizer.eos_ids, vocab_size=target.tokenizer.vocab_size)
+    grammar = grammar_processor(cfg.get("grammar") or {"kind": "none"}, target.tokenizer)
+    if grammar is not None:
+        stack = ProcessorStack([grammar, *stack.processors], greedy=stack.greedy)
     drafter = None
     if cfg["speculative"]:
         drafter = _build_drafter(cfg, DrafterRuntime(target=target, load=load))

@@ -12,7 +12,8 @@ from specgen.errors import ConfigError
 from specgen import schema  # noqa: F401  (registers the structured-config schemas)
 
 #: Keys whose values are free text; the CLI quotes them so Hydra's parser accepts any characters.
-TEXT_KEYS = ("prompt", "system", "prompt_file")
+TEXT_KEYS = ("prompt", "system", "prompt_file", "grammar.schema", "grammar.pattern", "grammar.pattern_file",
+             "grammar.whitespace")
 
 
 def conf_dir() -> Path:

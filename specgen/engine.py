@@ -112,7 +112,8 @@ class Pipeline:
 
         spec = {"kind": "json_schema", "schema": schema} if schema is not None else {"kind": "regex", "pattern": regex}
         processor = grammar_processor(spec, self.tokenizer)
-        return ProcessorStack([processor, *self.stack.processors], greedy=self.stack.greedy)
+        others = [p for p in self.stack.processors if p.name != "grammar"]  # the call's grammar replaces the config's
+        return ProcessorStack([processor, *others], greedy=self.stack.greedy)
 
     def _prompt_ids(self, prompt, prompt_ids, chat, system) -> list[int]:
         if (prompt is None) == (prompt_ids is None):

@@ -47,14 +47,14 @@ _COMPILED_CAPACITY = 16
 def compile_grammar(spec: GrammarSpec, tokenizer) -> TokenAutomaton:
     """The token automaton of ``spec`` for ``tokenizer`` (a TokenizerInfo); memoised."""
     vocab = token_bytes(tokenizer)
-    key = (spec.backend, spec.regex, vocab.fingerprint)
+    key = (spec.backend, spec.regex, spec.description, vocab.fingerprint)
     with _compiled_lock:
         if key in _compiled:
             _compiled.move_to_end(key)
             return _compiled[key]
     backend = get_backend(spec.backend)
     automaton = TokenAutomaton(backend.compile(spec.regex, vocab), vocab.eos_ids, vocab.vocab_size,
-                               spec.description)
+                               spec.description, vocab.single_byte_ids())
     _check_ends(automaton, spec)
     with _compiled_lock:
         _compiled[key] = automaton

