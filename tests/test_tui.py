@@ -40,7 +40,7 @@ def long_pipe():
     return specgen.pipeline(*LONG, progress=False)
 
 
-async def wait_for(pilot, predicate, timeout: float = 20.0) -> None:
+async def wait_for(pilot, predicate, timeout: float = 60.0) -> None:
     """Let the app run until ``predicate()`` holds (fails the test after ``timeout`` s)."""
     deadline = time.monotonic() + timeout
     while not predicate():
