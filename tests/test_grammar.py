@@ -456,3 +456,20 @@ def test_errors_come_before_generation():
         pipe.stream(prompt_ids=[1, 2], regex="a", schema={"type": "string"})
     with pytest.raises(ConfigError, match="empty language"):
         pipe.stream(prompt_ids=[1, 2], regex=r"[^\s\S]")
+
+
+def test_forced_text_lookahead_is_drafted_and_exact():
+    """The ngram drafter proposes what the grammar forces ("tho"); outputs keep the target's distribution."""
+    pattern = "(a|e)tho(n|s)e?"
+    pipe = tiny_pipeline("sampling.temperature=1.0", "drafter.num_tokens=3", drafter="ngram")
+    stack = with_grammar(pipe, regex_proc(pattern, pipe.tokenizer))
+    expected = exact_distribution(pipe, [1, 2, 3], 7, stack=stack)
+    assert len(expected) == 8
+    gen = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=7, seed=0, regex=pattern)
+    assert gen.stats.accepted >= 3 and gen.stats.target_calls <= 4
+    counts = sample_counts(pipe, [1, 2, 3], 7, NUM_SAMPLES, regex=pattern)
+    p_value, tv = goodness_of_fit(counts, expected)
+    assert p_value > MIN_P_VALUE, f"forced lookahead: chi-square p={p_value:.2e}, TV={tv:.3f}"
+    off = tiny_pipeline("sampling.temperature=1.0", "drafter.num_tokens=3", "drafter.grammar_lookahead=false",
+                        drafter="ngram")
+    assert off.generate(prompt_ids=[1, 2, 3], max_new_tokens=7, seed=0, regex=pattern).stats.accepted < gen.stats.accepted

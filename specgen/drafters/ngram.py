@@ -3,7 +3,8 @@
 Finds the most recent earlier occurrence of the last n tokens (n from
 ``max_ngram`` down to ``min_ngram``) and proposes what followed it. The proposal
 is deterministic, so q is one-hot and exact verification accepts token x with
-probability p(x).
+probability p(x). Under a grammar, the text the grammar forces next is proposed
+first (:mod:`specgen.drafters.grammar_lookahead`) and the lookup continues after it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from specgen.drafters.base import EMPTY, DraftContext, Drafter, DraftSession, Proposal
+from specgen.drafters.grammar_lookahead import forced_tokens
 
 
 def lookup(tokens: list[int], budget: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -35,7 +37,10 @@ class NgramSession(DraftSession):
         self.ctx = ctx
 
     def propose(self, budget: int) -> Proposal:
-        tokens = lookup(self.ctx.committed.tokens, budget, self.drafter.max_ngram, self.drafter.min_ngram)
+        drafter = self.drafter
+        forced = forced_tokens(self.ctx, drafter.encode, budget) if drafter.encode is not None else []
+        history = self.ctx.committed.tokens + forced
+        tokens = forced + lookup(history, budget - len(forced), drafter.max_ngram, drafter.min_ngram)
         return Proposal(tokens) if tokens else EMPTY
 
 
@@ -43,8 +48,10 @@ class NgramDrafter(Drafter):
     name = "ngram"
     deterministic = True
 
-    def __init__(self, num_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, num_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1, encode=None):
+        """encode: text -> token ids of the target's tokenizer, for grammar lookahead (None = off)."""
         super().__init__(num_tokens)
+        self.encode = encode
         if not 1 <= min_ngram <= max_ngram:
             from specgen.errors import ConfigError
 
@@ -56,6 +63,13 @@ class NgramDrafter(Drafter):
         return NgramSession(self, ctx)
 
 
-def build(*, runtime, kind: str = "ngram", num_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1) -> NgramDrafter:
+def build(*, runtime, kind: str = "ngram", num_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1,
+          grammar_lookahead: bool = True) -> NgramDrafter:
     """Hydra factory (``_target_`` of conf/drafter/ngram.yaml)."""
-    return NgramDrafter(num_tokens=num_tokens, max_ngram=max_ngram, min_ngram=min_ngram)
+    tokenizer = runtime.target.tokenizer.tokenizer
+
+    def encode(text: str) -> list[int]:
+        return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+
+    return NgramDrafter(num_tokens=num_tokens, max_ngram=max_ngram, min_ngram=min_ngram,
+                        encode=encode if grammar_lookahead else None)

@@ -1,0 +1,41 @@
+"""Draft the text a grammar forces next (e.g. the JSON key a schema requires).
+
+When the request's processor stack holds a grammar, the bytes every valid
+continuation must start with are known without running any model. Their
+canonical tokenisation is a cheap deterministic proposal; the target still
+verifies every token (q is one-hot), so exactness is unaffected. Only the
+prefix that the grammar itself accepts is proposed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from specgen.drafters.base import DraftContext
+
+#: Upper bound on the forced text looked at per round, in bytes.
+FORCED_BYTES = 64
+
+
+def grammar_of(ctx: DraftContext):
+    """The grammar processor in the request's stack, or None."""
+    return next((p for p in ctx.stack.processors if p.name == "grammar"), None)
+
+
+def forced_tokens(ctx: DraftContext, encode: Callable[[str], list[int]], budget: int) -> list[int]:
+    """Up to ``budget`` tokens of the text the grammar forces after the committed tokens."""
+    grammar = grammar_of(ctx)
+    if grammar is None or budget <= 0:
+        return []
+    committed = ctx.committed
+    state = grammar.state_for(committed.tokens[committed.num_prompt :])
+    text = grammar.automaton.forced_bytes(state, limit=FORCED_BYTES).decode("utf-8", errors="ignore")
+    if not text:
+        return []
+    proposal: list[int] = []
+    for token in encode(text)[:budget]:
+        state = grammar.automaton.advance(state, token)
+        if state is None:
+            break
+        proposal.append(token)
+    return proposal
