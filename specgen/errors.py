@@ -5,6 +5,12 @@ its message on one line and exits with status 2 instead of dumping a traceback.
 """
 
 
+def first_line(exc: BaseException, default: str | None = None) -> str:
+    """The first line of an exception's message (``default`` or the type name if empty)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else (default or type(exc).__name__)
+
+
 class SpecgenError(Exception):
     """Base class for user-facing errors with a clear, specific message."""
 

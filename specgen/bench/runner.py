@@ -175,9 +175,7 @@ def run_arm(pipe, arm: Arm, ids: list[int], *, max_new: int, seed: int, hf_kwarg
     if arm.method in HF_METHODS:
         result = run_hf(arm.method, pipe.target.model, ids, hf_kwargs, clock=clock, seed=seed, gamma=arm.gamma,
                         assistant=draft_model(pipe), max_ngram=getattr(pipe.drafter, "max_ngram", 3))
-        memory = 0
-        if arm.method == "hf_assisted":
-            memory = sum(p.numel() * p.element_size() for p in draft_model(pipe).parameters())
+        memory = pipe.drafter.extra_memory_bytes if arm.method == "hf_assisted" else 0  # the same draft weights
         return dict(result, drafter_memory_bytes=memory)
     speculative = arm.method == "specgen"
     stats, first, gen = Stats(), None, None

@@ -21,7 +21,7 @@ import pathlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from specgen.errors import ConfigError
+from specgen.errors import ConfigError, first_line
 
 #: Whitespace allowed between JSON tokens: at most one space keeps small models on track
 #: ("" gives compact JSON, whose longer forced runs suit speculation).
@@ -184,8 +184,7 @@ def schema_to_regex(schema: dict, whitespace: str = DEFAULT_WHITESPACE) -> str:
     try:
         return build_regex_from_schema(json.dumps(schema), whitespace_pattern=whitespace)
     except (ValueError, TypeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"invalid or unsupported JSON schema: {first}") from exc
+        raise ConfigError(f"invalid or unsupported JSON schema: {first_line(exc)}") from exc
 
 
 def _short(text: str, limit: int = 60) -> str:

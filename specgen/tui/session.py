@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specgen.errors import SpecgenError
+from specgen.errors import SpecgenError, first_line
 from specgen.events import FinishEvent, TokenEvent
 from specgen.stats import Stats
 from specgen.tui.tally import PanelSnapshot, Tally
@@ -143,18 +143,13 @@ def run_reply(pipe, request: ReplyRequest, cancel: threading.Event, emit: Callab
     except SpecgenError as exc:
         return _final(emit, batch, tally, "error", error=str(exc))
     except Exception as exc:  # the UI must survive any engine failure
-        return _final(emit, batch, tally, "error", error=f"{type(exc).__name__}: {_first_line(exc)}")
+        return _final(emit, batch, tally, "error", error=f"{type(exc).__name__}: {first_line(exc, 'unexpected error')}")
 
 
 def _final(emit, batch, tally: Tally, reason: str, *, tail: str = "", error: str | None = None) -> ReplyUpdate:
     update = ReplyUpdate(tuple(batch), tally.snapshot(reason), reason, tail, error)
     emit(update)
     return update
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else "unexpected error"
 
 
 def load_pipeline(cfg):
@@ -166,4 +161,4 @@ def load_pipeline(cfg):
     except SpecgenError:
         raise
     except Exception as exc:
-        raise SpecgenError(f"could not load the models: {type(exc).__name__}: {_first_line(exc)}") from exc
+        raise SpecgenError(f"could not load the models: {type(exc).__name__}: {first_line(exc, 'unexpected error')}") from exc
