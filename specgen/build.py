@@ -10,7 +10,6 @@ The guarantee is decided here, once, before any generation:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 
 import torch
@@ -21,9 +20,7 @@ from specgen.engine import Defaults, Pipeline
 from specgen.errors import ConfigError, SpecgenError
 from specgen.models import LoadedModel, load_model, resolve_device, resolve_dtype
 from specgen.grammar import grammar_processor
-from specgen.processors import ProcessorStack, build_stack
-
-log = logging.getLogger(__name__)
+from specgen.processors import build_stack
 
 
 def set_threads(value) -> int:
@@ -121,7 +118,7 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
                         eos_ids=target.tokenizer.eos_ids, vocab_size=target.tokenizer.vocab_size)
     grammar = grammar_processor(cfg.get("grammar") or {"kind": "none"}, target.tokenizer)
     if grammar is not None:
-        stack = ProcessorStack([grammar, *stack.processors], greedy=stack.greedy)
+        stack = stack.with_grammar(grammar)
     drafter = None
     if cfg["speculative"]:
         drafter = _build_drafter(cfg, DrafterRuntime(target=target, load=load))

@@ -111,9 +111,7 @@ class Pipeline:
         from specgen.grammar import grammar_processor
 
         spec = {"kind": "json_schema", "schema": schema} if schema is not None else {"kind": "regex", "pattern": regex}
-        processor = grammar_processor(spec, self.tokenizer)
-        others = [p for p in self.stack.processors if p.name != "grammar"]  # the call's grammar replaces the config's
-        return ProcessorStack([processor, *others], greedy=self.stack.greedy)
+        return self.stack.with_grammar(grammar_processor(spec, self.tokenizer))
 
     def _prompt_ids(self, prompt, prompt_ids, chat, system) -> list[int]:
         if (prompt is None) == (prompt_ids is None):

@@ -35,9 +35,8 @@ def draft_budget(request: Request, num_tokens: int, context_length: int) -> int:
 
 def speculative_round(request: Request, ctx: RoundContext, num_tokens: int) -> list[TokenEvent]:
     """Run one round; return an event per committed token."""
-    snapshot = request.snapshot()
     clock, timings = ctx.clock, ctx.stats.timings
-    try:
+    with request.transaction():
         t0 = clock()
         # draft
         budget = draft_budget(request, num_tokens, ctx.target.context_length)
@@ -60,9 +59,6 @@ def speculative_round(request: Request, ctx: RoundContext, num_tokens: int) -> l
         new_tokens = proposal.tokens[: verdict.num_accepted] + [verdict.next_token]
         kept = request.commit(new_tokens, verdict.num_accepted)
         t4 = clock()
-    except BaseException:
-        request.restore(snapshot)
-        raise
     timings.draft += t1 - t0
     timings.verify += t2 - t1
     timings.process += t3 - t2
@@ -83,9 +79,8 @@ def speculative_round(request: Request, ctx: RoundContext, num_tokens: int) -> l
 
 def plain_step(request: Request, ctx: RoundContext) -> list[TokenEvent]:
     """Plain decoding: one target forward, one token from p. The reference path."""
-    snapshot = request.snapshot()
     clock, timings = ctx.clock, ctx.stats.timings
-    try:
+    with request.transaction():
         t0 = clock()
         committed = request.committed
         raw = ctx.target.forward(request.target_cache, request.target_cache.uncached(committed.tokens), keep=1)
@@ -98,9 +93,6 @@ def plain_step(request: Request, ctx: RoundContext) -> list[TokenEvent]:
         t2 = clock()
         kept = request.commit([token], 0)
         t3 = clock()
-    except BaseException:
-        request.restore(snapshot)
-        raise
     timings.verify += t1 - t0
     timings.process += t2 - t1
     timings.commit += t3 - t2

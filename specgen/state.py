@@ -8,6 +8,8 @@ enter it; :meth:`Request.restore` is the only rollback.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +58,17 @@ class Request:
         return Snapshot(len(self.committed.tokens), len(self.target_cache),
                         None if self.draft is None else self.draft.mark(),
                         self.target_rng.get_state(), self.draft_rng.get_state(), self.text.snapshot(), self.finish_reason)
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Run a round: on any exception (KeyboardInterrupt and a closed stream
+        included) every piece of state returns to where it was, then it re-raises."""
+        snap = self.snapshot()
+        try:
+            yield
+        except BaseException:
+            self.restore(snap)
+            raise
 
     def restore(self, snap: Snapshot) -> None:
         """Roll every piece of state back to ``snap`` (used when a round fails)."""

@@ -37,7 +37,7 @@ from specgen.grammar import backend as grammar_backend
 from specgen.grammar.backend import CompiledAutomaton
 from specgen.models.tiny import TinyTokenizer
 from specgen.models.tokenizer import TokenizerInfo
-from specgen.processors import History, ProcessorStack
+from specgen.processors import History
 
 TINY_REGEX = "(at|ta)[en]{0,3}"  # over the tiny alphabet: ids a=4, t=3, e=2, n=7
 JSON_CHARS = '{}":,[] ab0123-'  # 15 characters + EOS = the tiny models' 16 ids
@@ -61,7 +61,7 @@ def regex_proc(pattern: str, info: TokenizerInfo) -> GrammarProcessor:
 
 def with_grammar(pipe, processor):
     """The pipeline's stack with ``processor`` in front (what build.py / generate(regex=) do)."""
-    return ProcessorStack([processor, *pipe.stack.processors], greedy=pipe.stack.greedy)
+    return pipe.stack.with_grammar(processor)
 
 
 # --- masks on the tiny char tokenizer -------------------------------------------------

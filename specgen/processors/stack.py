@@ -45,5 +45,10 @@ class ProcessorStack:
         processed = self.logits(raw_logits, history)
         return [greedy_token(row) for row in processed]
 
+    def with_grammar(self, grammar: Processor) -> ProcessorStack:
+        """A stack with ``grammar`` in front, replacing any grammar already there."""
+        others = [p for p in self.processors if p.name != "grammar"]
+        return ProcessorStack([grammar, *others], greedy=self.greedy)
+
     def describe(self) -> list[str]:
         return [repr(p) for p in self.processors]
