@@ -141,6 +141,7 @@ class Pipeline:
         stats.prompt_tokens = len(ids)
         ctx = RoundContext(self.target, stack, stats, Clock(self.device))
         if use_spec and self.speculative:
+            ctx.feature_layers = self.drafter.feature_layers
             request.draft = self.drafter.session(DraftContext(request.committed, stack, request.draft_rng))
             stats.drafter_memory_bytes = self.drafter.extra_memory_bytes
         return request, ctx

@@ -50,15 +50,17 @@ class Stats:
     wall: float = 0.0
     drafter_memory_bytes: int = 0
 
-    def record_round(self, num_draft: int, num_accepted: int) -> None:
+    def record_round(self, num_draft: int, num_accepted: int, depth: int | None = None) -> None:
+        """depth: a tree's depth (the draft positions it covers); a chain's is its length."""
         self.rounds += 1
         self.target_calls += 1
         self.drafted += num_draft
         self.accepted += num_accepted
-        while len(self.proposed_per_position) < num_draft:
+        depth = num_draft if depth is None else depth
+        while len(self.proposed_per_position) < depth:
             self.proposed_per_position.append(0)
             self.accepted_per_position.append(0)
-        for i in range(num_draft):
+        for i in range(depth):
             self.proposed_per_position[i] += 1
             if i < num_accepted:
                 self.accepted_per_position[i] += 1

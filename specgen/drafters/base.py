@@ -75,6 +75,11 @@ class DraftSession(ABC):
         """Return to the state of ``mark`` (the committed tokens are already restored)."""
         self.sync()
 
+    def observe_features(self, position: int, feature: torch.Tensor) -> None:  # noqa: B027 (most drafters read no features)
+        """After a commit, drafters with ``feature_layers`` get the target feature
+        [F] of the committed token at ``position`` -- the last one the target has
+        processed (normally ``len(committed) - 2``; the newest token is not yet fed)."""
+
 
 class Drafter(ABC):
     """A proposal source. ``deterministic`` drafters always return draft_probs=None."""
@@ -83,6 +88,8 @@ class Drafter(ABC):
     deterministic = False
     #: The tokenizer of an independent draft model, or None when it shares the target's.
     tokenizer = None
+    #: Target hidden states the drafter reads (see ``select_features``); None: none.
+    feature_layers: list[int] | None = None
 
     def __init__(self, num_tokens: int):
         if int(num_tokens) != num_tokens or num_tokens < 1:

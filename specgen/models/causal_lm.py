@@ -52,6 +52,31 @@ class KVCache:
         _crop(self.cache, len(self.tokens), length)
         del self.tokens[length:]
 
+    def keep_rows(self, prefix: int, rows: list[int]) -> None:
+        """Keep the first ``prefix`` entries plus the entries at ``prefix + r`` for
+        each r in ``rows`` (increasing), in that order; drop the rest. Used after a
+        tree forward to keep only the accepted path's keys/values."""
+        if rows == list(range(len(rows))):
+            self.crop(prefix + len(rows))
+            return
+        index = torch.tensor(list(range(prefix)) + [prefix + r for r in rows])  # [prefix + len(rows)]
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel():
+                where = index.to(layer.keys.device)
+                layer.keys = layer.keys.index_select(-2, where)  # [B, heads, kept, head_dim]
+                layer.values = layer.values.index_select(-2, where)
+        self.tokens = self.tokens[:prefix] + [self.tokens[prefix + r] for r in rows]
+
+
+def select_features(hidden_states: tuple[torch.Tensor, ...], layers: list[int]) -> torch.Tensor:
+    """A draft head's input feature from a transformers ``hidden_states`` tuple
+    (entry 0 = embeddings, entry i = output of layer i, the last entry already
+    normalised): the last entry when ``layers`` is empty, else the named entries
+    concatenated on the last dimension. [..., d] -> [..., d * max(1, len(layers))]."""
+    if not layers:
+        return hidden_states[-1]
+    return torch.cat([hidden_states[i] for i in layers], dim=-1)
+
 
 def _crop_takes_removal_count() -> bool:
     params = list(inspect.signature(DynamicCache.crop).parameters)
@@ -66,6 +91,35 @@ def _crop(cache: DynamicCache, current: int, length: int) -> None:
         cache.crop(-(current - length))
     else:
         cache.crop(length)
+
+
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+@dataclass
+class TreeOutput:
+    """The rows of a tree forward: row 0 belongs to the last chain token, row
+    1 + i to tree node i. features: [n + 1, F] float32 or None.
+
+    Logits are computed on demand (:meth:`logits`): verification visits only the
+    root and the accepted path, so the LM head -- a large share of a small
+    model's cost -- runs on those rows alone. ``hidden`` is what the LM head
+    reads ([n + 1, d]), or None when ``full_logits`` were computed eagerly.
+    """
+
+    lm: CausalLM
+    position: int
+    hidden: torch.Tensor | None
+    full_logits: torch.Tensor | None
+    features: torch.Tensor | None
+
+    @torch.inference_mode()
+    def logits(self, row: int) -> torch.Tensor:
+        """Raw logits [1, vocab] (float32) of ``row``."""
+        if self.full_logits is not None:
+            return self.full_logits[row : row + 1]
+        raw = self.lm.model.get_output_embeddings()(self.hidden[row : row + 1])  # [1, padded vocab]
+        return self.lm._checked(raw[:, : self.lm.vocab_size], self.position + row)
 
 
 class CausalLM:
@@ -83,6 +137,9 @@ class CausalLM:
         self.config = model.config
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        # Logits are lm_head(last hidden state) unless the model scales or caps them.
+        self._plain_lm_head = all(getattr(self.config, key, None) in (None, 1, 1.0) for key in _LOGIT_TRANSFORMS) \
+            and model.get_output_embeddings() is not None and hasattr(model, "get_decoder")
 
     @property
     def device(self) -> torch.device:
@@ -115,7 +172,54 @@ class CausalLM:
             **{self._cache_kwarg: cache.cache},
         )
         cache.tokens.extend(new_tokens)
-        logits = out.logits[0, -keep:, : self.vocab_size].float()  # [keep, vocab]
+        return self._checked(out.logits[0, -keep:, : self.vocab_size], start + len(new_tokens) - 1)
+
+    def _checked(self, logits: torch.Tensor, position: int) -> torch.Tensor:
+        logits = logits.float()
         if torch.isnan(logits).any():
-            raise NumericalError(f"{self.name} produced NaN logits at position {start + len(new_tokens) - 1}")
+            raise NumericalError(f"{self.name} produced NaN logits at position {position}")
         return logits
+
+    @torch.inference_mode()
+    def forward_tree(self, cache: KVCache, chain: list[int], nodes: list[int], ancestors: torch.Tensor,
+                     depths: list[int], feature_layers: list[int] | None = None) -> TreeOutput:
+        """One forward over ``chain`` (uncached committed tokens, at least one)
+        followed by draft-tree ``nodes``.
+
+        ancestors: [N, N] bool, True where node j is node i or one of its ancestors.
+        depths: depth of each node (1 = child of the root).
+        Node i sees the cache, the chain and its own ancestors, at position
+        ``len(cache) + len(chain) - 1 + depths[i]``. Returns rows for the last chain
+        token and every node; the cache then holds chain + all nodes in node order,
+        and the caller must keep only the accepted path (:meth:`KVCache.keep_rows`).
+        feature_layers: None for no features, else as in ``select_features``.
+        """
+        if not chain:
+            raise ValueError("forward_tree needs at least one chain token")
+        start, m, n = len(cache), len(chain), len(nodes)
+        device = self.device
+        ids = torch.tensor([chain + nodes], dtype=torch.long, device=device)  # [1, m + n]
+        positions = list(range(start, start + m)) + [start + m - 1 + d for d in depths]
+        allowed = torch.ones(m + n, start + m + n, dtype=torch.bool, device=device)  # [m + n, start + m + n]
+        allowed[:m, start:] = torch.cat([torch.ones(m, m, dtype=torch.bool, device=device).tril(),
+                                         torch.zeros(m, n, dtype=torch.bool, device=device)], dim=1)
+        allowed[m:, start + m:] = ancestors.to(device)
+        dtype = next(self.model.parameters()).dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        inputs = dict(input_ids=ids, position_ids=torch.tensor([positions], device=device),
+                      attention_mask=mask[None, None],  # [1, 1, m + n, start + m + n], additive: eager and sdpa agree
+                      use_cache=True, output_hidden_states=feature_layers is not None,
+                      **{self._cache_kwarg: cache.cache})
+        hidden = full = None
+        if self._plain_lm_head:
+            out = self.model.get_decoder()(**inputs)
+            hidden = out.last_hidden_state[0, -(n + 1):]  # [n + 1, d]
+        else:
+            out = self.model(**inputs, logits_to_keep=n + 1)
+            full = self._checked(out.logits[0, -(n + 1):, : self.vocab_size], start + m - 1)  # [n + 1, vocab]
+        cache.tokens.extend(chain + nodes)
+        features = None
+        if feature_layers is not None:
+            features = select_features(out.hidden_states, feature_layers)[0, -(n + 1):].float()  # [n + 1, F]
+        return TreeOutput(self, start + m - 1, hidden, full, features)

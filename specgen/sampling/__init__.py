@@ -11,14 +11,32 @@ from specgen.sampling.rejection import (
     verify_chain,
     verify_chain_greedy,
 )
+from specgen.sampling.tree import (
+    TreeVerdict,
+    ancestor_matrix,
+    ancestors,
+    tree_children,
+    tree_depths,
+    tree_paths,
+    verify_tree,
+    verify_tree_greedy,
+)
 
 __all__ = [
+    "TreeVerdict",
     "Verdict",
+    "ancestor_matrix",
+    "ancestors",
     "greedy_token",
     "normalise",
     "positive_residual",
     "sample_token",
+    "tree_children",
+    "tree_depths",
+    "tree_paths",
     "uniform",
     "verify_chain",
     "verify_chain_greedy",
+    "verify_tree",
+    "verify_tree_greedy",
 ]

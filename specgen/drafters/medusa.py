@@ -1,0 +1,75 @@
+"""Medusa drafter: K heads on the target feature, a static tree from config.
+
+``tree`` is a list of index paths, like Medusa's choices files: ``[1, 0]`` is
+the node whose first token is head 0's second most likely token and whose second
+token is head 1's most likely one. Every prefix of a listed path must be listed
+too. Nodes deeper than the round's budget are dropped. Candidates are
+deterministic (q one-hot), ranked by the heads' raw logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specgen.drafters.base import EMPTY, Proposal
+from specgen.drafters.learned import LearnedDrafter, LearnedSession, load_for_target
+from specgen.errors import ConfigError
+
+DEFAULT_TREE = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0],
+                [1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1]]
+
+
+def validate_tree(tree, num_heads: int) -> list[tuple[int, ...]]:
+    """Sorted, de-duplicated paths; a clear error for anything malformed."""
+    paths = set()
+    for entry in tree:
+        path = tuple(entry) if isinstance(entry, (list, tuple)) else None
+        if not path or not all(isinstance(i, int) and i >= 0 for i in path):
+            raise ConfigError(f"drafter.tree entries must be non-empty lists of non-negative ints, got {entry!r}")
+        if len(path) > num_heads:
+            raise ConfigError(f"drafter.tree path {list(path)} is deeper than the head's {num_heads} Medusa heads")
+        paths.add(path)
+    for path in paths:
+        if len(path) > 1 and path[:-1] not in paths:
+            raise ConfigError(f"drafter.tree lists {list(path)} but not its parent {list(path[:-1])}")
+    return sorted(paths, key=lambda p: (len(p), p))
+
+
+class MedusaSession(LearnedSession):
+    @torch.inference_mode()
+    def propose(self, budget: int) -> Proposal:
+        root = self.root()
+        if root is None or budget <= 0:
+            return EMPTY
+        feature, _ = root
+        d = self.drafter
+        paths = [p for p in d.tree if len(p) <= budget]
+        logits = self.head(feature)[:, 0]  # [K, Vd]
+        top = logits.topk(d.width, dim=-1).indices  # [K, width]
+        ids = self.head.vocab_ids[top].tolist()
+        index = {path: i for i, path in enumerate(paths)}
+        tokens = [ids[len(path) - 1][path[-1]] for path in paths]
+        parents = [index[path[:-1]] if len(path) > 1 else -1 for path in paths]
+        return Proposal(tokens, None, parents)
+
+
+class MedusaDrafter(LearnedDrafter):
+    """num_tokens: maximum tree depth (at most the number of heads)."""
+
+    name = "medusa"
+    deterministic = True
+    session_class = MedusaSession
+
+    def __init__(self, head, vocab_size: int, num_tokens: int, head_file=None, *, tree=None):
+        super().__init__(head, vocab_size, num_tokens, head_file)
+        paths = validate_tree(tree if tree is not None else DEFAULT_TREE, head.cfg.num_heads)
+        self.tree = [p for p in paths if len(p) <= self.num_tokens]
+        self.width = max(p[-1] for p in self.tree) + 1
+        if self.width > head.cfg.draft_vocab_size:
+            raise ConfigError(f"drafter.tree asks for rank {self.width - 1}, beyond the draft vocabulary")
+
+
+def build(*, runtime, head_file: str, num_tokens: int = 4, tree=None, kind: str = "medusa", head=None) -> MedusaDrafter:
+    """Hydra factory. ``head`` (architecture) is read by specgen-train only."""
+    loaded, path, vocab_size = load_for_target(runtime, head_file, "medusa")
+    return MedusaDrafter(loaded, vocab_size, num_tokens, path, tree=tree)

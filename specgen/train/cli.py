@@ -1,0 +1,194 @@
+"""The ``specgen-train`` command: train a learned draft head for a target.
+
+    specgen-train drafter=eagle target=smollm2-135m train.steps=2000 train.loss=lk train.out=heads/eagle.safetensors
+    specgen-train target=tiny train.kind=mtp train.steps=50 train.out=/tmp/mtp.safetensors
+
+stdout gets the held-out evaluation table; progress and notes go to stderr.
+Errors a user can cause exit with status 2 and one line.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from specgen.config import conf_dir, first_line, prepare_overrides, to_container
+from specgen.errors import ConfigError, SpecgenError
+
+CONFIG_NAME = "train"
+
+#: architecture defaults per kind (drafter.head.* and train.head.* override them)
+HEAD_DEFAULTS = {
+    "eagle": {"feature_layers": [], "intermediate_size": 1536, "num_heads": 4, "draft_vocab_size": 8192},
+    "mtp": {"feature_layers": [], "intermediate_size": 1536, "num_heads": 4, "draft_vocab_size": 8192},
+    "medusa": {"feature_layers": [], "intermediate_size": 1536, "num_heads": 4, "draft_vocab_size": 8192},
+}
+_STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class TrainRun:
+    path: Path | None  # None when interrupted before the end
+    metrics: dict | None
+    info: dict  # the train= metadata stored with the head
+    table: str
+
+
+def compose_train(overrides: Sequence[str] = ()) -> DictConfig:
+    """Compose the train config like the command line does (for scripts and tests)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            return compose(config_name=CONFIG_NAME, overrides=prepare_overrides(list(overrides)))
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(f"invalid override: {first_line(exc)}") from exc
+
+
+def head_settings(cfg: dict) -> tuple[str, dict]:
+    """(kind, architecture) from train.kind / drafter.kind, drafter.head.* and train.head.*."""
+    train, drafter = cfg["train"], cfg.get("drafter") or {}
+    kind = train.get("kind") or drafter.get("kind")
+    if kind not in HEAD_DEFAULTS:
+        raise ConfigError(f"specgen-train trains eagle, mtp or medusa heads; choose one with drafter=eagle "
+                          f"(or train.kind=eagle), not {kind!r}")
+    arch = dict(HEAD_DEFAULTS[kind])
+    layers = [(drafter.get("head") or {}) if drafter.get("kind") == kind else {}, train.get("head") or {}]
+    for layer in layers:
+        arch.update({k: v for k, v in layer.items() if k in arch and v is not None})
+    arch["feature_layers"] = [int(i) for i in arch["feature_layers"]]
+    for key in ("intermediate_size", "num_heads", "draft_vocab_size"):
+        arch[key] = int(arch[key])
+        if arch[key] < 1:
+            raise ConfigError(f"train.head.{key} must be >= 1, got {arch[key]}")
+    return kind, arch
+
+
+def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None, err=None) -> TrainRun:
+    """Load the target, build (or read cached) features, train, evaluate, save the head."""
+    from specgen.build import set_threads
+    from specgen.heads.modules import HeadConfig, build_head
+    from specgen.heads.store import save_head, target_fingerprint
+    from specgen.models import load_model, resolve_device, resolve_dtype
+    from specgen.models.loading import cache_root
+    from specgen.train.data import cached_features, draft_vocab, load_corpus
+    from specgen.train.evaluate import evaluate, table
+    from specgen.train.loop import Settings, draft_lookup, train_head
+
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    cfg = to_container(cfg) if not isinstance(cfg, dict) else cfg
+    train, target_cfg = cfg["train"], cfg["target"]
+    kind, arch = head_settings(cfg)
+    settings = Settings.from_config(train)
+    progress = bool(train.get("progress", True))
+    say = (lambda m: (err.write(f"specgen-train: {m}\n"), err.flush())) if progress else (lambda m: None)
+    store_dtype = _STORE_DTYPES.get(str(train.get("cache_dtype", "bfloat16")))
+    if store_dtype is None:
+        raise ConfigError(f"train.cache_dtype must be one of {', '.join(_STORE_DTYPES)}")
+    threads = set_threads(train.get("threads", "auto"))
+    device = resolve_device(str(train.get("device", "auto")))
+    dtype = resolve_dtype(str(train.get("dtype", "auto")), device)
+    out_path = Path(str(train.get("out") or f"heads/{kind}.safetensors"))
+    checkpoint = out_path.with_name(out_path.name + ".ckpt")
+
+    loaded = load_model(target_cfg["source"], name="target", dtype=dtype, device=device,
+                        extra_eos=tuple(target_cfg.get("eos_ids") or ()), progress=progress)
+    model = loaded.lm.model.eval().requires_grad_(False)
+    vocab_size = loaded.lm.vocab_size
+    num_states = int(model.config.num_hidden_layers) + 1
+    if any(not -num_states <= i < num_states for i in arch["feature_layers"]):
+        raise ConfigError(f"feature_layers {arch['feature_layers']} out of range for a target with "
+                          f"{num_states} hidden states (0 = embeddings)")
+    fingerprint = target_fingerprint(model)
+    layers = [] if kind == "medusa" else arch["feature_layers"]
+    cache_dir = cache_root() / "train" if train.get("cache", True) else None
+
+    corpora, feats, speeds = {}, {}, {}
+    for split, held_out in (("train", False), ("eval", True)):
+        t0 = time.perf_counter()
+        corpora[split] = load_corpus(train, target_cfg, loaded.tokenizer, held_out=held_out)
+        if not corpora[split].sequences:
+            raise ConfigError(f"no {split} sequences: {corpora[split].description}")
+        say(f"{split} data: {corpora[split].description} ({time.perf_counter() - t0:.1f} s)")
+        feats[split], info = cached_features(model, corpora[split], layers, vocab_size, fingerprint,
+                                             cache_dir=cache_dir, store_dtype=store_dtype, progress=progress)
+        speeds[split] = info
+        say(f"{split} features: {info['tokens']} tokens " + ("(cached)" if info["cached"] else
+            f"in {info['seconds']:.1f} s = {info['tokens_per_s']:.0f} tokens/s"))
+
+    vocab_ids = draft_vocab(corpora["train"].sequences, arch["draft_vocab_size"], vocab_size, loaded.tokenizer.eos_ids)
+    head_cfg = HeadConfig(kind=kind, hidden_size=int(model.config.hidden_size), draft_vocab_size=len(vocab_ids),
+                          feature_layers=arch["feature_layers"], intermediate_size=arch["intermediate_size"],
+                          num_heads=arch["num_heads"])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.seed)
+        head = build_head(head_cfg, vocab_ids)
+    head = head.to(device=device, dtype=torch.float32)
+    head.attach(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    lookup = draft_lookup(vocab_ids, vocab_size)
+    signature = {"head": head_cfg.to_json(), "data": corpora["train"].description,
+                 "fingerprint": fingerprint["weights_sha256"], "vocab": vocab_ids.tolist()[:64]}
+    result = train_head(head, feats["train"], lookup, settings, device=device, checkpoint=checkpoint,
+                        resume=bool(train.get("resume", False)), extra_signature=signature, stop_after=stop_after,
+                        progress=progress)
+    say(f"trained {result.steps - result.resumed_from} steps in {result.seconds:.1f} s = "
+        f"{result.steps_per_s:.2f} steps/s ({threads} threads, {device})")
+    if result.interrupted:
+        say(f"stopped at step {result.steps}/{settings.steps}; checkpoint {checkpoint} "
+            "(run again with train.resume=true to continue)")
+        return TrainRun(None, None, {"steps": result.steps}, "")
+
+    metrics = evaluate(head, feats["eval"], lookup, unroll=settings.unroll, device=device)
+    text = table(metrics)
+    tail = result.losses[-50:]
+    info = {"kind": kind, "loss": settings.loss, "steps": settings.steps, "batch_tokens": settings.batch_tokens,
+            "unroll": settings.unroll, "lr": settings.lr, "seconds": round(result.seconds, 2),
+            "steps_per_s": round(result.steps_per_s, 3), "final_loss": round(sum(tail) / max(1, len(tail)), 5),
+            "resumed_from": result.resumed_from, "eval_data": corpora["eval"].description,
+            "train_tokens": speeds["train"]["tokens"], "metrics": metrics}
+    path = save_head(out_path, head, fingerprint, command=command, seed=settings.seed,
+                     data=corpora["train"].description, train=info)
+    if not train.get("keep_checkpoint", False):
+        checkpoint.unlink(missing_ok=True)
+    out.write(f"{kind} head, loss {settings.loss}, {settings.steps} steps; held-out evaluation:\n\n{text}\n")
+    out.flush()
+    say(f"saved {path}")
+    return TrainRun(path, metrics, info, text)
+
+
+@hydra.main(config_path=str(conf_dir()), config_name=CONFIG_NAME, version_base=None)
+def _hydra_main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    command = " ".join(["specgen-train", *HydraConfig.get().overrides.task])
+    try:
+        run_train(cfg, command=command)
+    except SpecgenError as exc:
+        sys.stderr.write(f"specgen-train: error: {exc}\n")
+        raise SystemExit(2) from None
+
+
+def main() -> None:
+    """Console entry point (``specgen-train``): quiet HF, hand over to Hydra."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    sys.argv = [sys.argv[0], *prepare_overrides(sys.argv[1:])]
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

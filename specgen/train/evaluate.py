@@ -1,0 +1,64 @@
+"""Held-out evaluation of a draft head against the frozen target.
+
+Per draft position k = 1..D (chain depth for EAGLE/MTP, head for Medusa), over
+every held-out start position with D tokens of look-ahead:
+
+* ``accept`` -- mean sum_v min(p_k, q_k): the probability that speculative
+  sampling at T = 1 accepts the draft token at k, given it got to k;
+* ``greedy`` -- share of positions where argmax q_k is the target's greedy token;
+* ``chain_accept`` / ``chain_greedy`` -- means of the cumulative products over
+  depths 1..k, the probability that the chain is accepted up to k. Their sums are
+  the expected number of accepted draft tokens per round (``expected_accepted``,
+  ``expected_greedy_accepted``).
+
+Deeper positions are teacher-forced with the data's tokens, so the chain
+figures approximate (they do not simulate) what decoding will see.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specgen.heads.modules import DraftHead
+from specgen.train.data import Features
+from specgen.train.loop import batch_targets, depth_of, head_logits
+from specgen.train.losses import acceptance
+
+
+@torch.inference_mode()
+def evaluate(head: DraftHead, feats: Features, lookup: torch.Tensor, *, unroll: int, device: torch.device,
+             batch: int = 512) -> dict:
+    depth = depth_of(head, unroll)
+    starts = feats.starts(depth)
+    was_training = head.training
+    head.eval()
+    sums = {name: torch.zeros(depth, dtype=torch.float64) for name in ("accept", "greedy", "chain_accept",
+                                                                        "chain_greedy")}
+    for c in range(0, starts.numel(), batch):
+        pick = starts[c: c + batch]
+        inputs, tokens, p, greedy = batch_targets(head, feats, lookup, pick, depth, device)
+        logits = head_logits(head, inputs, tokens)
+        alpha = acceptance(logits, p).double()  # [D, B]
+        agree = (logits.argmax(-1) == greedy).double()  # greedy = -1 outside the draft vocab: never agrees
+        for name, value in (("accept", alpha), ("greedy", agree), ("chain_accept", alpha.cumprod(0)),
+                            ("chain_greedy", agree.cumprod(0))):
+            sums[name] += value.sum(1).cpu()
+    head.train(was_training)
+    n = max(1, starts.numel())
+    metrics = {name: [round(float(v) / n, 5) for v in total] for name, total in sums.items()}
+    metrics["expected_accepted"] = round(sum(metrics["chain_accept"]), 5)
+    metrics["expected_greedy_accepted"] = round(sum(metrics["chain_greedy"]), 5)
+    metrics["positions"] = int(starts.numel())
+    return metrics
+
+
+def table(metrics: dict) -> str:
+    """A small markdown table, one row per draft position."""
+    lines = ["| k | accept (T=1) | greedy agree | P(chain to k), T=1 | P(chain to k), greedy |",
+             "| ---: | ---: | ---: | ---: | ---: |"]
+    for k, row in enumerate(zip(metrics["accept"], metrics["greedy"], metrics["chain_accept"],
+                                metrics["chain_greedy"]), start=1):
+        lines.append(f"| {k} | " + " | ".join(f"{v:.3f}" for v in row) + " |")
+    lines.append(f"\nexpected accepted draft tokens per round: {metrics['expected_accepted']:.3f} (T=1), "
+                 f"{metrics['expected_greedy_accepted']:.3f} (greedy); {metrics['positions']} held-out positions")
+    return "\n".join(lines)

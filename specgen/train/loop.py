@@ -1,0 +1,208 @@
+"""The training loop: teacher-forced (and unrolled) batches, AdamW with warmup +
+cosine decay, resumable checkpoints.
+
+Positions: the target distribution p_j is computed from the final hidden
+state at j and predicts token j + 1. From a start position i,
+
+* EAGLE / MTP step 1 reads (feature_i, token_{i+1}) and predicts p_{i+1}; step
+  k > 1 reads its own state from step k - 1 and token_{i+k} and predicts
+  p_{i+k} ("training-time test": the head learns from its own predictions).
+* Medusa head k (0-based) reads feature_i and predicts p_{i+1+k}.
+
+So a start i needs depth D (= train.unroll, or K Medusa heads) positions of
+look-ahead. Batches are sampled with an explicit ``torch.Generator`` whose
+state is checkpointed, so a resumed run is step-for-step the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specgen.errors import ConfigError
+from specgen.heads.modules import DraftHead
+from specgen.train.data import Features
+from specgen.train.losses import LOSSES, acceptance, depth_loss
+
+
+@dataclass
+class Settings:
+    loss: str = "lk"
+    steps: int = 2000
+    batch_tokens: int = 256
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    unroll: int = 3
+    checkpoint_every: int = 200
+
+    @classmethod
+    def from_config(cls, train: dict) -> Settings:
+        fields = cls.__dataclass_fields__
+        known = {k: type(f.default)(train[k]) for k, f in fields.items() if train.get(k) is not None}
+        s = cls(**known)
+        if s.loss not in LOSSES:
+            raise ConfigError(f"train.loss must be one of {', '.join(LOSSES)}, got {s.loss!r}")
+        for name in ("steps", "batch_tokens", "unroll"):
+            if int(getattr(s, name)) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(s, name)}")
+        return s
+
+    def signature(self) -> dict:
+        out = dict(self.__dict__)
+        out.pop("checkpoint_every")
+        return out
+
+
+def depth_of(head: DraftHead, unroll: int) -> int:
+    return head.cfg.num_heads if head.cfg.kind == "medusa" else int(unroll)
+
+
+def draft_lookup(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[V] target id -> draft index (-1 where the id is not in the draft vocabulary)."""
+    table = torch.full((max(vocab_size, int(vocab_ids.max()) + 1),), -1, dtype=torch.long)
+    table[vocab_ids.cpu()] = torch.arange(len(vocab_ids))
+    return table
+
+
+def batch_targets(head: DraftHead, feats: Features, lookup: torch.Tensor, starts: torch.Tensor, depth: int,
+                  device: torch.device):
+    """-> (inputs [B, F], tokens [D, B], p [D, B, Vd], greedy draft index [D, B] (-1 = outside))."""
+    ahead = starts.unsqueeze(0) + torch.arange(1, depth + 1).unsqueeze(1)  # [D, B]
+    source = feats.hidden if head.cfg.kind == "medusa" else feats.inputs
+    inputs = source[starts].to(device, torch.float32)
+    tokens = feats.tokens[ahead].to(device)
+    hidden = feats.hidden[ahead].to(device, torch.float32)
+    logits = hidden @ head.lm_rows.to(device, torch.float32).T
+    p = torch.exp(logits - feats.lse[ahead].to(device).unsqueeze(-1))
+    greedy = lookup[feats.argmax[ahead]].to(device)
+    return inputs, tokens, p, greedy
+
+
+def head_logits(head: DraftHead, inputs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Draft logits [D, B, Vd] for the chain (EAGLE/MTP, D = len(tokens)) or the K Medusa heads."""
+    if head.cfg.kind == "medusa":
+        return head(inputs)
+    state, out = inputs, []
+    for k in range(tokens.shape[0]):
+        state, logits = head.step(state, tokens[k])
+        out.append(logits)
+    return torch.stack(out)
+
+
+def _lr_lambda(s: Settings):
+    warm = max(1, min(s.warmup_steps, s.steps // 5 or 1))
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        t = (step - warm) / max(1, s.steps - warm)
+        return s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+    return f
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    seconds: float
+    losses: list[float] = field(default_factory=list)  # one per step of this run (resumed runs: from the resume)
+    resumed_from: int = 0
+    interrupted: bool = False
+
+    @property
+    def steps_per_s(self) -> float:
+        return (self.steps - self.resumed_from) / max(self.seconds, 1e-9)
+
+
+def train_head(head: DraftHead, feats: Features, lookup: torch.Tensor, s: Settings, *, device: torch.device,
+               checkpoint: Path | None = None, resume: bool = False, extra_signature: dict | None = None,
+               stop_after: int | None = None, progress: bool = True) -> TrainResult:
+    """Train ``head`` in place (parameters float32 on ``device``).
+
+    stop_after: end (with a checkpoint) once this step is reached, as an
+    interruption would; Ctrl-C does the same."""
+    from tqdm import tqdm
+
+    depth = depth_of(head, s.unroll)
+    starts = feats.starts(depth)
+    if starts.numel() == 0:
+        raise ConfigError(f"no training position has {depth} tokens of look-ahead; raise train.max_len "
+                          "or train.num_conversations")
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(s))
+    gen = torch.Generator().manual_seed(s.seed)
+    signature = json.dumps({"settings": s.signature(), **(extra_signature or {})}, sort_keys=True)
+    step = 0
+    if resume and checkpoint is not None and checkpoint.is_file():
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        if state.get("signature") != signature:
+            raise ConfigError(f"checkpoint {checkpoint} was written by a run with other settings; "
+                              "delete it or set train.resume=false")
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        gen.set_state(state["gen"])
+        step = int(state["step"])
+    result = TrainResult(steps=step, seconds=0.0, resumed_from=step)
+
+    def save_checkpoint() -> None:
+        if checkpoint is None:
+            return
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        tmp = checkpoint.with_suffix(checkpoint.suffix + ".tmp")
+        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                    "gen": gen.get_state(), "step": step, "signature": signature}, tmp)
+        tmp.replace(checkpoint)
+
+    head.train()
+    bar = tqdm(total=s.steps, initial=step, desc=f"train {head.cfg.kind}/{s.loss}", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+    ema_loss = ema_acc = None
+    t0 = time.perf_counter()
+    try:
+        while step < s.steps:
+            if stop_after is not None and step >= stop_after:
+                result.interrupted = True
+                break
+            pick = starts[torch.randint(0, starts.numel(), (s.batch_tokens,), generator=gen)]
+            inputs, tokens, p, greedy = batch_targets(head, feats, lookup, pick, depth, device)
+            logits = head_logits(head, inputs, tokens)
+            loss = depth_loss(s.loss, logits, p, greedy)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if s.grad_clip:
+                torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+            opt.step()
+            sched.step()
+            step += 1
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise ConfigError(f"the loss became {value} at step {step}; lower train.lr")
+            result.losses.append(value)
+            acc = float(acceptance(logits[0].detach(), p[0]).mean())
+            ema_loss = value if ema_loss is None else 0.95 * ema_loss + 0.05 * value
+            ema_acc = acc if ema_acc is None else 0.95 * ema_acc + 0.05 * acc
+            bar.update(1)
+            bar.set_postfix(loss=f"{ema_loss:.3f}", acc1=f"{ema_acc:.3f}", refresh=False)
+            if s.checkpoint_every and step % s.checkpoint_every == 0 and step < s.steps:
+                save_checkpoint()
+    except KeyboardInterrupt:
+        result.interrupted = True
+    finally:
+        bar.close()
+        result.seconds = time.perf_counter() - t0
+        result.steps = step
+    if result.interrupted:
+        save_checkpoint()
+    head.eval()
+    return result
