@@ -101,7 +101,22 @@ class DraftHead(nn.Module):
         return next(self.parameters()).dtype
 
 
-class EagleHead(DraftHead):
+class RecursiveHead(DraftHead):
+    """A head applied recursively: step(state, tokens) -> (next state [N, d], logits [N, Vd]).
+    The first state is a target feature [N, F] (reduced to d when F != d), later ones its own."""
+
+    def __init__(self, cfg: HeadConfig, vocab_ids: torch.Tensor):
+        super().__init__(cfg, vocab_ids)
+        d = cfg.hidden_size
+        self.reduce = nn.Linear(cfg.feature_size, d, bias=False) if cfg.feature_size != d else None
+
+    def _as_state(self, state: torch.Tensor) -> torch.Tensor:
+        if self.reduce is not None and state.shape[-1] != self.cfg.hidden_size:
+            return self.reduce(state)
+        return state
+
+
+class EagleHead(RecursiveHead):
     """step(feature, token): feature [N, F] (a target feature) or [N, d] (a
     predicted one), token [N] the token that follows it -> next feature [N, d]."""
 
@@ -110,21 +125,18 @@ class EagleHead(DraftHead):
     def __init__(self, cfg: HeadConfig, vocab_ids: torch.Tensor):
         super().__init__(cfg, vocab_ids)
         d = cfg.hidden_size
-        self.reduce = nn.Linear(cfg.feature_size, d, bias=False) if cfg.feature_size != d else None
         self.fuse = nn.Linear(2 * d, d, bias=False)
         self.block = Block(d, cfg.intermediate_size, cfg.norm_eps)
         self.out_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
 
     def step(self, feature: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (next feature [N, d], draft logits [N, Vd])."""
-        if self.reduce is not None and feature.shape[-1] != self.cfg.hidden_size:
-            feature = self.reduce(feature)
-        x = self.fuse(torch.cat([feature, self.embed(tokens)], dim=-1))
+        x = self.fuse(torch.cat([self._as_state(feature), self.embed(tokens)], dim=-1))
         nxt = self.out_norm(self.block(x))
         return nxt, self.draft_logits(nxt)
 
 
-class MtpHead(DraftHead):
+class MtpHead(RecursiveHead):
     """DeepSeek-V3 style MTP depth, shared across depths: RMSNorm(state) and
     RMSNorm(embedding) -> projection -> block -> next state; logits from the
     normalised state. state [N, F] (target feature) or [N, d] (own state)."""
@@ -134,7 +146,6 @@ class MtpHead(DraftHead):
     def __init__(self, cfg: HeadConfig, vocab_ids: torch.Tensor):
         super().__init__(cfg, vocab_ids)
         d = cfg.hidden_size
-        self.reduce = nn.Linear(cfg.feature_size, d, bias=False) if cfg.feature_size != d else None
         self.state_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
         self.embed_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
         self.proj = nn.Linear(2 * d, d, bias=False)
@@ -143,9 +154,7 @@ class MtpHead(DraftHead):
 
     def step(self, state: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (next state [N, d], draft logits [N, Vd])."""
-        if self.reduce is not None and state.shape[-1] != self.cfg.hidden_size:
-            state = self.reduce(state)
-        x = self.proj(torch.cat([self.state_norm(state), self.embed_norm(self.embed(tokens))], dim=-1))
+        x = self.proj(torch.cat([self.state_norm(self._as_state(state)), self.embed_norm(self.embed(tokens))], dim=-1))
         nxt = self.block(x)
         return nxt, self.draft_logits(self.out_norm(nxt))
 
