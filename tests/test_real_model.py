@@ -53,3 +53,21 @@ def test_sampling_runs_with_declared_guarantee(pipes):
     assert gen.guarantee == "exact"
     assert gen.text.strip()
     assert gen.stats.new_tokens == len(gen.token_ids)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "mtp"])
+def test_shipped_heads_load_and_keep_greedy_output(kind):
+    """The heads in specgen/heads/trained match the packaged target's fingerprint and draft for it."""
+    pipe = specgen.pipeline("threads=1", "dtype=float32", f"drafter={kind}", "sampling.temperature=0", progress=False)
+    assert pipe.guarantee == "greedy"
+    spec = pipe.generate(PROMPTS[0], max_new_tokens=32, seed=0)
+    plain = pipe.generate(PROMPTS[0], max_new_tokens=32, seed=0, speculative=False)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.accepted > 0, "a trained head should get some drafts accepted"
+
+
+def test_shipped_head_is_refused_for_another_target():
+    from specgen.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="trained for a different target"):
+        specgen.pipeline("target=tiny", "threads=1", "drafter=eagle", progress=False)
