@@ -83,10 +83,15 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
     from specgen.heads.store import save_head, target_fingerprint
     from specgen.models import load_model, resolve_device, resolve_dtype
     from specgen.models.loading import cache_root
-    from specgen.train.data import cached_features, data_source, draft_vocab, load_corpus
-    from specgen.train.selfgen import self_corpus
+    from specgen.train.data import (
+        cached_features,
+        data_source,
+        draft_vocab,
+        load_corpus,
+    )
     from specgen.train.evaluate import evaluate, table
     from specgen.train.loop import Settings, draft_lookup, train_head
+    from specgen.train.selfgen import self_corpus
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
