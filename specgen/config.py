@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from specgen.errors import ConfigError
+from specgen.errors import ConfigError, SpecgenError
 from specgen import schema  # noqa: F401  (registers the structured-config schemas)
 
 #: Keys whose values are free text; the CLI quotes them so Hydra's parser accepts any characters.
@@ -68,8 +70,8 @@ def prepare_overrides(args: Sequence[str]) -> list[str]:
     return prepared
 
 
-def compose(overrides: Sequence[str] = ()) -> DictConfig:
-    """Compose the config like the CLI does (same overrides, same quoting)."""
+def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:
+    """Compose ``config_name`` (config, bench, train) like the commands do (same overrides, same quoting)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -81,7 +83,7 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
         GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-            cfg = hydra_compose(config_name="config", overrides=prepared)
+            cfg = hydra_compose(config_name=config_name, overrides=prepared)
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as exc:
         raise ConfigError(f"invalid override: {first_line(exc)}") from exc
     return cfg
@@ -117,3 +119,22 @@ def physical_cores() -> int:
         return max(1, available // max(per_core, 1))
     except OSError:
         return available
+
+
+@contextmanager
+def exits_on_error(command: str) -> Iterator[None]:
+    """A specgen error inside becomes one ``<command>: error: ...`` line on stderr and exit status 2."""
+    try:
+        yield
+    except SpecgenError as exc:
+        sys.stderr.write(f"{command}: error: {exc}\n")
+        raise SystemExit(2) from None
+
+
+def run_console(hydra_main: Callable[[], None]) -> None:
+    """Console entry of a Hydra command: quiet transformers' logging, quote free-text overrides, hand over."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    sys.argv = [sys.argv[0], *prepare_overrides(sys.argv[1:])]
+    hydra_main()

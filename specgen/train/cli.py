@@ -19,8 +19,8 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from specgen.config import conf_dir, first_line, prepare_overrides, to_container
-from specgen.errors import ConfigError, SpecgenError
+from specgen.config import compose, conf_dir, exits_on_error, run_console, to_container
+from specgen.errors import ConfigError
 
 CONFIG_NAME = "train"
 
@@ -43,18 +43,7 @@ class TrainRun:
 
 def compose_train(overrides: Sequence[str] = ()) -> DictConfig:
     """Compose the train config like the command line does (for scripts and tests)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-            return compose(config_name=CONFIG_NAME, overrides=prepare_overrides(list(overrides)))
-    except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        raise ConfigError(f"invalid override: {first_line(exc)}") from exc
+    return compose(overrides, config_name=CONFIG_NAME)
 
 
 def head_settings(cfg: dict) -> tuple[str, dict]:
@@ -187,20 +176,13 @@ def _hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     command = " ".join(["specgen-train", *HydraConfig.get().overrides.task])
-    try:
+    with exits_on_error("specgen-train"):
         run_train(cfg, command=command)
-    except SpecgenError as exc:
-        sys.stderr.write(f"specgen-train: error: {exc}\n")
-        raise SystemExit(2) from None
 
 
 def main() -> None:
     """Console entry point (``specgen-train``): quiet HF, hand over to Hydra."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    sys.argv = [sys.argv[0], *prepare_overrides(sys.argv[1:])]
-    _hydra_main()
+    run_console(_hydra_main)
 
 
 if __name__ == "__main__":
