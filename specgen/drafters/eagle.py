@@ -26,8 +26,8 @@ from specgen.errors import ConfigError
 class EagleSession(LearnedSession):
     @torch.inference_mode()
     def propose(self, budget: int) -> Proposal:
-        root = self.root()
-        if root is None or budget <= 0:
+        root = self.root(budget)
+        if root is None:
             return EMPTY
         feature, token = root
         d = self.drafter

@@ -47,10 +47,10 @@ class LearnedSession(DraftSession):
     def rollback(self, mark: tuple[int, torch.Tensor | None]) -> None:
         self.position, self.feature = mark
 
-    def root(self) -> tuple[torch.Tensor, int] | None:
-        """(feature [1, F], newest committed token), or None without a current feature."""
+    def root(self, budget: int) -> tuple[torch.Tensor, int] | None:
+        """(feature [1, F], newest committed token), or None without a current feature or budget."""
         tokens = self.ctx.committed.tokens
-        if self.feature is None or self.position != len(tokens) - 2:
+        if budget <= 0 or self.feature is None or self.position != len(tokens) - 2:
             return None
         return self.feature.unsqueeze(0).to(self.head.vocab_ids.device), tokens[-1]
 

@@ -38,8 +38,8 @@ def validate_tree(tree, num_heads: int) -> list[tuple[int, ...]]:
 class MedusaSession(LearnedSession):
     @torch.inference_mode()
     def propose(self, budget: int) -> Proposal:
-        root = self.root()
-        if root is None or budget <= 0:
+        root = self.root(budget)
+        if root is None:
             return EMPTY
         feature, _ = root
         d = self.drafter

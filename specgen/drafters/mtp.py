@@ -21,8 +21,8 @@ from specgen.sampling import sample_token
 class MtpSession(LearnedSession):
     @torch.inference_mode()
     def propose(self, budget: int) -> Proposal:
-        root = self.root()
-        if root is None or budget <= 0:
+        root = self.root(budget)
+        if root is None:
             return EMPTY
         state, token = root
         stack, committed = self.ctx.stack, self.ctx.committed
