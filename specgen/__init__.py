@@ -28,8 +28,17 @@ __all__ = [
 
 
 def pipeline(*overrides: str, progress: bool = True):
-    """Compose the config with CLI-style ``overrides`` and build a Pipeline."""
+    """Compose the config with CLI-style ``overrides`` and build a Pipeline.
+
+    overrides: strings like ``"target=tiny"``; anything else raises ConfigError
+    naming the argument. progress: show load progress (a bool or its usual spellings).
+    """
     from specgen.build import build_pipeline
     from specgen.config import compose
+    from specgen.options import parse_bool
 
-    return build_pipeline(compose(overrides), progress=progress)
+    for index, override in enumerate(overrides):
+        if not isinstance(override, str):
+            raise ConfigError(f"pipeline() overrides must be strings like 'target=tiny'; "
+                              f"argument {index + 1} is {type(override).__name__} {override!r}")
+    return build_pipeline(compose(overrides), progress=parse_bool(progress, "progress"))

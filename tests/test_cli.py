@@ -23,6 +23,10 @@ AWKWARD = [
     "cost ${x} and $HOME",
     "'single' and \"double\"",
     "",
+    "'Hello' and 'bye'",
+    '"Hi," she said, "bye"',
+    '"To be or not to be"',
+    "'",
 ]
 
 
@@ -33,8 +37,9 @@ def test_free_text_prompt_survives_hydra(text):
     assert cfg["system"] == text
 
 
-def test_already_quoted_values_pass_through():
-    assert quote_text_value("'Hello, world'") == "'Hello, world'"
+def test_quoted_values_keep_their_quotes():
+    """A prompt that starts and ends with a quote is text like any other (issue 11, wrong #3)."""
+    assert quote_text_value("'Hello, world'") == "'\\'Hello, world\\''"
     assert prepare_overrides(["max_new_tokens=5", "prompt=a,b"]) == ["max_new_tokens=5", "prompt='a,b'"]
 
 

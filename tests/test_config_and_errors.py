@@ -65,7 +65,7 @@ def test_qwen_pair_composes_with_same_vocab_drafter():
 def test_unknown_target_and_bad_override():
     with pytest.raises(ConfigError, match="target/nonexistent"):
         specgen.pipeline("target=nonexistent")
-    with pytest.raises(ConfigError, match="invalid override"):
+    with pytest.raises(ConfigError, match="unknown key 'no_such_key'"):
         specgen.pipeline(*TINY, "no_such_key=1")
     with pytest.raises(ConfigError, match="Float"):
         specgen.pipeline(*TINY, "sampling.top_p=lots")

@@ -1,8 +1,19 @@
-"""specgen-chat: pure helpers, the worker loop without Textual, and Pilot runs on the tiny models."""
+"""specgen-chat: pure helpers, the worker loop without Textual, and Pilot runs on the tiny models.
+
+No test here depends on how fast the machine is: a reply that must still be
+streaming when a key is pressed is held by a gate in its stream (GatedPipe), or
+never ends on its own (FloodPipe), instead of being merely long.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import io
+import os
+import pty
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,11 +24,12 @@ from specgen.build import build_pipeline
 from specgen.config import compose
 from specgen.errors import PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
+from specgen.tui import app as app_module
 from specgen.tui.app import ChatApp, ConfigScreen, main
 from specgen.tui.panel import StatsPanel, bar, guarantee_class, split_cells
-from specgen.tui.reply import ErrorMessage, ReplyView, token_class
-from specgen.tui.session import ChatHistory, ReplyRequest, run_reply
-from specgen.tui.tally import Tally
+from specgen.tui.reply import ErrorMessage, Notice, ReplyView, UserMessage, token_class
+from specgen.tui.session import ChatHistory, ReplyRequest, ReplyUpdate, UpdateInbox, fit_history, run_reply
+from specgen.tui.tally import PanelSnapshot, Tally
 
 TINY = ["target=tiny", "drafter=tiny", "threads=1", "sampling.temperature=0.8",
         "sampling.min_new_tokens=40", "max_new_tokens=60"]
@@ -38,6 +50,52 @@ def pipe(cfg):
 @pytest.fixture(scope="module")
 def long_pipe():
     return specgen.pipeline(*LONG, progress=False)
+
+
+class GatedPipe:
+    """A real pipeline whose streams stop after ``after`` tokens until ``gate`` is set.
+
+    ``paused`` is set when a stream reaches the gate, so a test can act while a
+    reply is certainly still streaming, however fast the machine is. Everything
+    else is the real pipeline's.
+    """
+
+    def __init__(self, pipe, after: int = 10):
+        self.pipe, self.after = pipe, after
+        self.gate, self.paused = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.pipe, name)
+
+    def stream(self, *args, **kwargs):
+        events = self.pipe.stream(*args, **kwargs)  # arguments are checked here, as by the real one
+
+        def gated():
+            try:
+                for index, event in enumerate(events):
+                    if index == self.after and not self.gate.is_set():
+                        self.paused.set()
+                        assert self.gate.wait(60), "the test never opened the gate"
+                    yield event
+            finally:
+                events.close()
+
+        return gated()
+
+
+class FloodPipe(GatedPipe):
+    """A real pipeline whose streams yield made-up tokens until closed, about a thousand a second
+    (a GPU's pace: dozens per frame), never ending on their own."""
+
+    def stream(self, prompt, *, stats, **kwargs):
+        def flood():
+            for index in range(10**9):
+                time.sleep(0.001)
+                stats.record_round(1, 1)
+                stats.new_tokens += 1
+                yield TokenEvent(5, "a", "accepted", 1, 1.0, index + 1)
+
+        return flood()
 
 
 async def wait_for(pilot, predicate, timeout: float = 60.0) -> None:
@@ -82,6 +140,53 @@ def test_history_prompt_with_and_without_template():
     assert history.stop_strings(("x",)) == ("x", "\nUser:")
     templated = ChatHistory(use_template=True, messages=list(history.messages))
     assert templated.prompt() == history.messages and templated.stop_strings(("x",)) == ("x",)
+
+
+class CharPipe:
+    """Just enough pipeline for fit_history: one token per character of the text."""
+
+    def __init__(self, context: int, max_new_tokens: int):
+        self.target = type("Target", (), {"context_length": context})()
+        self.defaults = type("Defaults", (), {"max_new_tokens": max_new_tokens})()
+
+    def encode(self, prompt):
+        return list(prompt) if isinstance(prompt, str) else [c for m in prompt for c in m["content"]]
+
+
+def conversation(use_template: bool = True) -> ChatHistory:
+    history = ChatHistory(use_template)
+    history.add("system", "S" * 10)
+    for role, letter in zip(["user", "assistant"] * 2 + ["user"], "abcde"):
+        history.add(role, letter * 30)
+    return history
+
+
+@pytest.mark.parametrize(("context", "dropped", "kept"), [
+    (200, 0, "Sabcde"),  # 160 tokens + 40 for the reply fit
+    (150, 2, "Scde"),    # a reply keeps min(40, 150 // 4) = 37 free
+    (60, 4, "Se"),
+    (45, 4, "Se"),       # the last message fits only with less room for the reply: sent as is
+])
+def test_fit_history_drops_oldest_turns_keeping_the_system_message(context, dropped, kept):
+    history = conversation()
+    prompt, count = fit_history(CharPipe(context, 40), history)
+    assert count == dropped and "".join(m["content"][0] for m in prompt) == kept
+    assert len(history.messages) == 6  # the caller's history is untouched
+    history.drop_oldest(count)
+    assert history.prompt() == prompt
+
+
+def test_fit_history_refuses_a_message_longer_than_the_context():
+    with pytest.raises(PromptError, match="context is 40; shorten it .Ctrl.N starts a new chat"):
+        fit_history(CharPipe(40, 40), conversation())
+
+
+def test_dropping_keeps_a_user_turn_first_and_transcripts_keep_the_system_line():
+    history = ChatHistory(use_template=False)
+    for role, text in [("system", "be brief"), ("user", "u1"), ("user", "u2"), ("assistant", "a2"), ("user", "u3")]:
+        history.add(role, text)
+    assert history.droppable() == [0, 1, 3]
+    assert history.prompt(3) == "System: be brief\nUser: u3\nAssistant:"
 
 
 def test_token_class_shades_accepted_by_position():
@@ -218,14 +323,19 @@ def test_chat_streams_coloured_tokens_and_updates_panel(cfg, tmp_path):
 
 
 def test_cancel_new_chat_and_toggle_speculation(cfg, long_pipe):
+    gated = GatedPipe(long_pipe, after=10)
+
     async def scenario():
-        app = ChatApp(cfg, pipeline=long_pipe)
+        app = ChatApp(cfg, pipeline=gated)
         async with app.run_test(size=SIZE) as pilot:
             view = await send(pilot, "hi")
-            await wait_for(pilot, lambda: len(view.tokens) >= 10)
+            await wait_for(pilot, gated.paused.is_set)
             await pilot.press("escape")
+            assert app.active is not None and app.active.cancel.is_set()
+            gated.gate.set()
             await wait_for(pilot, lambda: app.active is None)
-            assert view.border_subtitle.startswith("cancelled") and len(view.tokens) < 5000
+            assert view.border_subtitle.startswith("cancelled")
+            assert len(view.tokens) == gated.after + 1  # the stream closes at the first event after Esc
             assert app.history.messages[-1]["content"] == view.text != ""
             await pilot.press("ctrl+n")
             await pilot.pause()
@@ -238,6 +348,144 @@ def test_cancel_new_chat_and_toggle_speculation(cfg, long_pipe):
             await pilot.press("ctrl+n")
             await wait_for(pilot, lambda: app.active is None)
             assert {t.kind for t in plain.tokens} == {"plain"} and not app.query(ReplyView)
+
+    asyncio.run(scenario())
+
+
+def test_escape_is_handled_while_tokens_flood_in(cfg, pipe):
+    """A stream that never ends on its own: Esc must still get through, and the UI draws in batches."""
+    flood = FloodPipe(pipe)
+
+    async def scenario():
+        app = ChatApp(cfg, pipeline=flood)
+        async with app.run_test(size=SIZE) as pilot:
+            view = await send(pilot, "hi")
+            await wait_for(pilot, lambda: len(view.tokens) >= 10)
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: app.active is None)
+            assert view.border_subtitle.startswith("cancelled")
+            assert app.history.messages[-1] == {"role": "assistant", "content": view.text}
+            assert view.text == "a" * len(view.tokens)
+
+    asyncio.run(scenario())
+
+
+def test_reply_view_restyles_only_what_changed_and_stays_right(cfg, pipe):
+    """Styled tokens are cached between frames: new tokens and a moved selection must still show."""
+    selected = "#D500F9"
+
+    def spans(view):
+        return [(view.render().plain[s.start:s.end], s.style.background.hex) for s in view.render().spans
+                if s.style.background]
+
+    async def scenario():
+        app = ChatApp(cfg, pipeline=pipe)
+        async with app.run_test(size=SIZE) as pilot:
+            view = ReplyView("test")
+            await app.query_one("#chat").mount(view)
+            view.extend([TokenEvent(1, "a", "accepted", 1, 0.9, 1), TokenEvent(2, "b", "bonus", None, None, 1)])
+            assert [c for _, c in spans(view)] == [TOKEN_COLOURS["token--accepted-1"], TOKEN_COLOURS["token--bonus"]]
+            view.select(0)
+            assert [c for _, c in spans(view)] == [selected, TOKEN_COLOURS["token--bonus"]]
+            view.extend([TokenEvent(3, "c", "resampled", 2, 0.1, 2)])
+            view.select(2)
+            assert [c for _, c in spans(view)] == [TOKEN_COLOURS["token--accepted-1"], TOKEN_COLOURS["token--bonus"],
+                                                   selected]
+
+    asyncio.run(scenario())
+
+
+def test_update_inbox_wakes_the_ui_once_and_merges():
+    inbox = UpdateInbox()
+    snap = PanelSnapshot("exact", True)
+    one, two = (TokenEvent(i, str(i), "bonus", None, None, i) for i in (1, 2))
+    assert inbox.put(ReplyUpdate((one,), snap)) is True
+    assert inbox.put(ReplyUpdate((two,), snap, dropped=2)) is False
+    assert inbox.put(ReplyUpdate((), snap, "eos", tail="!")) is False
+    merged = inbox.take()
+    assert merged.tokens == (one, two) and merged.done and merged.tail == "!" and merged.dropped == 2
+    assert inbox.take() is None and inbox.put(ReplyUpdate((), snap)) is True
+
+
+def test_messages_sent_while_a_reply_streams_are_queued_as_their_own_turns(cfg, pipe):
+    """Enter, a second message and Enter straight away: two turns, never "firstsecond"."""
+    gated = GatedPipe(pipe, after=5)
+
+    async def scenario():
+        app = ChatApp(cfg, pipeline=gated)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.click("#prompt")
+            await pilot.press(*"first", "enter", *"second", "enter")
+            assert app.query_one("#prompt").value == ""
+            queued = [m for m in app.query(UserMessage) if m.queued]
+            assert [m.text for m in queued] == ["second"]
+            gated.gate.set()
+            await wait_for(pilot, lambda: app.active is None and not app.queued and len(app.query(ReplyView)) == 2)
+            users = [m["content"] for m in app.history.messages if m["role"] == "user"]
+            assert users == ["first", "second"] and not any(m.queued for m in app.query(UserMessage))
+            assert [m["role"] for m in app.history.messages] == ["user", "assistant", "user", "assistant"]
+            order = [type(w).__name__ for w in app.query_one("#chat").children]
+            assert order == ["UserMessage", "ReplyView", "UserMessage", "ReplyView"]
+
+    asyncio.run(scenario())
+
+
+def test_messages_typed_while_the_models_load_are_queued(cfg, pipe, monkeypatch):
+    loaded = threading.Event()
+
+    def slow_load(_cfg):
+        assert loaded.wait(60)
+        return pipe
+
+    monkeypatch.setattr(app_module, "load_pipeline", slow_load)
+
+    async def scenario():
+        app = ChatApp(cfg)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.click("#prompt")
+            await pilot.press(*"one", "enter", *"two", "enter")
+            assert app.pipe is None and [m.text for m in app.queued] == ["one", "two"]
+            loaded.set()
+            await wait_for(pilot, lambda: app.active is None and not app.queued and len(app.query(ReplyView)) == 2)
+            assert [m["content"] for m in app.history.messages if m["role"] == "user"] == ["one", "two"]
+
+    asyncio.run(scenario())
+
+
+def test_reply_seeds_wrap_around_at_the_largest_seed(cfg, pipe):
+    """Each reply uses seed + n; with seed=2**64-1 the second reply must not fail on an invalid seed."""
+    largest = GatedPipe(pipe)
+    largest.gate.set()
+    largest.defaults = dataclasses.replace(pipe.defaults, seed=2**64 - 1)
+
+    async def scenario():
+        app = ChatApp(cfg, pipeline=largest)
+        async with app.run_test(size=SIZE) as pilot:
+            for text in ("one", "two"):
+                app.query_one("#prompt").value = text
+                await pilot.press("enter")
+                await wait_for(pilot, lambda: app.active is None)
+            assert not app.query(ErrorMessage) and len(app.history.messages) == 4
+
+    asyncio.run(scenario())
+
+
+def test_long_chat_drops_the_oldest_turns_and_says_so(cfg, pipe):
+    """tiny encodes one token per character; its context is 512 and a reply keeps 60 free."""
+    async def scenario():
+        app = ChatApp(cfg, pipeline=pipe)
+        async with app.run_test(size=SIZE) as pilot:
+            prompt = app.query_one("#prompt")
+            for letter in "abc":
+                prompt.value = letter * 150
+                await pilot.press("enter")
+                await wait_for(pilot, lambda: app.active is None)
+                assert not app.query(ErrorMessage)
+            notice = str(app.query_one(Notice).render())
+            assert "context" in notice and "Ctrl+N" in notice
+            users = [m["content"][0] for m in app.history.messages if m["role"] == "user"]
+            assert users == ["b", "c"] and app.history.messages[0]["role"] == "user"
+            assert len(pipe.encode(app.history.prompt())) <= 512
 
     asyncio.run(scenario())
 
@@ -273,8 +521,38 @@ def test_load_error_is_shown_in_the_app():
     asyncio.run(error_scenario())
 
 
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("redirected", ["stdin", "stdout"])
+def test_main_refuses_to_run_without_a_terminal(redirected, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", FakeTerminal())
+    monkeypatch.setattr(sys, "stdout", FakeTerminal())
+    monkeypatch.setattr(sys, redirected, io.StringIO())
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specgen-chat: error:") and "terminal" in err and err.count("\n") == 1
+
+
+def test_chat_with_stdin_from_dev_null_exits_at_once():
+    """``specgen-chat </dev/null`` used to spin forever. stdout is a real terminal (a pty) here, so only
+    the redirected stdin can make it stop."""
+    leader, follower = pty.openpty()
+    try:
+        done = subprocess.run([sys.executable, "-c", "from specgen.tui.app import main; raise SystemExit(main())"],
+                              stdin=subprocess.DEVNULL, stdout=follower, stderr=subprocess.PIPE, text=True,
+                              timeout=120)
+    finally:
+        os.close(follower)
+        os.close(leader)
+    assert done.returncode == 2 and "terminal" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_main_reports_bad_override_in_one_line(capsys):
     assert main(["target=no-such-model"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("specgen-chat: error:") and err.count("\n") == 1
+    assert "no-such-model" in err and "terminal" not in err  # the override, not the missing terminal
     assert main(["--help"]) == 0 and "usage" in capsys.readouterr().out

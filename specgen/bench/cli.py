@@ -5,6 +5,7 @@ to stderr. With ``bench.out_dir`` set (default ``bench_results``) each run
 writes ``<out_dir>/<time>-<target>-<drafter>/`` holding ``results.jsonl`` (one
 row per cell), ``samples.jsonl`` (one per timed generation), ``table.md`` and
 the PNG plots. Errors a user can cause exit with status 2 and one line.
+Ctrl-C exits with status 130 after printing and writing what was measured.
 
     specgen-bench target=tiny drafter=tiny threads=1 bench.gammas=[2,4] bench.temperatures=[0,0.7]
     specgen-bench -m drafter=ngram,none bench.temperatures=[0]        # Hydra multirun
@@ -25,6 +26,7 @@ from specgen.bench.plots import write_plots
 from specgen.bench.report import LEGEND, header, markdown, run_config, write_jsonl
 from specgen.bench.runner import Settings, run_matrix
 from specgen.bench.summary import summarise
+from specgen.checks import check_output_dir, check_run_config
 from specgen.config import compose, conf_dir, exits_on_error, run_console, to_container
 from specgen.errors import ConfigError
 
@@ -33,13 +35,17 @@ CONFIG_NAME = "bench"
 
 @dataclass
 class BenchResult:
-    """rows: one per cell (written to results.jsonl); out_dir: None when nothing was written."""
+    """rows: one per cell (written to results.jsonl); out_dir: None when nothing was written.
+
+    interrupted: Ctrl-C ended the run early; the rows cover the prompts measured before it.
+    """
 
     rows: list[dict]
     samples: list[dict]
     table: str
     notes: list[str]
     out_dir: Path | None
+    interrupted: bool = False
 
 
 def compose_bench(overrides: Sequence[str] = ()) -> DictConfig:
@@ -51,13 +57,26 @@ def run_bench(cfg: DictConfig, names: Mapping[str, str] | None = None, *, out=No
     """Run the matrix ``cfg`` describes, print the table to ``out`` and write the results.
 
     names: the chosen target/drafter config names (labels for rows and folders).
+    ``bench.out_dir`` is checked before anything runs (ConfigError when it is a
+    file or cannot be created). Ctrl-C stops the matrix: what was measured is
+    printed and written and the result says ``interrupted``; with nothing
+    measured yet, KeyboardInterrupt propagates.
     """
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     resolved = to_container(cfg)
+    check_run_config(resolved)
     bench = resolved["bench"]
     settings = Settings.from_config(bench)
+    if bench.get("costs_only"):
+        return _show_costs(cfg, settings, out)
+    if bench.get("out_dir"):
+        check_output_dir(Path(str(bench["out_dir"])), "bench.out_dir")
     run = run_matrix(cfg, settings, progress=bool(bench.get("progress", True)))
+    if run.interrupted and not run.samples:
+        raise KeyboardInterrupt
+    if run.interrupted:
+        run.notes.append("interrupted by Ctrl-C: the rows cover only the prompts measured before it")
     config = run_config(resolved, names or {})
     rows = summarise(run.samples, run.hf_spec_method, run.calibration)
     for row in rows:
@@ -79,8 +98,22 @@ def run_bench(cfg: DictConfig, names: Mapping[str, str] | None = None, *, out=No
         (out_dir / "table.md").write_text(f"{title}\n\n{table}\n{LEGEND}\n" + (f"\nNotes:\n{notes}" if notes else ""))
         if bench.get("plots", True):
             write_plots(rows, out_dir, title)
-        err.write(f"specgen-bench: results in {out_dir}\n")
-    return BenchResult(rows, run.samples, table, run.notes, out_dir)
+        if not run.interrupted:
+            err.write(f"specgen-bench: results in {out_dir}\n")
+    return BenchResult(rows, run.samples, table, run.notes, out_dir, run.interrupted)
+
+
+def _show_costs(cfg: DictConfig, settings: Settings, out) -> BenchResult:
+    """``bench.costs_only=true``: print the pipeline's cost table (``bench.remeasure_costs=true``: measure again)."""
+    from specgen.bench.runner import build_variant
+    from specgen.costmodel import describe
+
+    pipe = build_variant(cfg, settings.temperatures[0], settings, progress=False)
+    if not pipe.speculative:
+        raise ConfigError(f"bench.costs_only needs a drafter, but speculation is {pipe.guarantee}")
+    text = describe(pipe.cost_table(refresh=settings.remeasure_costs))
+    out.write(text + "\n")
+    return BenchResult([], [], text, [], None)
 
 
 def _new_run_dir(root: Path, config: Mapping) -> Path:
@@ -102,12 +135,16 @@ def _hydra_main(cfg: DictConfig) -> None:
 
     choices = HydraConfig.get().runtime.choices
     with exits_on_error("specgen-bench"):
-        run_bench(cfg, {"target": choices.get("target"), "drafter": choices.get("drafter")})
+        result = run_bench(cfg, {"target": choices.get("target"), "drafter": choices.get("drafter")})
+    if result.interrupted:
+        where = f"; results so far in {result.out_dir}" if result.out_dir else ""
+        sys.stderr.write(f"specgen-bench: interrupted after {len(result.samples)} measured generations{where}\n")
+        raise SystemExit(130)
 
 
 def main() -> None:
     """Console entry point (``specgen-bench``): quote free-text overrides, quiet HF, hand over to Hydra."""
-    run_console(_hydra_main)
+    run_console(_hydra_main, "specgen-bench", CONFIG_NAME)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import json
 import os
 import pathlib
 import shutil
+import struct
 import sys
 import tempfile
 import time
@@ -39,6 +40,7 @@ import torch
 from safetensors import SafetensorError
 
 from specgen.errors import ModelLoadError
+from specgen.models.architecture import check_architecture
 from specgen.models.packaged import find_package_file, join_parts, locate_parts, part_package_names, pip_install_command
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
@@ -54,6 +56,19 @@ def cache_root() -> pathlib.Path:
     """The cache directory: ``$SPECGEN_CACHE`` if set, else ``~/.cache/specgen``."""
     configured = os.environ.get("SPECGEN_CACHE")
     return pathlib.Path(configured).expanduser() if configured else pathlib.Path.home() / ".cache" / "specgen"
+
+
+def writable_cache_dir(*parts: str) -> pathlib.Path:
+    """``cache_root()/parts``, created if needed; ModelLoadError naming it when it cannot be written."""
+    path = cache_root().joinpath(*parts)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as error:
+        raise ModelLoadError(f"cannot use the specgen cache directory {path}: {error.strerror or error}; "
+                             "set SPECGEN_CACHE to a writable directory") from None
+    return path
 
 
 def resolve_model_dir(source: Mapping, *, progress: bool = True) -> pathlib.Path:
@@ -75,7 +90,10 @@ def resolve_model_dir(source: Mapping, *, progress: bool = True) -> pathlib.Path
 def load_model_and_tokenizer(source: Mapping, *, dtype: torch.dtype, device: torch.device, progress: bool = True):
     """Return ``(model, tokenizer)``: the model in ``dtype`` on ``device`` in eval mode.
 
-    Weights are read from safetensors only, with SDPA attention. Remote code is
+    Weights are read from safetensors only, with SDPA attention. A model whose
+    attention state specgen cannot roll back (a sliding window shorter than its
+    context, recurrent or state-space layers) is refused with
+    :class:`ModelLoadError` before its weights are read. Remote code is
     trusted only when ``source['trust_remote_code']`` is literally ``True``.
     The tokenizer comes from ``source['tokenizer']`` when given, else from the
     model's own directory.
@@ -86,6 +104,7 @@ def load_model_and_tokenizer(source: Mapping, *, dtype: torch.dtype, device: tor
     model_dir = resolve_model_dir(source, progress=progress)
     tokenizer_source = source.get("tokenizer")
     tokenizer_dir = resolve_model_dir(tokenizer_source, progress=progress) if tokenizer_source else model_dir
+    check_architecture(model_dir, trust)
     try:
         with _progress_bars(progress):
             model = AutoModelForCausalLM.from_pretrained(
@@ -151,7 +170,7 @@ def _resolve_package_parts(source: Mapping, progress: bool) -> pathlib.Path:
     cache_dtype = _cache_dtype(source)
     if sha256 and _is_complete(_converted_dir(sha256, cache_dtype)):
         return _converted_dir(sha256, cache_dtype)
-    joined = cache_root() / "gguf" / filename
+    joined = writable_cache_dir("gguf") / filename
     if not (sha256 and joined.is_file() and _file_sha256(joined) == sha256):
         _join_packaged_parts(source, joined, sha256, progress)
     model_dir = _converted(joined, cache_dtype, progress)
@@ -187,8 +206,8 @@ _RESOLVERS: dict[str, Callable[[Mapping, bool], pathlib.Path]] = {
 def _required(source: Mapping, key: str, kind: str):
     """``source[key]``, or a :class:`ModelLoadError` saying the ``kind`` source needs it."""
     value = source.get(key)
-    if value is None or value == "":
-        raise ModelLoadError(f"a '{kind}' model source needs a '{key}' entry")
+    if value is None or value in ("", "???"):
+        raise ModelLoadError(f"a '{kind}' model source needs a '{key}' entry (e.g. target.source.{key}=...)")
     return value
 
 
@@ -229,7 +248,7 @@ def _converted(gguf_path: pathlib.Path, cache_dtype: str, progress: bool) -> pat
         shutil.rmtree(target)
     _say(progress, _conversion_notice(gguf_path))
     started = time.monotonic()
-    target.parent.mkdir(parents=True, exist_ok=True)
+    writable_cache_dir("converted")
     _remove_stale_temps(target.parent)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=target.parent))
     try:
@@ -284,13 +303,17 @@ def _file_sha256(path: pathlib.Path) -> str:
 
 
 def _remember_sha256(path: pathlib.Path, sha256: str) -> None:
-    """Record that ``path``, as it is now on disk, has this sha256."""
+    """Record that ``path``, as it is now on disk, has this sha256 (best effort: an unwritable cache only
+    costs a rehash next time)."""
     path = path.resolve()
     stat = path.stat()
     index_path = cache_root() / _HASH_INDEX
     index = _read_json(index_path)
     index[str(path)] = [stat.st_size, stat.st_mtime_ns, sha256]
-    _write_json_atomic(index_path, index)
+    try:
+        _write_json_atomic(index_path, index)
+    except OSError:
+        pass
 
 
 def _read_json(path: pathlib.Path) -> dict:
@@ -306,8 +329,11 @@ def _write_json_atomic(path: pathlib.Path, data: dict) -> None:
     """Write ``data`` as JSON to ``path`` via a temporary file and rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _conversion_notice(gguf_path: pathlib.Path) -> str:
@@ -358,6 +384,9 @@ def _convert_gguf(gguf_path: pathlib.Path, out_dir: pathlib.Path, dtype: torch.d
     try:
         model = _dequantised_model(gguf_path)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except struct.error as error:
+        raise ModelLoadError(f"{gguf_path} ends inside its GGUF header, so the file is truncated or corrupt; "
+                             "download or copy it again") from error
     except (ImportError, ValueError, KeyError, OSError) as error:
         raise ModelLoadError(
             f"cannot convert {gguf_path}: {type(error).__name__}: {error}; the file may be corrupt, "

@@ -8,6 +8,7 @@ are dropped, so they cost nothing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from specgen.errors import ConfigError
@@ -71,7 +72,11 @@ def _custom(entry: Mapping) -> Processor:
 def build_stack(
     entries: Sequence[Mapping], *, greedy: bool, eos_ids: Sequence[int], vocab_size: int
 ) -> ProcessorStack:
-    """entries: the ordered config list; returns the stack with no-ops removed."""
+    """entries: the ordered config list; returns the stack with no-ops removed.
+
+    ConfigError for an unknown built-in, an entry without name or _target_, or a
+    non-finite number (``temperature: inf``).
+    """
     processors: list[Processor] = []
     for entry in entries:
         entry = dict(entry)
@@ -83,6 +88,9 @@ def build_stack(
             raise ConfigError(f"processor entry {entry} needs a 'name' or a '_target_'")
         if greedy and name == "temperature":
             continue
+        for key, value in entry.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"processor {name}: {key} must be a finite number, got {value}")
         processor = _builtin(name, entry, eos_ids=eos_ids, vocab_size=vocab_size)
         if processor is not None:
             processors.append(processor)

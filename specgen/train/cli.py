@@ -4,7 +4,10 @@
     specgen-train target=tiny train.kind=mtp train.steps=50 train.out=/tmp/mtp.safetensors
 
 stdout gets the held-out evaluation table; progress and notes go to stderr.
-Errors a user can cause exit with status 2 and one line.
+Errors a user can cause exit with status 2 and one line; ``train.out`` is
+checked before anything loads. Ctrl-C during training saves a checkpoint and
+exits with status 130 on one line naming it; earlier, it exits 130 with
+``specgen-train: cancelled``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from specgen.checks import check_output_file
 from specgen.config import compose, conf_dir, exits_on_error, run_console, to_container
 from specgen.errors import ConfigError
 
@@ -35,7 +39,7 @@ _STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32"
 
 @dataclass
 class TrainRun:
-    path: Path | None  # None when interrupted before the end
+    path: Path | None  # None when interrupted before the end (info then names the checkpoint)
     metrics: dict | None
     info: dict  # the train= metadata stored with the head
     table: str
@@ -66,12 +70,16 @@ def head_settings(cfg: dict) -> tuple[str, dict]:
 
 
 def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None, err=None) -> TrainRun:
-    """Load the target, build (or read cached) features, train, evaluate, save the head."""
+    """Load the target, build (or read cached) features, train, evaluate, save the head.
+
+    An interrupted run (Ctrl-C or ``stop_after``) returns ``path=None`` with
+    ``info["checkpoint"]`` and a one-line ``info["message"]``.
+    """
     from specgen.build import set_threads
     from specgen.heads.modules import HeadConfig, build_head
     from specgen.heads.store import save_head, target_fingerprint
     from specgen.models import load_model, resolve_device, resolve_dtype
-    from specgen.models.loading import cache_root
+    from specgen.models.loading import writable_cache_dir
     from specgen.train.data import (
         cached_features,
         data_source,
@@ -93,10 +101,11 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
     store_dtype = _STORE_DTYPES.get(str(train.get("cache_dtype", "bfloat16")))
     if store_dtype is None:
         raise ConfigError(f"train.cache_dtype must be one of {', '.join(_STORE_DTYPES)}")
-    threads = set_threads(train.get("threads", "auto"))
+    threads = set_threads(train.get("threads", "auto"), "train.threads")
     device = resolve_device(str(train.get("device", "auto")))
     dtype = resolve_dtype(str(train.get("dtype", "auto")), device)
     out_path = Path(str(train.get("out") or f"heads/{kind}.safetensors"))
+    check_output_file(out_path, "train.out")
     checkpoint = out_path.with_name(out_path.name + ".ckpt")
 
     loaded = load_model(target_cfg["source"], name="target", dtype=dtype, device=device,
@@ -109,7 +118,7 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
                           f"{num_states} hidden states (0 = embeddings)")
     fingerprint = target_fingerprint(model)
     layers = [] if kind == "medusa" else arch["feature_layers"]
-    cache_dir = cache_root() / "train" if train.get("cache", True) else None
+    cache_dir = writable_cache_dir("train") if train.get("cache", True) else None
 
     corpora, feats, speeds = {}, {}, {}
     for split, held_out in (("train", False), ("eval", True)):
@@ -149,9 +158,9 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
     say(f"trained {result.steps - result.resumed_from} steps in {result.seconds:.1f} s = "
         f"{result.steps_per_s:.2f} steps/s ({threads} threads, {device})")
     if result.interrupted:
-        say(f"stopped at step {result.steps}/{settings.steps}; checkpoint {checkpoint} "
-            "(run again with train.resume=true to continue)")
-        return TrainRun(None, None, {"steps": result.steps}, "")
+        message = (f"stopped at step {result.steps}/{settings.steps}; checkpoint saved to {checkpoint} "
+                   "(run again with train.resume=true to continue)")
+        return TrainRun(None, None, {"steps": result.steps, "checkpoint": str(checkpoint), "message": message}, "")
 
     metrics = evaluate(head, feats["eval"], lookup, unroll=settings.unroll, device=device)
     text = table(metrics)
@@ -177,12 +186,15 @@ def _hydra_main(cfg: DictConfig) -> None:
 
     command = " ".join(["specgen-train", *HydraConfig.get().overrides.task])
     with exits_on_error("specgen-train"):
-        run_train(cfg, command=command)
+        run = run_train(cfg, command=command)
+    if run.path is None:
+        sys.stderr.write(f"specgen-train: interrupted: {run.info['message']}\n")
+        raise SystemExit(130)
 
 
 def main() -> None:
     """Console entry point (``specgen-train``): quiet HF, hand over to Hydra."""
-    run_console(_hydra_main)
+    run_console(_hydra_main, "specgen-train", CONFIG_NAME)
 
 
 if __name__ == "__main__":

@@ -2,15 +2,20 @@
 
 Threading contract: the models load and every reply streams in Textual thread
 workers (:func:`specgen.tui.session.run_reply`); the worker touches the UI only
-through ``post_message`` / ``call_from_thread``. Only one reply streams at a
-time; Esc sets its cancel flag and the worker closes the stream between events.
+through ``post_message`` / ``call_from_thread``. Updates are coalesced in the
+reply's :class:`~specgen.tui.session.UpdateInbox`: at most one ReplyReady message
+waits at a time, so fast tokens never back up the UI's queue. Only one reply
+streams at a time; messages sent meanwhile (or while the models load) are queued
+and sent in order, each as its own turn. Esc sets the reply's cancel flag and the
+worker closes the stream between events.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 from textual import on, work
@@ -21,11 +26,15 @@ from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Input, TextArea
 
+from specgen.checks import check_run_config
 from specgen.config import compose as compose_config
+from specgen.config import to_container
 from specgen.errors import SpecgenError
+from specgen.options import SEED_MAX
 from specgen.tui.panel import StatsPanel
-from specgen.tui.reply import ErrorMessage, Legend, ReplyView, UserMessage
-from specgen.tui.session import ChatHistory, ReplyRequest, ReplyUpdate, load_pipeline, run_reply, uses_template
+from specgen.tui.reply import ErrorMessage, Legend, Notice, ReplyView, UserMessage
+from specgen.tui.session import (ChatHistory, ReplyRequest, ReplyUpdate, UpdateInbox, load_pipeline, run_reply,
+                                 uses_template)
 from specgen.tui.tally import PanelSnapshot
 
 USAGE = """usage: specgen-chat [key=value ...]
@@ -39,21 +48,26 @@ prompt=... is sent as the first message; system=... sets the system message.
 
 @dataclass
 class ActiveReply:
-    """A reply being generated: its view, what was asked, its cancel flag and chat epoch."""
+    """A reply being generated: its view, what was asked, its cancel flag, chat epoch and inbox.
+
+    dropped: old turns the worker left out to fit the context (applied to the
+    history when the reply ends).
+    """
 
     view: ReplyView
     request: ReplyRequest
     cancel: threading.Event
     epoch: int
+    inbox: UpdateInbox = field(default_factory=UpdateInbox)
+    dropped: int = 0
 
 
-class ReplyProgress(Message):
-    """Posted by the reply worker: a batch of tokens and numbers for ``reply``."""
+class ReplyReady(Message):
+    """Posted by the reply worker when ``reply``'s inbox went from empty to holding an update."""
 
-    def __init__(self, reply: ActiveReply, update: ReplyUpdate):
+    def __init__(self, reply: ActiveReply):
         super().__init__()
         self.reply = reply
-        self.update = update
 
 
 class ConfigScreen(ModalScreen[None]):
@@ -97,6 +111,7 @@ class ChatApp(App[int]):
         self.epoch = 0
         self.replies = 0
         self.load_error: str | None = None
+        self.queued: deque[UserMessage] = deque()
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="main"):
@@ -141,6 +156,7 @@ class ChatApp(App[int]):
         first = OmegaConf.select(self.cfg, "prompt", default=None)
         if first:
             self._send(str(first))
+        self._send_queued()
 
     def _load_failed(self, message: str) -> None:
         self.load_error = message
@@ -153,61 +169,96 @@ class ChatApp(App[int]):
 
     @on(Input.Submitted, "#prompt")
     def _submitted(self, event: Input.Submitted) -> None:
+        """Enter: send the message, or queue it as its own turn while loading or streaming."""
         text = event.value.strip()
-        if not text:
+        if not text or self.load_error is not None:
             return
-        if self.pipe is None:
-            self.notify("still loading the models…", severity="warning")
-        elif self.active is not None:
-            self.notify("a reply is still streaming; Esc cancels it", severity="warning")
+        event.input.clear()
+        if self.pipe is None or self.active is not None:
+            message = UserMessage(text, queued=True)
+            self.queued.append(message)
+            self.query_one("#chat", VerticalScroll).mount(message)
+            waiting = "the models load" if self.pipe is None else "the current reply ends"
+            self.notify(f"queued: sent when {waiting}")
         else:
-            event.input.clear()
             self._send(text)
 
-    def _send(self, text: str) -> None:
-        """Add the user turn, mount an empty reply and start the worker."""
+    def _send_queued(self) -> None:
+        """Send the oldest queued message, if nothing is streaming."""
+        if self.queued and self.active is None and self.pipe is not None:
+            message = self.queued.popleft()
+            self._send(message.text, message)
+
+    def _send(self, text: str, message: UserMessage | None = None) -> None:
+        """Add the user turn, mount an empty reply after it and start the worker.
+
+        message: the turn's widget when it was queued (already on screen).
+        """
         self.history.add("user", text)
         speculative = self.speculate and self.pipe.speculative
-        request = ReplyRequest(self.history.prompt(), speculative, seed=int(self.pipe.defaults.seed) + self.replies,
+        seed = (int(self.pipe.defaults.seed) + self.replies) % (SEED_MAX + 1)  # each reply its own seed
+        request = ReplyRequest(self.history.copy(), speculative, seed=seed,
                                stop=self.history.stop_strings(self.pipe.defaults.stop))
         self.replies += 1
         view = ReplyView(f"assistant · {'speculative' if speculative else 'plain'}")
         chat = self.query_one("#chat", VerticalScroll)
-        chat.mount(UserMessage(text))
-        chat.mount(view)
+        if message is None:
+            message = UserMessage(text)
+            chat.mount(message)
+        else:
+            message.set_queued(False)
+        chat.mount(view, after=message)
         self.active = ActiveReply(view, request, threading.Event(), self.epoch)
         self._generate(self.active)
 
     @work(thread=True, group="reply")
     def _generate(self, reply: ActiveReply) -> None:
-        """Stream ``reply`` in this thread; every batch goes to the UI as a ReplyProgress message."""
+        """Stream ``reply`` in this thread; batches wait in its inbox, one ReplyReady wakes the UI."""
         def emit(update: ReplyUpdate) -> None:
-            self.post_message(ReplyProgress(reply, update))
+            if reply.inbox.put(update):
+                self.post_message(ReplyReady(reply))
 
         run_reply(self.pipe, reply.request, reply.cancel, emit)
 
-    def on_reply_progress(self, message: ReplyProgress) -> None:
-        reply, update = message.reply, message.update
+    def on_reply_ready(self, message: ReplyReady) -> None:
+        """Draw everything that arrived since the last frame, in one go."""
+        reply = message.reply
+        update = reply.inbox.take()
+        if update is None:
+            return
         current = reply.epoch == self.epoch
         if current:
+            if update.dropped > reply.dropped:
+                self._show_dropped(reply, update.dropped)
             reply.view.extend(update.tokens, update.tail)
             self.panel.show_snapshot(update.snapshot)
         if update.done:
             self._finished(reply, update, current)
 
+    def _show_dropped(self, reply: ActiveReply, dropped: int) -> None:
+        reply.dropped = dropped
+        context = self.pipe.target.context_length
+        turns = "message is" if dropped == 1 else f"{dropped} messages are"
+        notice = Notice(f"The chat outgrew the model's context ({context} tokens), so the oldest {turns} "
+                        f"left out from now on. Ctrl+N starts a new chat.")
+        self.query_one("#chat", VerticalScroll).mount(notice, before=reply.view)
+
     def _finished(self, reply: ActiveReply, update: ReplyUpdate, current: bool) -> None:
         if self.active is reply:
             self.active = None
-        if not current:
-            return
-        s = update.snapshot
-        reply.view.finish(f"{update.finish_reason} · {s.new_tokens} tok · {s.tokens_per_s:.1f} tok/s · τ {s.tau:.2f}")
-        if reply.view.text:
-            self.history.add("assistant", reply.view.text)
-        elif update.error:
-            self.history.drop_last()
-        if update.error:
-            self.query_one("#chat", VerticalScroll).mount(ErrorMessage(update.error))
+        if current:
+            s = update.snapshot
+            reply.view.finish(f"{update.finish_reason} · {s.new_tokens} tok · {s.tokens_per_s:.1f} tok/s · "
+                              f"τ {s.tau:.2f}")
+            if not update.error:
+                self.history.drop_oldest(reply.dropped)
+            if reply.view.text:
+                self.history.add("assistant", reply.view.text)
+            elif update.error:
+                self.history.drop_last()
+            if update.error:
+                self.query_one("#chat", VerticalScroll).mount(ErrorMessage(update.error))
+        self._send_queued()
 
     def on_reply_view_token_selected(self, message: ReplyView.TokenSelected) -> None:
         self.panel.show_token(message.token)
@@ -218,13 +269,14 @@ class ChatApp(App[int]):
             self.active.cancel.set()
 
     def action_new_chat(self) -> None:
-        """Ctrl+N: cancel any reply, forget the history, clear the screen.
+        """Ctrl+N: cancel any reply, forget the history and queued messages, clear the screen.
 
         A cancelled reply stays ``active`` until its worker reports back, so two
-        requests never run on the pipeline at once.
+        requests never run on the pipeline at once; a message sent meanwhile waits.
         """
         self.action_cancel_reply()
         self.epoch += 1
+        self.queued.clear()
         if self.history is not None:
             self.history.clear()
             self.panel.show_snapshot(PanelSnapshot(self.pipe.guarantee, self.pipe.speculative))
@@ -258,8 +310,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = compose_config(args)
+        check_run_config(to_container(cfg))
     except SpecgenError as exc:
         print(f"specgen-chat: error: {exc}", file=sys.stderr)
+        return 2
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        print("specgen-chat: error: needs an interactive terminal (stdin or stdout is redirected); "
+              "for scripts use `specgen prompt=...`", file=sys.stderr)
         return 2
     app = ChatApp(cfg)
     app.run()

@@ -102,6 +102,7 @@ def token_content(token: TokenEvent | None) -> Content:
         ("selected token ", "bold"), repr(token.text), f" #{token.token_id}\n",
         (token.kind, "bold"), f" · draft pos {position}\n",
         "min(1,p/q) ", (prob, "bold"), f" · round {token.round}",
+        "" if token.gamma is None else f" · γ {token.gamma}",
     )
 
 

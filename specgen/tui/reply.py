@@ -33,10 +33,26 @@ def token_class(token: TokenEvent) -> str:
 
 
 class UserMessage(Static):
-    """One user turn, as typed."""
+    """One user turn, as typed; ``queued`` while it waits for the reply in progress (class ``-queued``)."""
 
-    def __init__(self, text: str):
-        super().__init__(Content.assemble(("you › ", "bold"), text))
+    def __init__(self, text: str, *, queued: bool = False):
+        super().__init__()
+        self.text = text
+        self.queued = queued
+
+    def on_mount(self) -> None:
+        self.set_queued(self.queued)
+
+    def set_queued(self, queued: bool) -> None:
+        """Show the turn as waiting to be sent (True) or as sent (False)."""
+        self.queued = queued
+        self.set_class(queued, "-queued")
+        label = "you (queued) › " if queued else "you › "
+        self.update(Content.assemble((label, "bold"), self.text))
+
+
+class Notice(Static):
+    """Something the chat did on its own that the user should know (e.g. old turns left out)."""
 
 
 class ErrorMessage(Static):
@@ -75,6 +91,8 @@ class ReplyView(Widget, can_focus=True):
         self.tokens: list[TokenEvent] = []
         self.tail = ""
         self.selected: int | None = None
+        self._parts: list[tuple[str, Style]] = []  # styled tokens[:len(_parts)], as of _parts_selected
+        self._parts_selected: int | None = None
         self.border_title = title
         self.border_subtitle = "streaming · Esc cancels"
 
@@ -117,21 +135,28 @@ class ReplyView(Widget, can_focus=True):
             self.select(int(index))
 
     def render(self) -> Content:
-        parts = [(self._token_text(i, t), self._token_style(i, t)) for i, t in enumerate(self.tokens)]
-        content = Content.assemble(*parts, self.tail)
+        """The tokens, each styled by kind; styled parts are cached, so a frame styles only new tokens."""
+        for index in range(len(self._parts), len(self.tokens)):
+            self._parts.append(self._part(index))
+        for index in {self._parts_selected, self.selected} - {None}:
+            self._parts[index] = self._part(index)
+        self._parts_selected = self.selected
+        content = Content.assemble(*self._parts, self.tail)
         return content if content.plain else Content("…")
 
-    def _token_text(self, index: int, token: TokenEvent) -> str:
-        if token.text or index != self.selected:
-            return token.text
-        return "∅"
+    def notify_style_update(self) -> None:
+        """The CSS (or theme) changed: style every token again at the next render."""
+        super().notify_style_update()
+        self._parts.clear()
 
-    def _token_style(self, index: int, token: TokenEvent) -> Style:
+    def _part(self, index: int) -> tuple[str, Style]:
+        token = self.tokens[index]
+        text = "∅" if index == self.selected and not token.text else token.text
         names = (token_class(token), "token--selected") if index == self.selected else (token_class(token),)
         style = Style()
         for name in names:
             style += self.get_visual_style(name)
-        return style + Style.from_meta({"token": index})
+        return text, style + Style.from_meta({"token": index})
 
 
 class Legend(Widget):

@@ -1,9 +1,10 @@
 """The chat's engine side: history, prompt building and the streaming loop.
 
 Nothing here imports Textual. :func:`run_reply` runs in the app's thread
-worker; it hands batches of tokens and a stats snapshot to a callback (the app
-turns them into messages) and stops at a cancel flag between events, closing
-the stream so the engine ends the request on a committed round.
+worker; it fits the conversation into the model's context, hands batches of
+tokens and a stats snapshot to a callback (the app puts them in an
+:class:`UpdateInbox` and wakes the UI) and stops at a cancel flag between events,
+closing the stream so the engine ends the request on a committed round.
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specgen.errors import SpecgenError, first_line
+from specgen.errors import PromptError, SpecgenError, first_line
 from specgen.events import FinishEvent, TokenEvent
+from specgen.options import parse_chat
 from specgen.stats import Stats
 from specgen.tui.tally import PanelSnapshot, Tally
 
-#: Seconds between two updates handed to the UI while tokens stream.
-UPDATE_INTERVAL = 0.05
+#: Seconds between two updates handed to the UI while tokens stream (about one per frame at 30 fps).
+UPDATE_INTERVAL = 1 / 30
+#: Share of the model's context kept free for a reply when old turns are dropped to fit.
+REPLY_SHARE = 4
 
 
 @dataclass
@@ -45,11 +49,31 @@ class ChatHistory:
         if self.messages:
             self.messages.pop()
 
-    def prompt(self) -> str | list[dict]:
-        """What to pass to ``Pipeline.stream``: messages, or one transcript string."""
+    def copy(self) -> ChatHistory:
+        """A snapshot the reply worker can read while the UI thread goes on."""
+        return ChatHistory(self.use_template, [dict(m) for m in self.messages])
+
+    def droppable(self) -> list[int]:
+        """How many of the oldest non-system messages may be left out: 0, then each count that
+        leaves the kept turns starting with a user message and keeps the last message."""
+        turns = [m for m in self.messages if m["role"] != "system"]
+        return [0, *(n for n in range(1, len(turns)) if turns[n]["role"] == "user")]
+
+    def drop_oldest(self, count: int) -> None:
+        """Forget the ``count`` oldest non-system messages (system messages stay)."""
+        turns = [m for m in self.messages if m["role"] != "system"][:count]
+        self.messages = [m for m in self.messages if not any(m is t for t in turns)]
+
+    def prompt(self, drop: int = 0) -> str | list[dict]:
+        """What to pass to ``Pipeline.stream``: messages, or one transcript string.
+
+        drop: leave out that many of the oldest non-system messages.
+        """
+        kept = self.copy()
+        kept.drop_oldest(drop)
         if self.use_template:
-            return list(self.messages)
-        lines = [f"{_speaker(m['role'])}: {m['content']}" for m in self.messages]
+            return kept.messages
+        lines = [f"{_speaker(m['role'])}: {m['content']}" for m in kept.messages]
         return "\n".join([*lines, "Assistant:"])
 
     def stop_strings(self, defaults: tuple[str, ...]) -> tuple[str, ...]:
@@ -63,10 +87,32 @@ def _speaker(role: str) -> str:
 
 def uses_template(pipe) -> bool:
     """Whether replies use the chat template: the ``chat`` setting, or auto-detected."""
-    chat = pipe.defaults.chat
-    if chat in ("auto", None):
-        return pipe.tokenizer.has_chat_template
-    return str(chat).lower() in ("true", "1", "yes") if isinstance(chat, str) else bool(chat)
+    chat = parse_chat(pipe.defaults.chat)
+    return pipe.tokenizer.has_chat_template if chat == "auto" else chat
+
+
+def fit_history(pipe, history: ChatHistory, max_new_tokens: int | None = None) -> tuple[str | list[dict], int]:
+    """The prompt for ``history`` and how many of its oldest turns were left out to fit the context.
+
+    The prompt must leave ``min(max_new_tokens, context // REPLY_SHARE)`` tokens
+    for the reply; the oldest turns are dropped (system messages never) until it
+    does. Raises PromptError when even the last message alone cannot fit in the
+    context; a last message that fits with less room for the reply is sent as is.
+    """
+    context = pipe.target.context_length
+    max_new = pipe.defaults.max_new_tokens if max_new_tokens is None else max_new_tokens
+    limit = context - min(max_new, max(1, context // REPLY_SHARE))
+    drops = history.droppable()
+    for drop in drops:
+        prompt = history.prompt(drop)
+        size = len(pipe.encode(prompt))
+        if size <= limit:
+            return prompt, drop
+    if size < context:
+        return prompt, drops[-1]
+    raise PromptError(f"the message is too long: with it the prompt needs {size} tokens but the model's context "
+                      f"is {context}; shorten it"
+                      + (" (Ctrl+N starts a new chat)" if len(drops) > 1 else ""))
 
 
 def reply_guarantee(pipe, speculative: bool) -> str:
@@ -83,6 +129,7 @@ class ReplyUpdate:
     tokens: the engine's own (immutable) TokenEvents, in order.
     tail: text the engine released at the end (held back until then).
     error: a user-facing message when the reply failed; the tokens so far are kept.
+    dropped: how many of the oldest turns were left out of the prompt to fit the context.
     """
 
     tokens: tuple[TokenEvent, ...]
@@ -90,26 +137,63 @@ class ReplyUpdate:
     finish_reason: str | None = None
     tail: str = ""
     error: str | None = None
+    dropped: int = 0
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    def then(self, later: ReplyUpdate) -> ReplyUpdate:
+        """This update followed by ``later``, as one: tokens and tail joined, the rest from ``later``."""
+        return ReplyUpdate(self.tokens + later.tokens, later.snapshot, later.finish_reason, self.tail + later.tail,
+                           later.error or self.error, max(self.dropped, later.dropped))
+
+
+class UpdateInbox:
+    """Where the worker leaves updates for the UI thread, merged until taken.
+
+    ``put`` returns True only when the inbox was empty, so the worker wakes the
+    UI with one message and never more than one is waiting: however fast tokens
+    arrive, the UI draws them in batches of whatever came since its last frame
+    and its queue (and Esc behind it) never backs up.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: ReplyUpdate | None = None
+
+    def put(self, update: ReplyUpdate) -> bool:
+        """Add ``update``; True when the UI must be told (the inbox was empty)."""
+        with self._lock:
+            was_empty = self._waiting is None
+            self._waiting = update if was_empty else self._waiting.then(update)
+            return was_empty
+
+    def take(self) -> ReplyUpdate | None:
+        """Everything put since the last take, as one update (None if nothing)."""
+        with self._lock:
+            update, self._waiting = self._waiting, None
+            return update
+
 
 @dataclass(frozen=True)
 class ReplyRequest:
-    """One reply to generate: prompt, limits and whether to speculate."""
+    """One reply to generate: prompt, limits and whether to speculate.
 
-    prompt: str | list[dict]
+    prompt: a ready prompt, or a ChatHistory snapshot that :func:`fit_history`
+    fits into the context in the worker.
+    """
+
+    prompt: str | list[dict] | ChatHistory
     speculative: bool
     seed: int
     max_new_tokens: int | None = None
     stop: tuple[str, ...] = ()
 
 
-def open_stream(pipe, request: ReplyRequest, stats: Stats):
+def open_stream(pipe, prompt: str | list[dict], request: ReplyRequest, stats: Stats):
     """Start the stream; the engine fills ``stats`` as rounds commit."""
-    return pipe.stream(request.prompt, max_new_tokens=request.max_new_tokens, seed=request.seed,
+    return pipe.stream(prompt, max_new_tokens=request.max_new_tokens, seed=request.seed,
                        stop=list(request.stop), speculative=request.speculative, stats=stats)
 
 
@@ -117,37 +201,45 @@ def run_reply(pipe, request: ReplyRequest, cancel: threading.Event, emit: Callab
               interval: float = UPDATE_INTERVAL) -> ReplyUpdate:
     """Stream one reply, calling ``emit`` with batches; return (and emit) the final update.
 
-    Cancelling (``cancel`` set) closes the stream between events: the engine has
-    committed or rolled back every round by then, and the partial reply stands
-    with finish_reason "cancelled". Errors become ``ReplyUpdate.error``; none escape.
+    A ChatHistory prompt is first fitted into the context (:func:`fit_history`);
+    every update carries how many old turns were left out. Cancelling
+    (``cancel`` set) closes the stream between events: the engine has committed
+    or rolled back every round by then, and the partial reply stands with
+    finish_reason "cancelled". Errors become ``ReplyUpdate.error``; none escape.
     """
     guarantee = reply_guarantee(pipe, request.speculative)
     speculative = request.speculative and pipe.speculative
     tally = Tally(guarantee, speculative)
     batch: list[TokenEvent] = []
+    dropped = 0
     last = time.perf_counter()
     try:
-        stream = open_stream(pipe, request, tally.live)
+        prompt = request.prompt
+        if isinstance(prompt, ChatHistory):
+            prompt, dropped = fit_history(pipe, prompt, request.max_new_tokens)
+        stream = open_stream(pipe, prompt, request, tally.live)
         for event in stream:
             if isinstance(event, FinishEvent):
                 tally.finish(event.generation.stats)
-                return _final(emit, batch, tally, event.finish_reason, tail=event.text)
+                return _final(emit, batch, tally, event.finish_reason, dropped, tail=event.text)
             batch.append(event)
             if cancel.is_set():
                 stream.close()
-                return _final(emit, batch, tally, "cancelled")
+                return _final(emit, batch, tally, "cancelled", dropped)
             if time.perf_counter() - last >= interval:
-                emit(ReplyUpdate(tuple(batch), tally.snapshot()))
+                emit(ReplyUpdate(tuple(batch), tally.snapshot(), dropped=dropped))
                 batch, last = [], time.perf_counter()
-        return _final(emit, batch, tally, "cancelled")
+        return _final(emit, batch, tally, "cancelled", dropped)
     except SpecgenError as exc:
-        return _final(emit, batch, tally, "error", error=str(exc))
+        return _final(emit, batch, tally, "error", dropped, error=str(exc))
     except Exception as exc:  # the UI must survive any engine failure
-        return _final(emit, batch, tally, "error", error=f"{type(exc).__name__}: {first_line(exc, 'unexpected error')}")
+        return _final(emit, batch, tally, "error", dropped,
+                      error=f"{type(exc).__name__}: {first_line(exc, 'unexpected error')}")
 
 
-def _final(emit, batch, tally: Tally, reason: str, *, tail: str = "", error: str | None = None) -> ReplyUpdate:
-    update = ReplyUpdate(tuple(batch), tally.snapshot(reason), reason, tail, error)
+def _final(emit, batch, tally: Tally, reason: str, dropped: int, *, tail: str = "",
+           error: str | None = None) -> ReplyUpdate:
+    update = ReplyUpdate(tuple(batch), tally.snapshot(reason), reason, tail, error, dropped)
     emit(update)
     return update
 
@@ -157,7 +249,9 @@ def load_pipeline(cfg):
     from specgen.build import build_pipeline
 
     try:
-        return build_pipeline(cfg, progress=False)
+        pipe = build_pipeline(cfg, progress=False)
+        uses_template(pipe)  # a bad chat= setting fails here, not later on the UI thread
+        return pipe
     except SpecgenError:
         raise
     except Exception as exc:

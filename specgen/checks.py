@@ -1,0 +1,187 @@
+"""Checks of a composed run config's values, before anything is loaded.
+
+Hydra's schemas catch wrong types for typed keys (``sampling.temperature=hot``);
+these checks catch what types cannot: spellings (``speculative=no``), ranges
+(``seed=99999999999999999999999``, ``sampling.temperature=inf``), text where a
+number belongs in untyped keys (``max_new_tokens=abc``, ``threads=abc``) and
+model sources that still hold Hydra's ``???`` placeholder (``target=gguf``
+without a path). Every failure is a :class:`ConfigError` whose message names the
+key, so the commands can print it as their one error line.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+from specgen.errors import ConfigError
+from specgen.options import parse_bool, parse_chat, parse_int, parse_optional_text, parse_seed, parse_stop
+
+#: Hydra's marker for a value that must be given on the command line.
+MISSING = "???"
+
+
+class _Range(NamedTuple):
+    low: float | None  # None = no lower bound
+    low_allowed: bool  # whether ``low`` itself is allowed
+    high: float | None  # inclusive; None = no upper bound
+    wording: str  # the range as the error message states it
+
+
+_SAMPLING_RANGES = {
+    "temperature": _Range(0.0, True, None, ">= 0 (0 = greedy)"),
+    "top_p": _Range(0.0, False, 1.0, "in (0, 1] (1 = off)"),
+    "min_p": _Range(0.0, True, 1.0, "in [0, 1] (0 = off)"),
+    "repetition_penalty": _Range(0.0, False, None, "> 0 (1 = off)"),
+    "presence_penalty": _Range(None, True, None, "a finite number (0 = off)"),
+    "frequency_penalty": _Range(None, True, None, "a finite number (0 = off)"),
+}
+
+
+def check_run_config(cfg: Mapping) -> dict:
+    """A copy of the resolved config ``cfg`` with its run values checked and normalised.
+
+    Normalised: ``speculative`` (bool), ``chat`` ("auto" or bool), ``max_new_tokens``,
+    ``seed`` (ints), ``stop`` (list of non-empty strings), ``threads`` ("auto" or a
+    positive int), the ``sampling`` numbers and ``ui`` switches. Raises
+    :class:`ConfigError` naming the first bad key.
+    """
+    cfg = dict(cfg)
+    cfg["speculative"] = parse_bool(cfg.get("speculative", True), "speculative")
+    cfg["compile"] = parse_bool(cfg.get("compile", False), "compile")
+    cfg["chat"] = parse_chat(cfg.get("chat", "auto"))
+    cfg["max_new_tokens"] = parse_int(cfg.get("max_new_tokens", 128), "max_new_tokens", minimum=1)
+    cfg["seed"] = parse_seed(cfg.get("seed", 0))
+    cfg["stop"] = list(parse_stop(cfg.get("stop")))
+    cfg["threads"] = parse_threads(cfg.get("threads", "auto"))
+    for key in ("prompt", "prompt_file", "system"):
+        cfg[key] = parse_optional_text(cfg.get(key), key)
+    if "sampling" in cfg:
+        cfg["sampling"] = check_sampling(cfg["sampling"])
+    if "ui" in cfg:
+        cfg["ui"] = _check_ui(cfg["ui"] or {})
+    if not isinstance((cfg.get("target") or {}).get("source"), Mapping):
+        raise ConfigError("target.source must be a model source with a 'kind' key; choose a target with target=NAME")
+    for group in ("target", "drafter"):
+        source = (cfg.get(group) or {}).get("source")
+        if isinstance(source, Mapping):
+            check_source(source, f"{group}.source")
+    return cfg
+
+
+def parse_threads(value: object, name: str = "threads") -> int | str:
+    """``"auto"`` (physical cores) or a positive int, else :class:`ConfigError` naming ``name``."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return "auto"
+    try:
+        return parse_int(value, name, minimum=1)
+    except ConfigError:
+        raise ConfigError(f"{name} must be a positive integer or auto, got {value!r}") from None
+
+
+def check_sampling(sampling: Mapping) -> dict:
+    """The ``sampling`` group with finite numbers in range and usable ``bad_words`` entries."""
+    sampling = dict(sampling)
+    for key, limits in _SAMPLING_RANGES.items():
+        if key not in sampling:
+            continue
+        value = _finite(sampling[key], f"sampling.{key}", limits.wording)
+        low, high = limits.low, limits.high
+        below = low is not None and (value < low or (value == low and not limits.low_allowed))
+        if below or (high is not None and value > high):
+            raise ConfigError(f"sampling.{key} must be {limits.wording}, got {sampling[key]!r}")
+        sampling[key] = value
+    for key in ("top_k", "min_new_tokens"):
+        if key in sampling:
+            sampling[key] = parse_int(sampling[key], f"sampling.{key}", minimum=0)
+    sampling["bad_words"] = [_bad_word(entry, i) for i, entry in enumerate(sampling.get("bad_words") or [])]
+    return sampling
+
+
+def check_source(source: Mapping, where: str) -> None:
+    """ConfigError when a model source still holds ``???`` (a required entry was not given) or a
+    ``tiny`` source has an entry the tiny model builder does not take or a size below 1."""
+    if source.get("kind") == "tiny":
+        _check_tiny(source, where)
+    for key, value in source.items():
+        if value == MISSING:
+            raise ConfigError(f"{where}.{key} is required for a '{source.get('kind')}' model source: "
+                              f"add {where}.{key}=... to the command line")
+        if isinstance(value, Mapping):
+            check_source(value, f"{where}.{key}")
+
+
+def check_output_file(path: Path, name: str) -> None:
+    """ConfigError unless ``path`` can be written as a file (checked before any work, nothing created)."""
+    if path.is_dir():
+        raise ConfigError(f"{name}={path} is a directory; give a file path inside it, e.g. {path / 'head.safetensors'}")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ConfigError(f"{name}={path} exists and is not writable")
+    _check_creatable(path.parent, name, path)
+
+
+def check_output_dir(path: Path, name: str) -> None:
+    """ConfigError unless ``path`` is, or can be created as, a writable directory (nothing is created)."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{name}={path} is a file, not a directory; give a directory for the results")
+    _check_creatable(path, name, path)
+
+
+def _check_creatable(directory: Path, name: str, value: Path) -> None:
+    """The nearest existing ancestor of ``directory`` must be a directory we can write in."""
+    existing = directory.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{name}={value} cannot be created: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name}={value} cannot be written: no write permission in {existing}")
+
+
+def _check_tiny(source: Mapping, where: str) -> None:
+    import inspect
+
+    from specgen.models.tiny import build_tiny_model
+
+    known = set(inspect.signature(build_tiny_model).parameters)
+    for key, value in source.items():
+        if key == "kind":
+            continue
+        if key not in known:
+            raise ConfigError(f"{where}.{key}: a 'tiny' model source takes only {', '.join(sorted(known))}")
+        if key == "init_scale":
+            _finite(value, f"{where}.{key}", "a finite number")
+        else:
+            parse_int(value, f"{where}.{key}", minimum=0 if key == "seed" else 1)
+
+
+def _finite(value: object, name: str, meaning: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be {meaning}, got {value!r}")
+    return float(value)
+
+
+def _bad_word(entry: object, index: int):
+    where = f"sampling.bad_words[{index}]"
+    if isinstance(entry, str):
+        if not entry:
+            raise ConfigError(f"{where} is an empty string, which bans nothing; remove it or give a word")
+        return entry
+    if isinstance(entry, int) and not isinstance(entry, bool):
+        return parse_int(entry, where, minimum=0)
+    if isinstance(entry, (list, tuple)) and entry:
+        return [parse_int(token, where, minimum=0) for token in entry]
+    raise ConfigError(f"{where} must be a word, a token id or a non-empty list of token ids, got {entry!r}")
+
+
+def _check_ui(ui: Mapping) -> dict:
+    ui = dict(ui)
+    for key in ("stream", "summary"):
+        if key in ui:
+            ui[key] = parse_bool(ui[key], f"ui.{key}")
+    if "color" in ui:
+        ui["color"] = parse_chat(ui["color"], "ui.color")
+    return ui

@@ -1,0 +1,240 @@
+"""Validation and normalisation of user-supplied options.
+
+Every function here either returns a value of the documented type or raises a
+:class:`~specgen.errors.SpecgenError` subclass whose message names the offending
+argument; nothing is silently coerced (no truncation of floats, no truthiness of
+strings).
+"""
+
+from __future__ import annotations
+
+import difflib
+import operator
+from collections.abc import Iterable, Mapping, Set
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from specgen.errors import ConfigError, PromptError
+
+if TYPE_CHECKING:
+    from specgen.stats import Stats
+
+#: The largest seed a torch.Generator accepts.
+SEED_MAX = 2**64 - 1
+
+_TRUE = frozenset({"true", "yes", "on", "1"})
+_FALSE = frozenset({"false", "no", "off", "0"})
+
+
+def parse_bool(value: object, name: str) -> bool:
+    """``value`` as a bool, or :class:`ConfigError` naming ``name``.
+
+    Accepts ``True``/``False``, the integers ``1``/``0`` and the strings
+    ``true/false/yes/no/on/off/1/0`` (case-insensitive, surrounding whitespace
+    ignored). Anything else (``"maybe"``, ``2``, ``None``, ``0.5``) is rejected.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+    raise ConfigError(
+        f"{name} must be a boolean (true/false, yes/no, on/off, 1/0), got {value!r}"
+    )
+
+
+def parse_chat(value: object, name: str = "chat") -> bool | Literal["auto"]:
+    """``"auto"`` (apply the chat template when the tokenizer has one) or a bool via :func:`parse_bool`."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return "auto"
+    try:
+        return parse_bool(value, name)
+    except ConfigError:
+        raise ConfigError(f"{name} must be auto or a boolean (true/false, yes/no, on/off, 1/0), "
+                          f"got {value!r}") from None
+
+
+def parse_int(value: object, name: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as an int in [minimum, maximum], or :class:`ConfigError` naming ``name``.
+
+    Integers (and integer-like objects such as numpy or 0-d torch integers) are
+    accepted; bools, floats (``2.9`` or ``3.0``) and strings are rejected rather
+    than converted.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+    if minimum is not None and number < minimum:
+        raise ConfigError(f"{name} must be at least {minimum}, got {number}")
+    if maximum is not None and number > maximum:
+        raise ConfigError(f"{name} must be at most {maximum}, got {number}")
+    return number
+
+
+def parse_seed(value: object, name: str = "seed") -> int:
+    """A seed torch can use: an integer in [0, 2**64 - 1]."""
+    return parse_int(value, name, minimum=0, maximum=SEED_MAX)
+
+
+def parse_stop(value: object, name: str = "stop") -> tuple[str, ...]:
+    """Stop strings: one string is one stop string; otherwise a sequence of non-empty strings."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    elif isinstance(value, bytes) or not isinstance(value, Iterable):
+        raise ConfigError(f"{name} must be a string or a list of strings, got {value!r}")
+    stops = tuple(value)
+    for stop in stops:
+        if not isinstance(stop, str):
+            raise ConfigError(f"{name} must be a string or a list of strings, got an item {stop!r}")
+        if not stop:
+            raise ConfigError(f"{name} strings must not be empty")
+    return stops
+
+
+def parse_num_tokens(value: object, name: str = "num_tokens") -> int | Literal["auto"]:
+    """Draft tokens per round: a positive int, or ``"auto"`` (the planner chooses)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, str):
+        raise ConfigError(f"{name} must be a positive integer or 'auto', got {value!r}")
+    return parse_int(value, name, minimum=1)
+
+
+def parse_optional_text(value: object, name: str) -> str | None:
+    """None or a string; anything else is a :class:`ConfigError` naming ``name``."""
+    if value is None or isinstance(value, str):
+        return value
+    raise ConfigError(f"{name} must be a string, got {type(value).__name__} {value!r}")
+
+
+def parse_stats(value: object, name: str = "stats") -> Stats | None:
+    """None or a fresh :class:`Stats` for the engine to fill.
+
+    A Stats that already holds numbers (reused from an earlier request) is
+    rejected: the engine adds to it, so its counts would double.
+    """
+    from specgen.stats import Stats  # lazily: the CLI imports this module before torch is needed
+
+    if value is None:
+        return None
+    if not isinstance(value, Stats):
+        raise ConfigError(f"{name} must be a specgen.stats.Stats, got {type(value).__name__}")
+    if value != Stats():
+        raise ConfigError(f"{name} already holds numbers from another request; pass a fresh Stats() per request")
+    return value
+
+
+def check_prompt(prompt: object, name: str = "prompt") -> str | list[dict]:
+    """A prompt string, or chat messages (a list of mappings with string ``role`` and ``content``)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (bytes, bytearray)):
+        raise PromptError(f"{name} must be text, got bytes; decode it first (e.g. {name}.decode('utf-8'))")
+    if isinstance(prompt, Mapping) or not isinstance(prompt, Iterable):
+        raise PromptError(f"{name} must be a string or a list of chat messages, got {type(prompt).__name__}")
+    messages = list(prompt)
+    if not messages:
+        raise PromptError(f"{name} is an empty list of messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise PromptError(f"{name}[{index}] must be a message dict with 'role' and 'content', "
+                              f"got {type(message).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise PromptError(f"{name}[{index}] needs a string {key!r}, got {message.get(key)!r}")
+    return [dict(message) for message in messages]
+
+
+def check_prompt_ids(prompt_ids: object, vocab_size: int, name: str = "prompt_ids") -> list[int]:
+    """Token ids as a list of ints in [0, vocab_size); floats and strings are rejected, not converted,
+    and so are unordered containers (sets, dicts)."""
+    if isinstance(prompt_ids, (str, bytes, bytearray, Mapping, Set)) or not isinstance(prompt_ids, Iterable):
+        raise PromptError(f"{name} must be a sequence of integer token ids, got {type(prompt_ids).__name__}")
+    if callable(getattr(prompt_ids, "tolist", None)):  # a tensor or array: one transfer, not one per element
+        prompt_ids = prompt_ids.tolist()
+        if not isinstance(prompt_ids, list):
+            raise PromptError(f"{name} must be a 1-D sequence of token ids, got a 0-d {type(prompt_ids).__name__}")
+    ids = []
+    for index, token in enumerate(prompt_ids):
+        if isinstance(token, bool):
+            raise PromptError(f"{name}[{index}] must be an integer token id, got {token!r}")
+        try:
+            ids.append(operator.index(token))
+        except TypeError:
+            raise PromptError(f"{name}[{index}] must be an integer token id, got {token!r}") from None
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise PromptError(f"{name} {bad[:5]} are outside the vocabulary (size {vocab_size})")
+    return ids
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """One request's settings, validated and with the pipeline's defaults filled in.
+
+    max_new_tokens >= 1; seed in [0, 2**64); stop: the stop strings;
+    speculative: False forces plain decoding, True uses the pipeline's setting;
+    chat: True, False or "auto"; system: a system message or None; schema /
+    regex: an output constraint (at most one); num_tokens: draft tokens per round,
+    None for the drafter's own setting; stats: a fresh Stats to fill, or None.
+    """
+
+    max_new_tokens: int
+    seed: int
+    stop: tuple[str, ...] = ()
+    speculative: bool = True
+    chat: bool | Literal["auto"] = "auto"
+    system: str | None = None
+    schema: object = None
+    regex: str | None = None
+    num_tokens: int | Literal["auto"] | None = None
+    stats: Stats | None = field(default=None, compare=False)
+
+
+#: The keyword arguments of :func:`request_options` (and of ``Pipeline.stream`` besides prompt and prompt_ids).
+OPTION_NAMES = ("max_new_tokens", "seed", "stop", "speculative", "chat", "system", "schema", "regex", "num_tokens",
+                "stats")
+
+
+def check_option_names(names: Iterable[str], where: str, extra: Iterable[str] = ()) -> None:
+    """ConfigError naming the first of ``names`` that is not an option (with the closest one, if any)."""
+    known = (*OPTION_NAMES, *extra)
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; known: {', '.join(known)}"
+            raise ConfigError(f"{where} got an unknown argument {name!r}{hint}")
+
+
+def request_options(defaults, *, max_new_tokens=None, seed=None, stop=None, speculative=None, chat=None,
+                    system=None, schema=None, regex=None, num_tokens=None, stats=None) -> RequestOptions:
+    """Validate one request's arguments; ``None`` takes the value from ``defaults`` (a pipeline's Defaults).
+
+    Raises a :class:`~specgen.errors.SpecgenError` subclass naming the first bad
+    argument; never converts a wrong type silently.
+    """
+    if schema is not None and regex is not None:
+        raise ConfigError("give schema= or regex=, not both")
+    return RequestOptions(
+        max_new_tokens=parse_int(defaults.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                                 "max_new_tokens", minimum=1),
+        seed=parse_seed(defaults.seed if seed is None else seed),
+        stop=parse_stop(defaults.stop if stop is None else stop),
+        speculative=True if speculative is None else parse_bool(speculative, "speculative"),
+        chat=parse_chat(defaults.chat if chat is None else chat),
+        system=parse_optional_text(defaults.system if system is None else system, "system"),
+        schema=schema,
+        regex=parse_optional_text(regex, "regex"),
+        num_tokens=None if num_tokens is None else parse_num_tokens(num_tokens),
+        stats=parse_stats(stats),
+    )
