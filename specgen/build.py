@@ -6,6 +6,9 @@ The guarantee is decided here, once, before any generation:
   cannot be aligned: different tokenizers, an impure processor);
 * ``greedy`` -- temperature 0: output equals plain greedy decoding token for token;
 * ``exact`` -- sampling: every output sequence has exactly the target's distribution.
+
+On CUDA in float32 the claim names its condition (TF32 off, which the build
+sets; see :func:`specgen.models.cuda_condition`): ``greedy: on CUDA float32 ...``.
 """
 
 from __future__ import annotations
@@ -14,20 +17,23 @@ from collections.abc import Mapping
 
 import torch
 
+from specgen.checks import check_run_config, parse_threads
 from specgen.config import physical_cores, to_container
 from specgen.drafters import Drafter, DrafterRuntime
 from specgen.engine import Defaults, Pipeline
 from specgen.errors import ConfigError, SpecgenError
-from specgen.models import LoadedModel, load_model, resolve_device, resolve_dtype
+from specgen.models import LoadedModel, cuda_condition, load_model, resolve_device, resolve_dtype
 from specgen.grammar import grammar_processor
 from specgen.processors import build_stack
 
 
-def set_threads(value) -> int:
-    """Apply ``threads`` (auto = physical cores) to torch and return it."""
-    threads = physical_cores() if value in (None, "auto") else int(value)
-    if threads < 1:
-        raise ConfigError(f"threads must be >= 1 or auto, got {value}")
+def set_threads(value, name: str = "threads") -> int:
+    """Apply ``value`` (a positive int or auto = physical cores) to torch and return it.
+
+    ConfigError naming ``name`` for anything else (``threads=abc``, ``0``).
+    """
+    parsed = parse_threads(value, name)
+    threads = physical_cores() if parsed == "auto" else parsed
     torch.set_num_threads(threads)
     return threads
 
@@ -36,7 +42,10 @@ def _bad_words(entries: list, tokenizer) -> list[list[int]]:
     sequences = []
     for entry in entries or []:
         if isinstance(entry, str):
-            sequences.extend(tokenizer.token_ids(entry))
+            variants = [ids for ids in tokenizer.token_ids(entry) if ids] if entry else []
+            if not variants:
+                raise ConfigError(f"sampling.bad_words entry {entry!r} has no tokens, so it would ban nothing")
+            sequences.extend(variants)
         elif isinstance(entry, int):
             sequences.append([entry])
         else:
@@ -97,23 +106,26 @@ def _decide_guarantee(cfg: Mapping, drafter: Drafter | None, target: LoadedModel
 
 
 def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
-    """Instantiate everything ``cfg`` describes and decide the run's guarantee."""
-    cfg = to_container(cfg) if not isinstance(cfg, dict) else cfg
-    set_threads(cfg.get("threads", "auto"))
+    """Check ``cfg``'s values, instantiate everything it describes and decide the run's guarantee.
+
+    A bad value raises :class:`ConfigError` naming its key before any model is loaded.
+    """
+    cfg = check_run_config(to_container(cfg) if not isinstance(cfg, dict) else cfg)
+    set_threads(cfg["threads"])
     device = resolve_device(str(cfg.get("device", "auto")))
     dtype = resolve_dtype(str(cfg.get("dtype", "auto")), device)
     target_cfg = cfg["target"]
     target = load_model(target_cfg["source"], name="target", dtype=dtype, device=device,
                         extra_eos=tuple(target_cfg.get("eos_ids") or ()), progress=progress)
+    if cfg["compile"]:
+        target.lm.enable_compile()
 
-    def load(source, name="drafter"):
+    def load(source, name="drafter", dtype=dtype):
         return load_model(source, name=name, dtype=dtype, device=device,
                           extra_eos=tuple(target_cfg.get("eos_ids") or ()), progress=progress)
 
     sampling = cfg["sampling"]
-    temperature = float(sampling.get("temperature", 0.0))
-    if temperature < 0:
-        raise ConfigError(f"sampling.temperature must be >= 0 (0 = greedy), got {temperature}")
+    temperature = sampling.get("temperature", 0.0)
     stack = build_stack(_processor_entries(cfg, target.tokenizer), greedy=temperature == 0.0,
                         eos_ids=target.tokenizer.eos_ids, vocab_size=target.tokenizer.vocab_size)
     grammar = grammar_processor(cfg.get("grammar") or {"kind": "none"}, target.tokenizer)
@@ -123,15 +135,10 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
     if cfg["speculative"]:
         drafter = _build_drafter(cfg, DrafterRuntime(target=target, load=load))
     guarantee, drafter = _decide_guarantee(cfg, drafter, target, stack, dtype)
+    guarantee = cuda_condition(guarantee, device, dtype)
     if drafter is not None and getattr(drafter, "lm", None) is not None:
         drafter.lm.vocab_size = target.tokenizer.vocab_size
-    stop = cfg.get("stop") or []
-    defaults = Defaults(
-        max_new_tokens=int(cfg.get("max_new_tokens", 128)),
-        seed=int(cfg.get("seed", 0)),
-        stop=tuple([stop] if isinstance(stop, str) else stop),
-        chat=cfg.get("chat", "auto"),
-        system=cfg.get("system"),
-    )
+    defaults = Defaults(max_new_tokens=cfg["max_new_tokens"], seed=cfg["seed"], stop=tuple(cfg["stop"]),
+                        chat=cfg["chat"], system=cfg["system"])
     return Pipeline(target=target.lm, tokenizer=target.tokenizer, drafter=drafter, stack=stack,
                     guarantee=guarantee, defaults=defaults, config=cfg)

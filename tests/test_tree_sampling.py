@@ -243,8 +243,9 @@ def test_one_hot_siblings_follow_the_closed_form():
 
 
 def test_uniform_decides_and_residual_chains(monkeypatch):
-    draws = iter([0.9, 0.9])  # reject both root children
-    monkeypatch.setattr(tree_module, "uniform", lambda generator: next(draws))
+    # reject both root children (the level's uniforms are drawn in one call: one per child + one)
+    monkeypatch.setattr(tree_module, "uniforms",
+                        lambda generator, count: torch.tensor([0.9, 0.9, 0.5][:count], dtype=torch.float64))
     p = probs(0.5, 0.3, 0.2, 0.0)
     q1 = probs(0.7, 0.1, 0.1, 0.1)  # node 0 proposes token 0: ratio 5/7
     q2 = probs(0.0, 1.0, 0.0, 0.0)  # node 2 proposes token 1
@@ -300,7 +301,8 @@ def test_identical_p_and_q_always_accepts():
 def test_round_off_rejection_falls_back_to_target(monkeypatch):
     # q differs from p by round-off, and the uniform is forced above the ratio:
     # the residual has no mass, so the row itself is used (never a zero-p token, no NaN).
-    monkeypatch.setattr(tree_module, "uniform", lambda generator: 1.0 - 1e-16)
+    monkeypatch.setattr(tree_module, "uniforms",
+                        lambda generator, count: torch.full((count,), 1.0 - 1e-16, dtype=torch.float64))
     p = probs(0.25, 0.25, 0.5, 0.0)
     q = p + probs(-1e-14, 0.0, 1e-14, 0.0)
     draft = torch.stack([q, q])

@@ -19,6 +19,7 @@ import torch
 from specgen.drafters.base import DraftContext, Drafter, DraftSession
 from specgen.errors import ConfigError
 from specgen.heads import DraftHead, load_head
+from specgen.models import resolve_drafter_dtype
 
 TRAINED_DIR = pathlib.Path(__file__).resolve().parent.parent / "heads" / "trained"
 
@@ -86,12 +87,13 @@ class LearnedDrafter(Drafter):
         return sum(p.numel() * p.element_size() for p in self.head.parameters())
 
 
-def load_for_target(runtime, head_file: str, kind: str) -> tuple[DraftHead, pathlib.Path, int]:
-    """Load the ``kind`` head at ``head_file`` for the runtime's target; refuse a mismatch."""
+def load_for_target(runtime, head_file: str, kind: str, dtype=None) -> tuple[DraftHead, pathlib.Path, int]:
+    """Load the ``kind`` head at ``head_file`` for the runtime's target, in ``dtype``
+    (``drafter.dtype``, see :func:`specgen.models.resolve_drafter_dtype`); refuse a mismatch."""
     if not head_file:
-        raise ConfigError(f"drafter={kind} needs drafter.head_file (a .safetensors head from specgen-train)")
+        raise ConfigError(f"drafter={kind} needs drafter.head_file=<a .safetensors head from specgen-train>")
     path = resolve_head_file(str(head_file))
     lm = runtime.target.lm
-    dtype = next(lm.model.parameters()).dtype
-    head, _ = load_head(path, lm.model, kind=kind, dtype=dtype)
+    head_dtype = resolve_drafter_dtype(dtype, next(lm.model.parameters()).dtype, lm.device)
+    head, _ = load_head(path, lm.model, kind=kind, dtype=head_dtype)
     return head, path, lm.vocab_size

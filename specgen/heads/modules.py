@@ -84,16 +84,24 @@ class DraftHead(nn.Module):
         self.lm_rows: torch.Tensor | None = None  # [Vd, d], frozen, borrowed
 
     def attach(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        """Borrow the target's embedding [V, d] and LM head [V, d] (rows cut to the draft vocab)."""
+        """Borrow the target's embedding [V, d] and LM head [V, d] (rows cut to the draft vocab).
+
+        Call it after moving the head to its device and dtype: the cut LM-head
+        rows (a copy anyway) are stored in the head's dtype, so a head may run in
+        a dtype other than the target's (``drafter.dtype``) without a per-step cast."""
         self.embed_weight = embed_weight.detach()
-        self.lm_rows = lm_head_weight.detach()[self.vocab_ids.to(lm_head_weight.device)]
+        self.lm_rows = lm_head_weight.detach()[self.vocab_ids.to(lm_head_weight.device)].to(self._dtype)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [N] target ids -> [N, d]."""
+        """tokens [N] target ids -> [N, d] in the head's dtype."""
         return nn.functional.embedding(tokens, self.embed_weight).to(self.vocab_ids.device, self._dtype)
 
+    def as_input(self, feature: torch.Tensor) -> torch.Tensor:
+        """A target feature [..., F] (float32 from the round, or the target's dtype) in the head's dtype."""
+        return feature.to(self.vocab_ids.device, self._dtype)
+
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., d] -> logits over the draft vocabulary [..., Vd]."""
+        """hidden [..., d] -> logits over the draft vocabulary [..., Vd] (the head's dtype)."""
         return hidden @ self.lm_rows.to(hidden.dtype).T
 
     @property
@@ -111,6 +119,7 @@ class RecursiveHead(DraftHead):
         self.reduce = nn.Linear(cfg.feature_size, d, bias=False) if cfg.feature_size != d else None
 
     def _as_state(self, state: torch.Tensor) -> torch.Tensor:
+        state = self.as_input(state)
         if self.reduce is not None and state.shape[-1] != self.cfg.hidden_size:
             return self.reduce(state)
         return state
@@ -177,6 +186,7 @@ class MedusaHead(DraftHead):
             nn.init.zeros_(head.bias)
 
     def forward(self, feature: torch.Tensor) -> torch.Tensor:
+        feature = self.as_input(feature)
         hidden = torch.stack([feature + nn.functional.silu(head(feature)) for head in self.heads])  # [K, N, d]
         return self.draft_logits(hidden)
 

@@ -12,7 +12,8 @@ from specgen.models.causal_lm import CausalLM, KVCache
 from specgen.models.tiny import TinyTokenizer, build_tiny_model
 from specgen.models.tokenizer import TokenizerInfo
 
-__all__ = ["CausalLM", "KVCache", "LoadedModel", "TokenizerInfo", "load_model", "resolve_device", "resolve_dtype"]
+__all__ = ["CausalLM", "KVCache", "LoadedModel", "TokenizerInfo", "cuda_condition", "load_model", "native_bfloat16",
+           "resolve_device", "resolve_drafter_dtype", "resolve_dtype"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -34,16 +35,58 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError(f"device={name!r} is not a valid torch device") from exc
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but no CUDA device is available; use device=auto or device=cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ConfigError(f"device={name} but only {count} CUDA device{'s' if count != 1 else ''} "
+                          f"{'are' if count != 1 else 'is'} visible (cuda:0 to cuda:{count - 1})")
     return device
 
 
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether the CUDA ``device`` computes bfloat16 natively (not by emulation)."""
+    try:
+        with torch.cuda.device(device):
+            return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # a torch without including_emulation: bfloat16 tensor cores start at sm_80
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def cuda_condition(guarantee: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The guarantee as declared on ``device``: on CUDA float32 it turns TF32 off
+    (process-wide: TF32 rounds matmul inputs to 10 mantissa bits) and names the
+    condition an ``exact``/``greedy`` claim holds under; elsewhere it is unchanged.
+
+    Proven on the CPU; on CUDA the verify pass and single-token steps may pick
+    different kernels, which ``scripts/gpu_check.sh`` measures."""
+    if device.type != "cuda" or dtype != torch.float32 or guarantee not in ("exact", "greedy"):
+        return guarantee
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return (f"{guarantee}: on CUDA float32 with TF32 off (specgen turns it off); proven on the CPU, on CUDA "
+            "token identity of the verify pass with single-token steps is measured by scripts/gpu_check.sh")
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto': float32 on CPU (token-exact verification), bfloat16 on CUDA; else as named."""
+    """'auto': float32 on CPU (token-exact verification); on CUDA bfloat16 where the
+    device computes it natively, else float16; any other name as named."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if native_bfloat16(device) else torch.float16
     if name not in _DTYPES:
         raise ConfigError(f"dtype={name!r} is not one of auto, {', '.join(sorted(_DTYPES))}")
     return _DTYPES[name]
+
+
+def resolve_drafter_dtype(name, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """``drafter.dtype``: None (or "target") = the target's dtype, else a name as for the top-level ``dtype``.
+
+    A drafter's numerics never change the guarantee: q is whatever the drafter computed."""
+    if name is None or str(name) in ("", "target"):
+        return target_dtype
+    if str(name) not in _DTYPES and str(name) != "auto":
+        raise ConfigError(f"drafter.dtype={name!r} is not one of auto, target, {', '.join(sorted(_DTYPES))}")
+    return resolve_dtype(str(name), device)
 
 
 def load_model(source: Mapping, *, name: str, dtype: torch.dtype, device: torch.device,

@@ -11,9 +11,11 @@ import inspect
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
-from specgen.errors import NumericalError
+from specgen.errors import ConfigError, NumericalError
+from specgen.models.compiled import (BUCKETS, FIRST_CAPACITY, CompiledDecoder, bucket_for, grown, keep_static_rows,
+                                     new_static_cache)
 
 
 @dataclass
@@ -21,9 +23,12 @@ class KVCache:
     """KV cache of one model for one request.
 
     tokens: the ids whose keys/values are cached, in order (len == cache length).
+    cache: a DynamicCache, or a StaticCache (compile=true) whose slots past
+    ``len(tokens)`` hold stale entries that every forward masks out, so cropping
+    it only shortens ``tokens``.
     """
 
-    cache: DynamicCache
+    cache: DynamicCache | StaticCache
     tokens: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -49,7 +54,8 @@ class KVCache:
     def crop(self, length: int) -> None:
         if length >= len(self.tokens):
             return
-        _crop(self.cache, len(self.tokens), length)
+        if not isinstance(self.cache, StaticCache):
+            _crop(self.cache, len(self.tokens), length)
         del self.tokens[length:]
 
     def keep_rows(self, prefix: int, rows: list[int]) -> None:
@@ -59,12 +65,19 @@ class KVCache:
         if rows == list(range(len(rows))):
             self.crop(prefix + len(rows))
             return
-        index = torch.tensor(list(range(prefix)) + [prefix + r for r in rows])  # [prefix + len(rows)]
+        if isinstance(self.cache, StaticCache):
+            keep_static_rows(self.cache, prefix, rows)
+            self.tokens = self.tokens[:prefix] + [self.tokens[prefix + r] for r in rows]
+            return
+        kept = list(range(prefix)) + [prefix + r for r in rows]
+        where: dict[torch.device, torch.Tensor] = {}  # the index, built once per device
         for layer in self.cache.layers:
             if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel():
-                where = index.to(layer.keys.device)
-                layer.keys = layer.keys.index_select(-2, where)  # [B, heads, kept, head_dim]
-                layer.values = layer.values.index_select(-2, where)
+                device = layer.keys.device
+                if device not in where:
+                    where[device] = torch.tensor(kept, device=device)  # [prefix + len(rows)]
+                layer.keys = layer.keys.index_select(-2, where[device])  # [B, heads, kept, head_dim]
+                layer.values = layer.values.index_select(-2, where[device])
         self.tokens = self.tokens[:prefix] + [self.tokens[prefix + r] for r in rows]
 
 
@@ -115,11 +128,13 @@ class TreeOutput:
 
     @torch.inference_mode()
     def logits(self, row: int) -> torch.Tensor:
-        """Raw logits [1, vocab] (float32) of ``row``."""
+        """Raw logits [1, vocab] (float32) of ``row``. A lazily computed row is not read
+        back for a NaN check: its consumer (argmax or the tree verifier) reads it anyway
+        and refuses NaN there, so a visited node costs one host read, not two."""
         if self.full_logits is not None:
             return self.full_logits[row : row + 1]
         raw = self.lm.model.get_output_embeddings()(self.hidden[row : row + 1])  # [1, padded vocab]
-        return self.lm._checked(raw[:, : self.lm.vocab_size], self.position + row)
+        return raw[:, : self.lm.vocab_size].float()
 
 
 class CausalLM:
@@ -140,6 +155,17 @@ class CausalLM:
         # Logits are lm_head(last hidden state) unless the model scales or caps them.
         self._plain_lm_head = all(getattr(self.config, key, None) in (None, 1, 1.0) for key in _LOGIT_TRANSFORMS) \
             and model.get_output_embeddings() is not None and hasattr(model, "get_decoder")
+        self.compiled: CompiledDecoder | None = None  # set by enable_compile
+
+    def enable_compile(self) -> None:
+        """Run forwards compiled on a static KV cache (see :mod:`specgen.models.compiled`).
+
+        Caches made before this call stay dynamic; make new ones. ConfigError for a
+        model whose logits are not ``lm_head(last hidden state)``.
+        """
+        if not self._plain_lm_head:
+            raise ConfigError(f"compile=true needs logits = lm_head(hidden state); {self.name} scales or caps them")
+        self.compiled = CompiledDecoder(self.model.get_decoder(), self._cache_kwarg, self.device)
 
     @property
     def device(self) -> torch.device:
@@ -150,18 +176,46 @@ class CausalLM:
         return int(getattr(self.config, "max_position_embeddings", 1 << 30))
 
     def new_cache(self) -> KVCache:
+        if self.compiled is not None:
+            return KVCache(new_static_cache(self.config, FIRST_CAPACITY))
         return KVCache(DynamicCache(config=self.config))
 
+    def _static_forward(self, cache: KVCache, ids: list[int], positions: list[int], allowed: torch.Tensor,
+                        all_hidden: bool = False):
+        """The compiled path: grow the static cache if ``ids`` (padded to their
+        bucket) would not fit, run, append ``ids`` to ``cache.tokens``.
+        allowed: [n, len(cache) + n] bool. Returns CompiledDecoder.run's pair."""
+        start = len(cache)
+        width = bucket_for(len(ids)) or len(ids)
+        limit = self.context_length + BUCKETS[-1]
+        cache.cache = grown(cache.cache, self.config, start, start + width, limit)
+        out = self.compiled.run(cache.cache, ids, positions, allowed, start, all_hidden)
+        cache.tokens.extend(ids)
+        return out
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, d] -> raw logits [rows, vocab_size] in the model's dtype."""
+        return self.model.get_output_embeddings()(hidden)[:, : self.vocab_size]
+
     @torch.inference_mode()
-    def forward(self, cache: KVCache, new_tokens: list[int], keep: int) -> torch.Tensor:
+    def forward(self, cache: KVCache, new_tokens: list[int], keep: int, check: bool = True) -> torch.Tensor:
         """Feed ``new_tokens`` after the cached ones; return the last ``keep`` rows.
 
         Returns raw logits [keep, vocab_size] (float32). Appends to the cache.
+        check: read the logits back once for NaN (NumericalError naming this model);
+        False skips that host read where the consumer refuses NaN itself (a
+        drafter's argmax or sample_token).
         """
         if not new_tokens:
             raise ValueError("forward needs at least one new token")
         start = len(cache)
         device = self.device
+        if self.compiled is not None:
+            n = len(new_tokens)
+            allowed = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)  # [n, start + n]
+            hidden, _ = self._static_forward(cache, list(new_tokens), list(range(start, start + n)), allowed)
+            logits = self._head(hidden[-keep:])  # [keep, vocab]
+            return self._checked(logits, start + n - 1) if check else logits.float()
         ids = torch.tensor([new_tokens], dtype=torch.long, device=device)  # [1, n]
         positions = torch.arange(start, start + len(new_tokens), device=device).unsqueeze(0)  # [1, n]
         out = self.model(
@@ -172,7 +226,8 @@ class CausalLM:
             **{self._cache_kwarg: cache.cache},
         )
         cache.tokens.extend(new_tokens)
-        return self._checked(out.logits[0, -keep:, : self.vocab_size], start + len(new_tokens) - 1)
+        logits = out.logits[0, -keep:, : self.vocab_size]  # [keep, vocab]
+        return self._checked(logits, start + len(new_tokens) - 1) if check else logits.float()
 
     def _checked(self, logits: torch.Tensor, position: int) -> torch.Tensor:
         logits = logits.float()
@@ -204,6 +259,13 @@ class CausalLM:
         allowed[:m, start:] = torch.cat([torch.ones(m, m, dtype=torch.bool, device=device).tril(),
                                          torch.zeros(m, n, dtype=torch.bool, device=device)], dim=1)
         allowed[m:, start + m:] = ancestors.to(device)
+        if self.compiled is not None:
+            hidden, states = self._static_forward(cache, chain + nodes, positions, allowed,
+                                                  all_hidden=feature_layers is not None)
+            features = None
+            if feature_layers is not None:
+                features = select_features(states, feature_layers)[0, -(n + 1):].float()  # [n + 1, F]
+            return TreeOutput(self, start + m - 1, hidden[-(n + 1):], None, features)
         dtype = next(self.model.parameters()).dtype
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)

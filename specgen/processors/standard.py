@@ -163,10 +163,11 @@ class MinNewTokens(Processor):
         self.eos_ids = [int(i) for i in eos_ids]
 
     def __call__(self, logits, history):
-        too_early = history.num_generated < self.min_new_tokens  # [N]
-        if self.eos_ids and bool(too_early.any()):
-            rows = too_early.nonzero().squeeze(-1)
-            logits[rows.unsqueeze(-1), torch.tensor(self.eos_ids, device=logits.device)] = NEG_INF
+        if not self.eos_ids:
+            return logits
+        too_early = (history.num_generated < self.min_new_tokens).to(logits.device)  # [N] bool
+        eos = torch.tensor(self.eos_ids, device=logits.device)  # [E]
+        logits[:, eos] = logits[:, eos].masked_fill(too_early.unsqueeze(-1), NEG_INF)  # no host read
         return logits
 
 

@@ -1,8 +1,15 @@
 """Turning processed logits into distributions and drawing from them.
 
-All draws go through :func:`uniform` so that each sampled token consumes exactly
-one number from the request's generator; this keeps seeded runs reproducible and
-makes the RNG cost of a round easy to reason about.
+All draws go through :func:`uniform` (or :func:`uniforms`, several in one call)
+so that each sampled token consumes exactly one number from the request's
+generator; this keeps seeded runs reproducible and makes the RNG cost of a
+round easy to reason about.
+
+Host syncs: on a GPU every value read back to Python stalls the stream, so these
+functions read once per call: :func:`normalise` reads nothing (a row with NaN
+logits comes out NaN, a row with no allowed token all zero, and the consumer --
+:func:`sample_token`, :func:`argmax_tokens`, the verifiers -- refuses it in the
+one read it makes anyway).
 """
 
 from __future__ import annotations
@@ -12,43 +19,92 @@ import torch
 from specgen.errors import NumericalError
 
 
+class NoAllowedToken(NumericalError):  # noqa: N818 (reads as the condition it names)
+    """Every token is forbidden at a position (all processed logits are -inf)."""
+
+
+NAN_MESSAGE = "the model produced NaN logits; refusing to sample from them"
+FORBIDDEN_MESSAGE = "every token is forbidden at this position (all logits are -inf)"
+
+
 def uniform(generator: torch.Generator) -> float:
     """One draw from U[0, 1) using ``generator`` (on the generator's device)."""
     return float(torch.rand((), generator=generator, device=generator.device))
 
 
+def uniforms(generator: torch.Generator, count: int) -> torch.Tensor:
+    """``count`` draws from U[0, 1) in one call: [count] float32 on the generator's device.
+
+    The same numbers, in order, as ``count`` calls of :func:`uniform`."""
+    return torch.rand(count, generator=generator, device=generator.device)
+
+
 def normalise(logits: torch.Tensor) -> torch.Tensor:
-    """Softmax of processed logits in float64.
+    """Softmax of processed logits in float64, without reading anything back.
 
     logits: [..., vocab], ``-inf`` marks forbidden tokens.
-    Returns probabilities [..., vocab] (float64). Raises NumericalError if a row has
-    NaN or no allowed token, since no distribution exists there.
+    Returns probabilities [..., vocab] (float64). A row with a NaN logit is NaN
+    and a row with no allowed token is all zero: no distribution exists there,
+    and every consumer in :mod:`specgen.sampling` raises on such a row
+    (:class:`NoAllowedToken` for the zero row, NumericalError for NaN).
     """
-    if torch.isnan(logits).any():
-        raise NumericalError("the model produced NaN logits; refusing to sample from them")
-    finite_rows = torch.isfinite(logits).any(dim=-1) | (logits == float("inf")).any(dim=-1)
-    if not bool(finite_rows.all()):
-        raise NumericalError("every token is forbidden at this position (all logits are -inf)")
-    return torch.softmax(logits.to(torch.float64), dim=-1)
+    probs = torch.softmax(logits.to(torch.float64), dim=-1)  # [..., vocab]
+    forbidden = (logits == float("-inf")).all(dim=-1, keepdim=True)  # [..., 1]
+    return probs.masked_fill(forbidden, 0.0)
 
 
-def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
+def raise_for_row(total: float, what: str = "the distribution") -> None:
+    """The error for a row whose mass is ``total`` (NaN: NaN logits; 0: nothing allowed)."""
+    if total != total:
+        raise NumericalError(f"{what}: {NAN_MESSAGE}")
+    if not total > 0.0:
+        raise NoAllowedToken(f"{what}: {FORBIDDEN_MESSAGE}")
+
+
+def sample_token(probs: torch.Tensor, generator: torch.Generator, u: torch.Tensor | float | None = None) -> int:
     """Draw one token from ``probs`` [vocab] by inverse CDF with a single uniform.
 
+    u: the uniform to use (a drawn number, e.g. from :func:`uniforms`); None draws one.
     Tokens with zero probability are never returned: the search finds the first
-    index whose cumulative mass exceeds ``u * total``.
+    index whose cumulative mass exceeds ``u * total``. One read: the index and
+    the total mass together (a NaN or zero total raises, see :func:`raise_for_row`).
     """
     cdf = torch.cumsum(probs.to(torch.float64), dim=-1)  # [vocab]
-    total = float(cdf[-1])
-    if not total > 0.0:
-        raise NumericalError("cannot sample from a distribution with no mass")
-    target = torch.tensor([uniform(generator) * total], dtype=torch.float64, device=cdf.device)
-    index = int(torch.searchsorted(cdf, target, right=True))
-    return min(index, probs.shape[-1] - 1)
+    total = cdf[-1:]  # [1]
+    if u is None:
+        u = uniforms(generator, 1)
+    u = torch.as_tensor(u, dtype=torch.float64, device=cdf.device).reshape(1)  # [1]
+    index = torch.searchsorted(cdf, u * total, right=True)  # [1]
+    index_value, total_value = torch.cat([index.to(torch.float64), total]).tolist()
+    raise_for_row(total_value, "cannot sample")
+    return min(int(index_value), probs.shape[-1] - 1)
+
+
+def argmax_tokens(logits: torch.Tensor) -> list[int]:
+    """Argmax of each row of processed logits [N, vocab] in one read; ties go to the lowest id.
+
+    Raises NumericalError for a row with a NaN logit and :class:`NoAllowedToken`
+    for a row with every logit -inf."""
+    out = argmax_or_none(logits)
+    if None in out:
+        raise NoAllowedToken(FORBIDDEN_MESSAGE)
+    return out
+
+
+def argmax_or_none(logits: torch.Tensor) -> list[int | None]:
+    """Argmax of each row of processed logits [N, vocab] in one read, None for a row with
+    every logit -inf (nothing allowed); ties go to the lowest id. Raises NumericalError
+    for a row with a NaN logit."""
+    best = logits.max(dim=-1)  # values [N], indices [N]
+    nan = torch.isnan(logits).any(dim=-1)  # [N]
+    # code: -1 NaN, -2 nothing allowed, else the argmax
+    code = torch.where(nan, -1, torch.where(best.values == float("-inf"), -2, best.indices))  # [N]
+    out = code.tolist()
+    if -1 in out:
+        raise NumericalError(NAN_MESSAGE.replace("sample from", "pick a token from"))
+    return [None if value == -2 else value for value in out]
 
 
 def greedy_token(logits: torch.Tensor) -> int:
-    """Argmax of processed logits [vocab]; ties go to the lowest id (torch.argmax)."""
-    if torch.isnan(logits).any():
-        raise NumericalError("the model produced NaN logits; refusing to pick a token")
-    return int(torch.argmax(logits, dim=-1))
+    """Argmax of processed logits [vocab]; ties go to the lowest id (see :func:`argmax_tokens`)."""
+    return argmax_tokens(logits.unsqueeze(0))[0]

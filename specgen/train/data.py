@@ -11,7 +11,10 @@ same prompts answered by the target itself, :mod:`specgen.train.selfgen`), ``ran
 Per position the cache keeps: the token id, the head's input feature, the
 final normalised hidden state (what the LM head reads; target logits over the
 draft vocabulary are recomputed from it), the full-vocabulary logsumexp of the
-target logits and the target's greedy token.
+target logits and the target's greedy token. The logsumexp comes from
+:func:`lm_logits` of the *stored* hidden state, the same float32 product
+training recomputes p from, so the training targets sum to 1; the greedy token
+is the argmax of the model's own logits, as decoding computes it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ _ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 _CHARS_PER_TOKEN_CAP = 8  # text is cut to max_len * this many characters before tokenising
 _EXTRACT_TOKENS = 4096  # padded tokens per feature-extraction forward
 _LOGIT_ROWS = 512  # rows per chunk when computing full-vocabulary logsumexp
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: lse from the stored hidden state in float32 (was: the model-dtype logits)
 
 
 @dataclass
@@ -144,6 +147,15 @@ def draft_vocab(sequences: list[list[int]], size: int, vocab_size: int, eos_ids)
     return torch.sort(order).values
 
 
+def lm_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Target logits in float32: hidden [N, d] (as stored) @ weight [V, d].T (+ bias [V]) -> [N, V].
+
+    The one product both the cached logsumexp and the training targets p are
+    computed from (see :func:`specgen.train.loop.batch_targets`)."""
+    logits = hidden.to(torch.float32) @ weight.to(torch.float32).T
+    return logits if bias is None else logits + bias.to(torch.float32)
+
+
 @dataclass
 class Features:
     """Flat per-position arrays over all sequences; offsets [S + 1] delimit them."""
@@ -214,15 +226,15 @@ def extract_features(model, sequences: list[list[int]], layers: list[int], vocab
         feature = select_features(hs, layers) if layers else None
         for row, k in enumerate(batch):
             n = len(sequences[k])
-            h = final[row, :n]
+            h = final[row, :n]  # [n, d] in the model's dtype
+            stored = h.to(store_dtype)  # [n, d] as cached
             lse, arg = [], []
             for c in range(0, n, _LOGIT_ROWS):
-                logits = torch.nn.functional.linear(h[c: c + _LOGIT_ROWS], weight.to(h.dtype), bias).float()
-                lse.append(torch.logsumexp(logits, -1))
-                arg.append(logits.argmax(-1))
+                lse.append(torch.logsumexp(lm_logits(stored[c: c + _LOGIT_ROWS], weight, bias), -1))
+                own_logits = torch.nn.functional.linear(h[c: c + _LOGIT_ROWS], weight.to(h.dtype), bias)
+                arg.append(own_logits.argmax(-1))  # the target's greedy token, as decoding computes it
             own = None if feature is None else feature[row, :n].to("cpu", store_dtype)
-            results[k] = (h.to("cpu", store_dtype), own,
-                          torch.cat(lse).cpu(), torch.cat(arg).cpu())
+            results[k] = (stored.cpu(), own, torch.cat(lse).cpu(), torch.cat(arg).cpu())
         bar.update(sum(len(sequences[k]) for k in batch))
         start = end
     bar.close()

@@ -27,7 +27,7 @@ import torch
 
 from specgen.errors import ConfigError
 from specgen.heads.modules import DraftHead
-from specgen.train.data import Features
+from specgen.train.data import Features, lm_logits
 from specgen.train.losses import LOSSES, acceptance, depth_loss
 
 
@@ -81,8 +81,8 @@ def batch_targets(head: DraftHead, feats: Features, lookup: torch.Tensor, starts
     source = feats.hidden if head.cfg.kind == "medusa" else feats.inputs
     inputs = source[starts].to(device, torch.float32)
     tokens = feats.tokens[ahead].to(device)
-    hidden = feats.hidden[ahead].to(device, torch.float32)
-    logits = hidden @ head.lm_rows.to(device, torch.float32).T
+    hidden = feats.hidden[ahead].to(device)  # [D, B, d] as stored
+    logits = lm_logits(hidden, head.lm_rows.to(device))  # [D, B, Vd] float32, the product the cached lse used
     p = torch.exp(logits - feats.lse[ahead].to(device).unsqueeze(-1))
     greedy = lookup[feats.argmax[ahead]].to(device)
     return inputs, tokens, p, greedy

@@ -1,0 +1,122 @@
+"""The short bench of scripts/gpu_check.sh: plain vs speculative tokens/s, host reads per
+round, and greedy identity, on one device.
+
+    python scripts/gpu_check.py --device cuda --target smollm2-135m --tokens 64
+
+Prints one line per (dtype, drafter) and a last line ``gpu_check bench: ok`` when
+every greedy speculative output equals plain decoding token for token (in float32;
+bfloat16 is ``approximate`` and only reported). Exit status 1 on a float32 mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+
+import torch
+
+READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "cpu", "numpy")
+PROMPT = "Write a short story about a robot who learns to paint. Repeat the title at the end."
+
+
+@contextlib.contextmanager
+def counting_reads():
+    """Count host reads (the tensor methods in READS) while the block runs -> [count]."""
+    count = [0]
+    saved = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def counted(method):
+        def wrapper(self, *args, **kwargs):
+            count[0] += 1
+            return method(self, *args, **kwargs)
+        return wrapper
+
+    for name, method in saved.items():
+        setattr(torch.Tensor, name, counted(method))
+    try:
+        yield count
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def reads_per_round(pipe, prompt_ids: list[int], gamma: int, rounds: int = 5) -> float:
+    from specgen.round import speculative_round
+
+    request, ctx = pipe.open_request(prompt_ids, max_new_tokens=gamma * (rounds + 3) + 8, seed=0)
+    speculative_round(request, ctx, gamma)
+    total = 0
+    for _ in range(rounds):
+        with counting_reads() as count:
+            speculative_round(request, ctx, gamma)
+        total += count[0]
+    return total / rounds
+
+
+def timed(pipe, prompt_ids: list[int], tokens: int, speculative: bool, device: str) -> tuple[float, list[int]]:
+    _synchronize(device)
+    start = time.perf_counter()
+    gen = pipe.generate(prompt_ids=prompt_ids, max_new_tokens=tokens, seed=0, speculative=speculative)
+    _synchronize(device)
+    return len(gen.token_ids) / (time.perf_counter() - start), gen.token_ids
+
+
+def bench(target: str, drafters: list[str], device: str, dtypes: list[str], tokens: int, gamma: int) -> bool:
+    import specgen
+
+    ok = True
+    for dtype in dtypes:
+        for drafter in drafters:
+            pipe = specgen.pipeline(f"target={target}", f"drafter={drafter}", f"device={device}", f"dtype={dtype}",
+                                    f"drafter.num_tokens={gamma}", "sampling.temperature=0", "threads=auto",
+                                    progress=False)
+            ids = pipe.encode(PROMPT) if target != "tiny" else [1, 2, 3, 4, 1, 2, 3, 4]
+            timed(pipe, ids, 8, True, device)  # warm-up (kernels, caches)
+            plain, plain_ids = timed(pipe, ids, tokens, False, device)
+            spec, spec_ids = timed(pipe, ids, tokens, True, device)
+            same = spec_ids == plain_ids
+            reads = reads_per_round(pipe, ids, gamma)
+            if dtype == "float32" and not same:
+                ok = False
+            print(f"{device} {dtype:8s} {drafter:7s} plain {plain:7.1f} tokens/s  speculative {spec:7.1f} tokens/s "
+                  f"(x{spec / plain:.2f})  reads/round {reads:.1f}  greedy identical: {same}  [{pipe.guarantee}]",
+                  flush=True)
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--target", default="smollm2-135m", help="a conf/target name; tiny when it cannot load")
+    parser.add_argument("--drafters", default="ngram,eagle")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--gamma", type=int, default=4)
+    args = parser.parse_args(argv)
+    from specgen.errors import SpecgenError
+
+    target, drafters = args.target, args.drafters.split(",")
+    if target != "tiny":
+        try:
+            import specgen
+
+            specgen.pipeline(f"target={target}", "drafter=none", f"device={args.device}", progress=False)
+        except SpecgenError as exc:
+            print(f"gpu_check bench: target={target} cannot load ({exc}); using target=tiny", flush=True)
+            target = "tiny"
+    if target == "tiny":
+        drafters = [d for d in drafters if d in ("ngram", "tiny")] or ["ngram"]
+    ok = bench(target, drafters, args.device, args.dtypes.split(","), args.tokens, args.gamma)
+    print(f"gpu_check bench: {'ok' if ok else 'FLOAT32 GREEDY MISMATCH'}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
