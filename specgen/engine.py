@@ -18,6 +18,9 @@ from specgen.drafters import DraftContext, Drafter
 from specgen.errors import ConfigError, DeadEndError, PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.models import CausalLM, TokenizerInfo
+from specgen.options import (check_option_names, check_prompt, check_prompt_ids, parse_chat, parse_optional_text,
+                             parse_seed, parse_stop, request_options)
+from specgen.planner import CostTable
 from specgen.processors import ProcessorStack
 from specgen.round import RoundContext, plain_step, speculative_round
 from specgen.state import Request
@@ -51,57 +54,77 @@ class Pipeline:
         self.defaults = defaults
         self.config = config
         self.device = target.device
+        self.costs: CostTable | None = None
+
+    def cost_table(self, *, refresh: bool = False) -> CostTable:
+        """The planner's cost table for this pipeline (measured once, cached on disk; see specgen.costmodel)."""
+        if self.costs is None or refresh:
+            from specgen.costmodel import cost_table
+
+            self.costs = cost_table(self, refresh=refresh)
+        return self.costs
 
     @property
     def speculative(self) -> bool:
         return self.drafter is not None and not self.guarantee.startswith("off")
 
     def encode(self, prompt, *, chat=None, system=None) -> list[int]:
-        chat = self.defaults.chat if chat is None else chat
-        system = self.defaults.system if system is None else system
+        """Token ids for a prompt string or chat messages (checked; PromptError names what is wrong)."""
+        prompt = check_prompt(prompt)
+        chat = parse_chat(self.defaults.chat if chat is None else chat)
+        system = parse_optional_text(self.defaults.system if system is None else system, "system")
         return self.tokenizer.encode_prompt(prompt, chat=chat, system=system)
 
     def generate(self, prompt=None, **kwargs) -> Generation:
-        """Run :meth:`stream` to the end and return its :class:`Generation`."""
+        """Run :meth:`stream` to the end and return its :class:`Generation`.
+
+        kwargs: :meth:`stream`'s keyword arguments; an unknown one raises
+        ConfigError naming it (and the closest known one).
+        """
+        check_option_names(kwargs, "generate()", extra=("prompt_ids",))
         for event in self.stream(prompt, **kwargs):
             if isinstance(event, FinishEvent):
                 return event.generation
         raise RuntimeError("stream ended without a finish event")
 
     def stream(self, prompt: str | Sequence[dict] | None = None, *, prompt_ids: Sequence[int] | None = None,
-               max_new_tokens: int | None = None, seed: int | None = None, stop: Sequence[str] | None = None,
+               max_new_tokens: int | None = None, seed: int | None = None, stop: str | Sequence[str] | None = None,
                speculative: bool | None = None, chat=None, system=None,
                schema=None, regex: str | None = None, stats: Stats | None = None,
-               num_tokens: int | None = None) -> Iterator[TokenEvent | FinishEvent]:
+               num_tokens: int | str | None = None) -> Iterator[TokenEvent | FinishEvent]:
         """Generate from ``prompt`` (text or chat messages) or ``prompt_ids``.
 
-        speculative: False forces plain decoding for this call; True or None uses
-        the pipeline's setting. schema / regex: constrain this call's output (a
+        The arguments are checked by :func:`specgen.options.request_options`
+        before the first event: a bad one raises a SpecgenError subclass that
+        names it (nothing is truncated or coerced). stop: one string is one stop
+        string. speculative / chat: bools or the usual spellings ("no", "off",
+        ...); False forces plain decoding for this call, True or None uses the
+        pipeline's setting. schema / regex: constrain this call's output (a
         JSON schema as dict, JSON string, file path or pydantic model class; a
         regex); the grammar mask joins the processor stack of both p and q.
-        stats: an empty Stats for the engine to fill as rounds commit (live
+        stats: a fresh Stats for the engine to fill as rounds commit (live
         numbers for a UI, readable between events); the FinishEvent's generation
-        carries the same object. num_tokens: draft tokens per round (γ) for this
-        call instead of the drafter's setting. Validation happens before the
-        first event.
+        carries the same object; a Stats that already holds numbers is refused.
+        num_tokens: draft tokens per round (γ) for this call instead of the
+        drafter's setting.
         """
-        ids = self._prompt_ids(prompt, prompt_ids, chat, system)
-        max_new = self.defaults.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-        if max_new < 1:
-            raise ConfigError(f"max_new_tokens must be at least 1, got {max_new}")
+        options = request_options(self.defaults, max_new_tokens=max_new_tokens, seed=seed, stop=stop,
+                                  speculative=speculative, chat=chat, system=system, schema=schema,
+                                  regex=regex, num_tokens=num_tokens, stats=stats)
+        ids = self._prompt_ids(prompt, prompt_ids, options.chat, options.system)
+        max_new = options.max_new_tokens
         room = self.target.context_length - len(ids)
         if room < 1:
             raise PromptError(f"the prompt has {len(ids)} tokens but the model's context is "
                               f"{self.target.context_length}; shorten the prompt")
-        use_spec = self.speculative and speculative is not False
+        use_spec = self.speculative and options.speculative
         guarantee = self.guarantee if use_spec or not self.speculative else "off: speculative=false"
-        stack = self._stack_for(schema, regex)
+        stack = self._stack_for(options.schema, options.regex)
         gamma = 0
         if use_spec:
-            gamma = self.drafter.num_tokens if num_tokens is None else int(num_tokens)
-            if gamma < 1:
-                raise ConfigError(f"num_tokens must be at least 1, got {num_tokens}")
-        return self._run(ids, min(max_new, room), max_new > room, seed, stop, use_spec, guarantee, stack, stats, gamma)
+            gamma = self.drafter.num_tokens if options.num_tokens is None else options.num_tokens
+        return self._run(ids, min(max_new, room), max_new > room, options.seed, options.stop, use_spec, guarantee,
+                         stack, options.stats, gamma)
 
     def _stack_for(self, schema, regex) -> ProcessorStack:
         if schema is None and regex is None:
@@ -117,10 +140,7 @@ class Pipeline:
         if (prompt is None) == (prompt_ids is None):
             raise PromptError("give exactly one of prompt or prompt_ids")
         if prompt_ids is not None:
-            ids = [int(i) for i in prompt_ids]
-            bad = [i for i in ids if not 0 <= i < self.tokenizer.vocab_size]
-            if bad:
-                raise PromptError(f"prompt_ids {bad[:5]} are outside the vocabulary (size {self.tokenizer.vocab_size})")
+            ids = check_prompt_ids(prompt_ids, self.tokenizer.vocab_size)
         else:
             ids = self.encode(prompt, chat=chat, system=system)
         if not ids:
@@ -131,8 +151,8 @@ class Pipeline:
                      stop: Sequence[str] | None = None, use_spec: bool = True,
                      stack: ProcessorStack | None = None, stats: Stats | None = None) -> tuple[Request, RoundContext]:
         """Fresh request state and round context (the engine loop's setup; tests drive rounds with it)."""
-        seed = self.defaults.seed if seed is None else int(seed)
-        stop = tuple(self.defaults.stop if stop is None else stop)
+        seed = parse_seed(self.defaults.seed if seed is None else seed)
+        stop = parse_stop(self.defaults.stop if stop is None else stop)
         stack = self.stack if stack is None else stack
         request = Request(prompt_ids=ids, vocab_size=self.tokenizer.vocab_size, device=self.device,
                           target_cache=self.target.new_cache(), text=TextStream(self.tokenizer.decode, stop),
@@ -142,6 +162,8 @@ class Pipeline:
         ctx = RoundContext(self.target, stack, stats, Clock(self.device))
         if use_spec and self.speculative:
             ctx.feature_layers = self.drafter.feature_layers
+            ctx.max_tokens, ctx.tree_width = self.drafter.max_tokens, self.drafter.tree_width
+            ctx.load_costs = self.cost_table
             request.draft = self.drafter.session(DraftContext(request.committed, stack, request.draft_rng))
             stats.drafter_memory_bytes = self.drafter.extra_memory_bytes
         return request, ctx

@@ -23,6 +23,8 @@ class TokenEvent:
         a resample replaced; None for bonus/plain.
     text: text this token releases (may be "" while a character or a possible
         stop string is incomplete).
+    gamma: draft tokens (tree nodes) the round verified, as fixed or as the
+        planner chose them (0 = the round drafted nothing); None for "plain".
     """
 
     token_id: int
@@ -31,6 +33,7 @@ class TokenEvent:
     draft_position: int | None
     accept_prob: float | None
     round: int
+    gamma: int | None = None
 
 
 @dataclass(frozen=True)

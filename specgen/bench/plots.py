@@ -67,11 +67,16 @@ def _speedup(rows, tasks, axes) -> None:
         for index, temperature in enumerate(temperatures):
             colour = f"C{index}"
             for method, style in (("specgen", "-"), ("hf_assisted", "--"), ("hf_prompt_lookup", ":")):
-                points = sorted((row["gamma"], row["speedup_vs_plain"]["median"]) for row in rows
-                                if row["task"] == task and row["temperature"] == temperature
-                                and row["method"] == method and row["speedup_vs_plain"])
+                cell = [row for row in rows if row["task"] == task and row["temperature"] == temperature
+                        and row["method"] == method and row["speedup_vs_plain"]]
+                points = sorted((row["gamma"], row["speedup_vs_plain"]["median"]) for row in cell
+                                if not isinstance(row["gamma"], str))
                 if points:
                     ax.plot(*zip(*points), style, color=colour, marker="o", label=f"{method} T={temperature:g}")
+                for row in cell:
+                    if isinstance(row["gamma"], str):  # γ = auto: one level across the fixed-γ axis
+                        ax.axhline(row["speedup_vs_plain"]["median"], color=colour, linestyle="-.",
+                                   label=f"{method} γ=auto T={temperature:g}")
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set(title=task, xlabel="γ (draft tokens per round)", ylabel="speedup vs specgen plain")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -24,9 +25,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specgen.bench.baselines import HF_METHODS, generate_kwargs, run_hf, unsupported_sampling
-from specgen.bench.calibrate import calibrate
+from specgen.bench.calibrate import from_cost_table
 from specgen.bench.prompts import BenchPrompt, load_prompt_sets
 from specgen.errors import ConfigError
+from specgen.costmodel import describe
+from specgen.planner import AUTO
+from specgen.options import parse_bool, parse_int, parse_seed
 from specgen.events import FinishEvent
 from specgen.stats import Clock, Stats
 
@@ -42,7 +46,10 @@ class Arm:
 
 @dataclass
 class Settings:
-    """The validated ``bench`` config group (see conf/bench/default.yaml)."""
+    """The validated ``bench`` config group (see conf/bench/default.yaml).
+
+    :meth:`from_config` raises ConfigError naming the first bad ``bench.*`` key.
+    """
 
     prompts: object
     num_prompts: int | None
@@ -55,28 +62,46 @@ class Settings:
     ignore_eos: bool = True
     seed: int = 0
     calibration_repeats: int = 3
+    remeasure_costs: bool = False
 
     @classmethod
     def from_config(cls, bench: Mapping) -> Settings:
         names = ("prompts", "num_prompts", "max_prompt_tokens", "max_new_tokens", "gammas", "temperatures",
-                 "baselines", "warmup", "ignore_eos", "seed", "calibration_repeats")
+                 "baselines", "warmup", "ignore_eos", "seed", "calibration_repeats", "remeasure_costs")
         settings = cls(**{name: bench[name] for name in names if name in bench})
-        settings.gammas = [_positive_int(g, "bench.gammas") for g in _as_list(settings.gammas)]
-        settings.temperatures = [float(t) for t in _as_list(settings.temperatures)]
+        settings.gammas = [AUTO if str(g).strip().lower() == AUTO else parse_int(g, "bench.gammas", minimum=1)
+                           for g in _as_list(settings.gammas)]
+        settings.temperatures = [_temperature(t) for t in _as_list(settings.temperatures)]
         settings.baselines = [str(b) for b in _as_list(settings.baselines)]
         unknown = sorted(set(settings.baselines) - set(BASELINES))
         if unknown:
             raise ConfigError(f"bench.baselines: unknown {unknown}; choose from {list(BASELINES)}")
-        if any(t < 0 for t in settings.temperatures) or not settings.temperatures or not settings.gammas:
-            raise ConfigError("bench.temperatures (>= 0) and bench.gammas need at least one value each")
-        settings.max_new_tokens = _positive_int(settings.max_new_tokens, "bench.max_new_tokens")
+        for name, example in (("gammas", "[2,4]"), ("temperatures", "[0,0.7]")):
+            if not getattr(settings, name):
+                raise ConfigError(f"bench.{name} needs at least one value, e.g. bench.{name}={example}")
+        if settings.num_prompts is not None and (isinstance(settings.num_prompts, bool)
+                                                 or not isinstance(settings.num_prompts, int)
+                                                 or settings.num_prompts < 1):
+            raise ConfigError(f"bench.num_prompts must be a positive integer (or null = every prompt), "
+                              f"got {settings.num_prompts!r}")
+        settings.max_prompt_tokens = parse_int(settings.max_prompt_tokens, "bench.max_prompt_tokens", minimum=1)
+        settings.max_new_tokens = parse_int(settings.max_new_tokens, "bench.max_new_tokens", minimum=1)
+        settings.warmup = parse_int(settings.warmup, "bench.warmup", minimum=0)
+        settings.calibration_repeats = parse_int(settings.calibration_repeats, "bench.calibration_repeats", minimum=0)
+        settings.seed = parse_seed(settings.seed, "bench.seed")
+        settings.ignore_eos = parse_bool(settings.ignore_eos, "bench.ignore_eos")
+        settings.remeasure_costs = parse_bool(settings.remeasure_costs, "bench.remeasure_costs")
         return settings
 
 
 @dataclass
 class BenchRun:
-    """samples: one dict per timed generation (see summary.py); notes: what was skipped and why."""
+    """samples: one dict per timed generation (see summary.py); notes: what was skipped and why.
 
+    interrupted: Ctrl-C stopped the matrix; ``samples`` then holds the prompts measured before it.
+    """
+
+    interrupted: bool = False
     samples: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     hf_spec_method: str | None = None
@@ -88,10 +113,10 @@ def _as_list(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) or OmegaConf.is_list(value) else [value]
 
 
-def _positive_int(value, what: str) -> int:
-    if int(value) != value or int(value) < 1:
-        raise ConfigError(f"{what} must hold positive integers, got {value}")
-    return int(value)
+def _temperature(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"bench.temperatures must hold finite numbers >= 0 (0 = greedy), got {value!r}")
+    return float(value)
 
 
 def plan_arms(pipe, settings: Settings) -> tuple[list[Arm], list[str]]:
@@ -115,7 +140,7 @@ def plan_arms(pipe, settings: Settings) -> tuple[list[Arm], list[str]]:
         elif name == "hf_assisted" and draft_model(pipe) is None:
             notes.append("hf_assisted skipped: the drafter has no draft model (use drafter=small_model or similar)")
         elif name in ("hf_assisted", "hf_prompt_lookup"):
-            arms += [Arm(name, g) for g in settings.gammas]
+            arms += [Arm(name, g) for g in settings.gammas if g != AUTO]
     return arms, notes
 
 
@@ -193,13 +218,18 @@ def run_arm(pipe, arm: Arm, ids: list[int], *, max_new: int, seed: int, hf_kwarg
         "rounds": stats.rounds, "target_calls": stats.target_calls, "drafted": stats.drafted,
         "accepted": stats.accepted, "proposed_per_position": list(stats.proposed_per_position),
         "accepted_per_position": list(stats.accepted_per_position), "timings": asdict(stats.timings),
+        "draft_size_counts": list(stats.draft_size_counts), "tree": getattr(pipe.drafter, "tree_width", 1) > 1,
         "drafter_memory_bytes": stats.drafter_memory_bytes, "guarantee": gen.guarantee,
         "finish_reason": gen.finish_reason,
     }
 
 
 def run_matrix(cfg: DictConfig, settings: Settings, *, progress: bool = True) -> BenchRun:
-    """Run the whole matrix described by ``cfg`` (specgen config + bench settings)."""
+    """Run the whole matrix described by ``cfg`` (specgen config + bench settings).
+
+    Ctrl-C ends the run early with ``interrupted`` set; every prompt measured by
+    all arms before it is kept.
+    """
     from tqdm.auto import tqdm
 
     from specgen.bench.report import environment
@@ -220,26 +250,23 @@ def run_matrix(cfg: DictConfig, settings: Settings, *, progress: bool = True) ->
                 bar.total = len(settings.temperatures) * len(arms) * (settings.warmup + len(encoded))
                 bar.refresh()
             clock = Clock(pipe.device)
+            if pipe.speculative:  # the planner's and the speed model's costs: measured once, before warm-up
+                bar.set_postfix_str("cost table")
+                costs = pipe.cost_table(refresh=settings.remeasure_costs and run.calibration is None)
+                if run.calibration is None and settings.calibration_repeats > 0:
+                    run.calibration = from_cost_table(costs)
+                    run.notes.append(describe(costs).replace("\n", ";"))
             _warm_up(pipe, arms, encoded[0][1], temperature, settings, clock, bar)
-            if run.calibration is None and settings.calibration_repeats > 0:
-                bar.set_postfix_str("calibrating forward costs")
-                run.calibration = calibrate(pipe, calibration_context(encoded, settings.max_new_tokens),
-                                            max(settings.gammas), clock, settings.calibration_repeats)
             _measure(pipe, arms, encoded, temperature, settings, clock, run.samples, bar)
             del pipe
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+    except KeyboardInterrupt:
+        run.interrupted = True
     finally:
         bar.close()
     return run
-
-
-def calibration_context(encoded: list[tuple], max_new_tokens: int) -> list[int]:
-    """A typical decoding context: the median-length prompt plus half the new tokens (repeating it)."""
-    ids = sorted((ids for _, ids in encoded), key=len)[len(encoded) // 2]
-    extra = max_new_tokens // 2
-    return list(ids) + [ids[i % len(ids)] for i in range(extra)]
 
 
 def _hf_kwargs(pipe, temperature: float, settings: Settings, max_new: int) -> dict:

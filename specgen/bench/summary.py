@@ -94,7 +94,8 @@ def engine_counters(samples: Sequence[Mapping]) -> dict | None:
             proposed[i] += p
             accepted[i] += a
     rounds_total = sum(s["rounds"] for s in with_stats)
-    at_least = [rounds_total, *proposed, 0]  # rounds with >= k drafts, k = 0, 1, ...
+    at_least = [rounds_total, *proposed, 0]  # rounds with >= k draft positions, k = 0, 1, ...
+    size_counts = _summed([s.get("draft_size_counts") for s in with_stats])
     parts = [_decode_part(s) for s in with_stats]
     decode = {key: sum(part[key] for part in parts) for key in ("rounds", "new_tokens", "drafted", "wall")}
     stage_time = {stage: sum(part["timings"][stage] for part in parts) for stage in STAGES}
@@ -103,7 +104,8 @@ def engine_counters(samples: Sequence[Mapping]) -> dict | None:
     per_round_ms["other"] = 1e3 * (decode["wall"] - sum(stage_time.values())) / rounds
     return {
         "rounds": rounds_total,
-        "draft_length_counts": [at_least[k] - at_least[k + 1] for k in range(width + 1)],
+        "draft_length_counts": size_counts or [at_least[k] - at_least[k + 1] for k in range(width + 1)],
+        "tree": any(s.get("tree") for s in with_stats),
         "tau": total["new_tokens"] / total["target_calls"],
         "target_calls_per_token": total["target_calls"] / total["new_tokens"],
         "acceptance_rate": total["accepted"] / total["drafted"] if total["drafted"] else None,
@@ -117,13 +119,25 @@ def engine_counters(samples: Sequence[Mapping]) -> dict | None:
     }
 
 
+def _summed(lists: Sequence[list | None]) -> list[int] | None:
+    """Element-wise sum of histograms; None when any is missing (samples from before they were recorded)."""
+    if not lists or any(not values for values in lists):
+        return None
+    out = [0] * max(len(values) for values in lists)
+    for values in lists:
+        for i, count in enumerate(values):
+            out[i] += count
+    return out
+
+
 def speed_model(spec: Mapping, plain: Mapping, calibration: Mapping | None = None) -> dict:
     """Predicted speedup = E[K] * (1 + o_plain) / (v + gamma*c + o), in units of one target forward of 1 token.
 
     All terms describe the decode phase (after the round that prefilled the prompt).
     E[K]: tokens committed per round; gamma: mean draft tokens per round; v: a
-    verify forward of k + 1 tokens, averaged over the rounds' draft lengths k
-    (verify cost is not linear in k); c: one draft token; o / o_plain: the rest
+    verify forward of k + 1 tokens, averaged over the rounds' verified draft
+    tokens k -- a tree's node count |T|, not its depth, priced from the tree
+    table (verify cost is not linear in k); c: one draft token; o / o_plain: the rest
     of a speculative round / of a plain step (process, commit, loop). With ``calibration`` (see calibrate.py) v, c and the
     unit come from separate forward measurements; without it, from the request
     timings, and then ``predicted`` equals ``measured`` by construction (the terms
@@ -134,7 +148,8 @@ def speed_model(spec: Mapping, plain: Mapping, calibration: Mapping | None = Non
     if calibration:
         unit = calibration["step_s"]
         counts = spec.get("draft_length_counts") or [0, 1]
-        v = sum(n * verify_ratio(calibration["v"], k + 1) for k, n in enumerate(counts)) / max(sum(counts), 1)
+        table = calibration["v_tree"] if spec.get("tree") and calibration.get("v_tree") else calibration["v"]
+        v = sum(n * verify_ratio(table, k + 1) for k, n in enumerate(counts)) / max(sum(counts), 1)
         c = calibration["c"] if calibration.get("c") is not None else draft_c / unit
     else:
         unit = plain["verify_seconds_per_round"]
@@ -201,7 +216,9 @@ def summarise(samples: Sequence[Mapping], hf_spec_method: str | None = None,
 
     def order(row):
         method = METHOD_ORDER.index(row["method"]) if row["method"] in METHOD_ORDER else len(METHOD_ORDER)
-        return tasks.index(row["task"]), temperatures.index(row["temperature"]), method, row["gamma"] or 0
+        gamma = row["gamma"]
+        return (tasks.index(row["task"]), temperatures.index(row["temperature"]), method,
+                (1, 0) if isinstance(gamma, str) else (0, gamma or 0))
 
     return sorted(rows, key=order)
 

@@ -26,11 +26,20 @@ class Proposal:
         sampled from; None when the proposal is deterministic (q one-hot).
     parents: for tree drafts, the parent node index of each token (-1 = root);
         None for a chain.
+    confidence: [num_draft] the drafter's own estimate, in [0, 1], that each
+        token is accepted -- for a chain, given the tokens before it were (e.g.
+        max q of the distribution it was drawn from); for a tree, that its whole
+        path is (e.g. EAGLE's cumulative draft probability). A sampling
+        drafter computes confidence[i] *before* drawing token i, never from the
+        drawn token: the planner may then stop the chain at any i, and the kept
+        length stays a stopping time of the drafter's information (exactness
+        holds). None: no estimate.
     """
 
     tokens: list[int]
     draft_probs: torch.Tensor | None = None
     parents: list[int] | None = None
+    confidence: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -82,21 +91,37 @@ class DraftSession(ABC):
 
 
 class Drafter(ABC):
-    """A proposal source. ``deterministic`` drafters always return draft_probs=None."""
+    """A proposal source. ``deterministic`` drafters always return draft_probs=None.
+
+    num_tokens: draft tokens per round (γ; a tree drafter's depth), a positive
+    int or "auto" (the planner chooses each round, up to ``auto_max_tokens``).
+    max_tokens: the most a round may draft. tree_width: nodes per tree level, for
+    the planner's cost estimate before drafting (1 for chains).
+    """
 
     name = "drafter"
     deterministic = False
+    auto_max_tokens = 8
+    tree_width = 1
     #: The tokenizer of an independent draft model, or None when it shares the target's.
     tokenizer = None
     #: Target hidden states the drafter reads (see ``select_features``); None: none.
     feature_layers: list[int] | None = None
 
-    def __init__(self, num_tokens: int):
-        if int(num_tokens) != num_tokens or num_tokens < 1:
+    def __init__(self, num_tokens: int | str):
+        if isinstance(num_tokens, str) and num_tokens.strip().lower() == "auto":
+            self.num_tokens: int | str = "auto"
+            return
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, float)) or int(num_tokens) != num_tokens \
+                or num_tokens < 1:
             from specgen.errors import ConfigError
 
-            raise ConfigError(f"drafter.num_tokens must be a positive integer, got {num_tokens}")
+            raise ConfigError(f"drafter.num_tokens must be a positive integer or auto, got {num_tokens!r}")
         self.num_tokens = int(num_tokens)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.auto_max_tokens if self.num_tokens == "auto" else self.num_tokens
 
     @abstractmethod
     def session(self, ctx: DraftContext) -> DraftSession:
@@ -112,7 +137,8 @@ class Drafter(ABC):
 class DrafterRuntime:
     """What drafter factories get besides their config: the loaded target and a loader.
 
-    load: ``load(source_mapping, name=...) -> LoadedModel`` with the pipeline's dtype/device.
+    load: ``load(source_mapping, name=..., dtype=...) -> LoadedModel`` on the pipeline's device, in its dtype
+        unless ``dtype`` (``drafter.dtype``) names another.
     """
 
     target: object

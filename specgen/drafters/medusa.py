@@ -9,6 +9,8 @@ deterministic (q one-hot), ranked by the heads' raw logits.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from specgen.drafters.base import EMPTY, Proposal
@@ -29,6 +31,8 @@ def validate_tree(tree, num_heads: int) -> list[tuple[int, ...]]:
         if len(path) > num_heads:
             raise ConfigError(f"drafter.tree path {list(path)} is deeper than the head's {num_heads} Medusa heads")
         paths.add(path)
+    if not paths:
+        raise ConfigError("drafter.tree is empty; give at least one path, e.g. drafter.tree=[[0],[1],[0,0]]")
     for path in paths:
         if len(path) > 1 and path[:-1] not in paths:
             raise ConfigError(f"drafter.tree lists {list(path)} but not its parent {list(path[:-1])}")
@@ -45,12 +49,14 @@ class MedusaSession(LearnedSession):
         d = self.drafter
         paths = [p for p in d.tree if len(p) <= budget]
         logits = self.head(feature)[:, 0]  # [K, Vd]
-        top = logits.topk(d.width, dim=-1).indices  # [K, width]
+        probs, top = torch.softmax(logits.float(), dim=-1).topk(d.width, dim=-1)  # [K, width] each
         ids = self.head.vocab_ids[top].tolist()
+        probs = probs.tolist()
         index = {path: i for i, path in enumerate(paths)}
         tokens = [ids[len(path) - 1][path[-1]] for path in paths]
         parents = [index[path[:-1]] if len(path) > 1 else -1 for path in paths]
-        return Proposal(tokens, None, parents)
+        return Proposal(tokens, None, parents, confidence=[math.prod(probs[k][rank] for k, rank in enumerate(path))
+                                                           for path in paths])  # product of head probabilities
 
 
 class MedusaDrafter(LearnedDrafter):
@@ -63,13 +69,15 @@ class MedusaDrafter(LearnedDrafter):
     def __init__(self, head, vocab_size: int, num_tokens: int, head_file=None, *, tree=None):
         super().__init__(head, vocab_size, num_tokens, head_file)
         paths = validate_tree(tree if tree is not None else DEFAULT_TREE, head.cfg.num_heads)
-        self.tree = [p for p in paths if len(p) <= self.num_tokens]
+        self.tree = [p for p in paths if len(p) <= self.max_tokens]
+        self.tree_width = max(1, len(self.tree) // max(len(p) for p in self.tree))
         self.width = max(p[-1] for p in self.tree) + 1
         if self.width > head.cfg.draft_vocab_size:
             raise ConfigError(f"drafter.tree asks for rank {self.width - 1}, beyond the draft vocabulary")
 
 
-def build(*, runtime, head_file: str, num_tokens: int = 4, tree=None, kind: str = "medusa", head=None) -> MedusaDrafter:
-    """Hydra factory. ``head`` (architecture) is read by specgen-train only."""
-    loaded, path, vocab_size = load_for_target(runtime, head_file, "medusa")
+def build(*, runtime, head_file: str, num_tokens: int = 4, tree=None, kind: str = "medusa", head=None,
+          dtype=None) -> MedusaDrafter:
+    """Hydra factory. ``head`` (architecture) is read by specgen-train only; ``dtype``: the head's (None = the target's)."""
+    loaded, path, vocab_size = load_for_target(runtime, head_file, "medusa", dtype)
     return MedusaDrafter(loaded, vocab_size, num_tokens, path, tree=tree)

@@ -9,26 +9,25 @@ first (:mod:`specgen.drafters.grammar_lookahead`) and the lookup continues after
 
 from __future__ import annotations
 
-import torch
-
 from specgen.drafters.base import EMPTY, DraftContext, Drafter, DraftSession, Proposal
 from specgen.drafters.grammar_lookahead import forced_tokens
 
 
-def lookup(tokens: list[int], budget: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """Continuation of the latest earlier match of the longest matching suffix n-gram."""
+def lookup(tokens: list[int], budget: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
+    """(continuation of the latest earlier match of the longest matching suffix n-gram,
+    that n-gram's length); ([], 0) without a match.
+
+    Plain Python over the host-side token list: nothing is read back from a device."""
     length = len(tokens)
     if budget <= 0 or length < min_ngram + 1:
-        return []
-    seq = torch.tensor(tokens, dtype=torch.long)  # [length]
+        return [], 0
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        pattern = seq[-n:]
-        windows = seq[:-1].unfold(0, n, 1)  # [length - n, n]; excludes the suffix itself
-        hits = (windows == pattern).all(dim=1).nonzero()
-        if hits.numel():
-            start = int(hits[-1]) + n
-            return tokens[start : start + budget]
-    return []
+        pattern = tokens[-n:]
+        last = pattern[-1]
+        for end in range(length - 2, n - 2, -1):  # end: index of a match's last token, before the suffix itself
+            if tokens[end] == last and tokens[end - n + 1: end + 1] == pattern:
+                return tokens[end + 1: end + 1 + budget], n
+    return [], 0
 
 
 class NgramSession(DraftSession):
@@ -40,8 +39,10 @@ class NgramSession(DraftSession):
         drafter = self.drafter
         forced = forced_tokens(self.ctx, drafter.encode, budget) if drafter.encode is not None else []
         history = self.ctx.committed.tokens + forced
-        tokens = forced + lookup(history, budget - len(forced), drafter.max_ngram, drafter.min_ngram)
-        return Proposal(tokens) if tokens else EMPTY
+        found, n = lookup(history, budget - len(forced), drafter.max_ngram, drafter.min_ngram)
+        # confidence: 1 for grammar-forced text, else grows with the matched n-gram's length
+        confidence = [1.0] * len(forced) + [n / (drafter.max_ngram + 1)] * len(found)
+        return Proposal(forced + found, confidence=confidence) if forced or found else EMPTY
 
 
 class NgramDrafter(Drafter):

@@ -3,7 +3,10 @@
 The draft model has its own KV cache and samples each candidate from the same
 processor stack as the target, evaluated on its own history (committed tokens +
 its earlier candidates). The recorded ``draft_probs`` are exactly the
-distributions it sampled from, so verification is exact.
+distributions it sampled from, so verification is exact. When the stack allows
+nothing at a later draft step (e.g. the grammar has no continuation after the
+tokens drawn so far) the chain stops there and proposes those tokens: a stopping
+rule that looks only at the drafter's own draws, so it keeps exactness.
 """
 
 from __future__ import annotations
@@ -11,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from specgen.drafters.base import EMPTY, DraftContext, Drafter, DraftSession, Proposal
-from specgen.models import CausalLM
+from specgen.models import CausalLM, resolve_drafter_dtype
 from specgen.processors import History
-from specgen.sampling import sample_token
+from specgen.sampling import NoAllowedToken, sample_token
 
 
 class SmallModelSession(DraftSession):
@@ -31,19 +34,29 @@ class SmallModelSession(DraftSession):
         feed = self.cache.uncached(committed.tokens)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
+        peaks: list[torch.Tensor] = []  # max q before each draw: the planner's confidence
         for step in range(budget):
-            raw = self.lm.forward(self.cache, feed, keep=1)  # [1, vocab]
+            raw = self.lm.forward(self.cache, feed, keep=1, check=False)  # [1, vocab]; NaN refused by argmax/sample
             history = History(committed, tokens, num_positions=1, start=step)
+            try:
+                if stack.greedy:
+                    token = stack.argmax(raw, history)[0]
+                else:
+                    q_row = stack.probs(raw, history)[0]  # [vocab]
+                    token = sample_token(q_row, self.ctx.generator)
+            except NoAllowedToken:
+                if step == 0:  # the committed position: plain decoding meets the same error
+                    raise
+                break  # nothing allowed after the tokens drawn so far: propose those
             if stack.greedy:
-                token = stack.argmax(raw, history)[0]
+                peaks.append(torch.softmax(raw[0].float(), dim=-1).max())
             else:
-                q_row = stack.probs(raw, history)[0]  # [vocab]
-                token = sample_token(q_row, self.ctx.generator)
+                peaks.append(q_row.max())
                 rows.append(q_row)
             tokens.append(token)
             feed = [token]
-        draft_probs = None if stack.greedy else torch.stack(rows)  # [budget, vocab]
-        return Proposal(tokens, draft_probs)
+        draft_probs = None if stack.greedy else torch.stack(rows)  # [len(tokens), vocab]
+        return Proposal(tokens, draft_probs, confidence=torch.stack(peaks).tolist())
 
     def sync(self) -> None:
         self.cache.sync(self.ctx.committed.tokens)
@@ -74,7 +87,10 @@ class SmallModelDrafter(Drafter):
         return sum(p.numel() * p.element_size() for p in self.lm.model.parameters())
 
 
-def build(*, runtime, source, kind: str = "small_model", num_tokens: int = 4) -> SmallModelDrafter:
-    """Hydra factory: load the draft model described by ``source``."""
-    loaded = runtime.load(source, name="drafter")
+def build(*, runtime, source, kind: str = "small_model", num_tokens: int = 4, dtype=None) -> SmallModelDrafter:
+    """Hydra factory: load the draft model described by ``source``, in ``dtype`` (None = the target's;
+    q is whatever the draft model computes, so its dtype never changes the guarantee)."""
+    lm = runtime.target.lm
+    loaded = runtime.load(source, name="drafter",
+                          dtype=resolve_drafter_dtype(dtype, next(lm.model.parameters()).dtype, lm.device))
     return SmallModelDrafter(loaded.lm, loaded.tokenizer, num_tokens=num_tokens)

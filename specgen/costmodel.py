@@ -1,0 +1,203 @@
+"""Measure a pipeline's cost table (v(n), drafting cost) and cache it on disk.
+
+The planner needs what a round costs *here*: on this model, dtype, device and
+thread count. :func:`measure` times, after an untimed prefill of a fixed
+synthetic context,
+
+* ``chain[n - 1]``: a target forward of n new tokens (n = 1 .. max_tokens);
+* ``tree[n - 1]``: a tree forward over 1 chain token + n - 1 nodes, plus the
+  LM head of its root row (the verify pass of a draft tree);
+* the drafter's proposal of 1 and of ``max_tokens`` tokens, which gives
+  ``draft_fixed`` and ``draft_per_token``;
+
+all over ``step_s`` (the 1-token forward), each the minimum of ``repeats``
+interleaved rounds after a warm-up round (noise only adds time); the tables are
+then made non-decreasing. It takes a few seconds on a 135M model on one CPU
+thread. :func:`cost_table` serves it from ``<cache_root>/costs/<key>.json``,
+keyed by :func:`facts`; ``refresh=True`` measures again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+
+from specgen.planner import CostTable
+from specgen.sampling import ancestor_matrix, tree_depths
+
+#: Verified-token counts measured; the rest are interpolated.
+SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 17)
+CONTEXT_TOKENS = 192
+_MEMO: dict[str, CostTable] = {}
+
+
+def facts(pipe, max_tokens: int = SIZES[-1]) -> dict:
+    """What the measured costs depend on: models, drafter, dtype, device, threads, versions."""
+    config = pipe.config or {}
+    device = pipe.device
+    if device.type == "cuda":
+        hardware = torch.cuda.get_device_name(device)
+    else:
+        hardware = platform.processor() or platform.machine()
+    return {
+        "target": json.dumps(config.get("target"), sort_keys=True, default=str),
+        "drafter": json.dumps(config.get("drafter"), sort_keys=True, default=str),
+        "dtype": str(next(pipe.target.model.parameters()).dtype),
+        "device": str(device), "hardware": hardware, "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "context": CONTEXT_TOKENS, "max_tokens": max_tokens,
+        "compile": bool(config.get("compile", False)),
+    }
+
+
+def cache_key(fact: dict) -> str:
+    return hashlib.sha256(json.dumps(fact, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _context(pipe, max_tokens: int) -> list[int]:
+    vocab = pipe.tokenizer.vocab_size
+    length = max(2, min(CONTEXT_TOKENS, pipe.target.context_length - max_tokens - 2))
+    return [(7919 * i + 11) % vocab for i in range(length)]
+
+
+def _interpolate(measured: dict[int, float], size: int) -> tuple[float, ...]:
+    """A non-decreasing table for 1..size from the measured sizes (linear in between)."""
+    known = sorted(measured)
+    table, best = [], 0.0
+    for n in range(1, size + 1):
+        low = max(k for k in known if k <= n)
+        high = min((k for k in known if k >= n), default=low)
+        value = measured[low] if low == high else \
+            measured[low] + (measured[high] - measured[low]) * (n - low) / (high - low)
+        best = max(best, value)
+        table.append(best)
+    return tuple(table)
+
+
+def measure(pipe, *, clock: Callable[[], float] | None = None, repeats: int = 3,
+            max_tokens: int = SIZES[-1]) -> CostTable:
+    """Time this pipeline's verify passes and drafter (see the module docstring)."""
+    from specgen.stats import Clock
+
+    clock = clock or Clock(pipe.device)
+    lm = pipe.target
+    context = _context(pipe, max_tokens)
+    cache = lm.new_cache()
+    lm.forward(cache, context[:-1], keep=1)
+    base = len(cache)
+    sizes = [n for n in SIZES if n <= max_tokens] or [1]
+    chain: dict[int, list[float]] = {n: [] for n in sizes}
+    tree: dict[int, list[float]] = {n: [] for n in sizes}
+    draft = _DraftTimer(pipe, context, max_tokens, clock)
+    for _ in range(repeats + 1):
+        for n in sizes:
+            feed = [context[-1]] + context[: n - 1]
+            start = clock()
+            lm.forward(cache, feed, keep=n)
+            chain[n].append(clock() - start)
+            cache.crop(base)
+            parents = list(range(-1, n - 2))
+            start = clock()
+            out = lm.forward_tree(cache, [context[-1]], context[: n - 1], ancestor_matrix(parents),
+                                  tree_depths(parents), pipe.drafter.feature_layers if pipe.drafter else None)
+            out.logits(0)
+            tree[n].append(clock() - start)
+            cache.crop(base)
+        draft.time()
+    step = min(chain[1][1:]) or 1e-9
+    first, last = draft.result()
+    per_token = max(0.0, (last[0] - first[0]) / (last[1] - first[1])) if last[1] > first[1] else 0.0
+    fixed = max(0.0, first[0] - per_token * first[1])
+    return CostTable(
+        chain=_interpolate({n: min(t[1:]) / step for n, t in chain.items()}, max_tokens),
+        tree=_interpolate({n: min(t[1:]) / step for n, t in tree.items()}, max_tokens),
+        draft_fixed=fixed / step, draft_per_token=per_token / step, step_s=step, facts=facts(pipe, max_tokens))
+
+
+class _DraftTimer:
+    """Times the drafter's proposals of 1 and ``max_tokens`` tokens on the calibration context."""
+
+    def __init__(self, pipe, context: list[int], max_tokens: int, clock):
+        self.clock, self.max_tokens = clock, max_tokens
+        self.times: dict[int, list[tuple[float, int]]] = {1: [], max_tokens: []}
+        self.request = None
+        if pipe.drafter is None:
+            return
+        from specgen.round import speculative_round
+
+        self.request, ctx = pipe.open_request(context, max_new_tokens=max_tokens + 4, seed=0)
+        if self.request.draft is not None:
+            speculative_round(self.request, ctx, 1)  # prefills the draft model, hands learned heads a feature
+
+    def time(self) -> None:
+        session = None if self.request is None else self.request.draft
+        for budget in self.times:
+            if session is None:
+                self.times[budget].append((0.0, budget))
+                continue
+            mark = session.mark()
+            start = self.clock()
+            proposal = session.propose(budget)
+            self.times[budget].append((self.clock() - start, len(proposal)))
+            session.rollback(mark)
+
+    def result(self) -> tuple[tuple[float, int], tuple[float, int]]:
+        """(seconds, tokens) of the fastest timed proposal of each size."""
+        first = min(self.times[1][1:])
+        last = min(self.times[self.max_tokens][1:])
+        return first, last
+
+
+def cost_table(pipe, *, refresh: bool = False, clock: Callable[[], float] | None = None) -> CostTable:
+    """The pipeline's cost table: from memory, else from the disk cache, else measured (and cached)."""
+    from specgen.models.loading import cache_root
+
+    fact = facts(pipe)
+    key = cache_key(fact)
+    if not refresh and key in _MEMO:
+        return _MEMO[key]
+    path = cache_root() / "costs" / f"{key}.json"
+    table = None
+    if not refresh and path.is_file():
+        try:
+            table = from_dict(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError):
+            table = None
+    if table is None:
+        table = measure(pipe, clock=clock)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(to_dict(table), indent=1))
+        except OSError:
+            pass  # an unwritable cache only costs a re-measurement next time
+    _MEMO[key] = table
+    return table
+
+
+def to_dict(table: CostTable) -> dict:
+    return {"chain": list(table.chain), "tree": list(table.tree), "draft_fixed": table.draft_fixed,
+            "draft_per_token": table.draft_per_token, "overhead": table.overhead, "step_s": table.step_s,
+            "facts": table.facts, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def from_dict(data: dict) -> CostTable:
+    return CostTable(chain=tuple(float(x) for x in data["chain"]), tree=tuple(float(x) for x in data["tree"]),
+                     draft_fixed=float(data["draft_fixed"]), draft_per_token=float(data["draft_per_token"]),
+                     overhead=float(data.get("overhead", 0.0)), step_s=float(data["step_s"]),
+                     facts=dict(data.get("facts") or {}))
+
+
+def describe(table: CostTable) -> str:
+    """A few lines for humans: v(n) for chains and trees, and the drafting cost."""
+    chain = " ".join(f"{v:.2f}" for v in table.chain)
+    tree = " ".join(f"{v:.2f}" for v in table.tree)
+    fact = table.facts
+    return (f"cost table ({fact.get('dtype')}, {fact.get('device')}, {fact.get('threads')} threads; "
+            f"unit: one 1-token forward = {1e3 * table.step_s:.2f} ms)\n"
+            f"  v(n) chain, n = 1..{len(table.chain)}: {chain}\n"
+            f"  v(n) tree (n - 1 nodes):      {tree}\n"
+            f"  draft: {table.draft_fixed:.3f} per proposal + {table.draft_per_token:.3f} per token")

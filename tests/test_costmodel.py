@@ -1,0 +1,74 @@
+"""The cost model's measurement plumbing, caching and keying, with an injected timer (never timed asserts)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+import specgen.costmodel as costmodel
+from conftest import tiny_pipeline
+
+
+class FakeTimer:
+    """Each reading advances by a fixed tick: every timed span costs the same, whatever the machine."""
+
+    def __init__(self):
+        self.ticks = itertools.count()
+
+    def __call__(self) -> float:
+        return float(next(self.ticks))
+
+
+@pytest.fixture
+def real_cost_table(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(costmodel, "cost_table", _ORIGINAL)
+    monkeypatch.setattr(costmodel, "_MEMO", {})
+    return tmp_path
+
+
+_ORIGINAL = costmodel.cost_table
+
+
+def test_measure_shapes_and_monotone_tables():
+    pipe = tiny_pipeline(drafter="tiny")
+    table = costmodel.measure(pipe, clock=FakeTimer(), repeats=1, max_tokens=6)
+    assert len(table.chain) == len(table.tree) == 6
+    assert table.chain[0] == pytest.approx(1.0)
+    assert all(b >= a for a, b in zip(table.chain, table.chain[1:]))
+    assert table.draft_per_token >= 0 and table.draft_fixed >= 0
+    assert table.facts["threads"] >= 1 and table.facts["dtype"] == "torch.float32"
+
+
+def test_cache_is_keyed_and_refreshable(real_cost_table, monkeypatch):
+    calls = []
+
+    def fake_measure(pipe, clock=None):
+        calls.append(pipe)
+        return costmodel.CostTable(chain=(1.0, 1.5), tree=(1.0, 2.0), step_s=0.01, facts=costmodel.facts(pipe))
+
+    monkeypatch.setattr(costmodel, "measure", fake_measure)
+    pipe = tiny_pipeline(drafter="tiny")
+    first = costmodel.cost_table(pipe)
+    assert list((real_cost_table / "costs").glob("*.json"))
+    costmodel._MEMO.clear()
+    assert costmodel.cost_table(pipe) == first and len(calls) == 1  # served from disk
+    costmodel.cost_table(pipe, refresh=True)
+    assert len(calls) == 2
+    other = tiny_pipeline("drafter.num_tokens=2", drafter="tiny")  # a different drafter config: another key
+    assert costmodel.cache_key(costmodel.facts(other)) != costmodel.cache_key(costmodel.facts(pipe))
+    costmodel.cost_table(other)
+    assert len(calls) == 3
+    assert "v(n) chain" in costmodel.describe(first)
+    compiled = tiny_pipeline("compile=true", drafter="tiny")  # compiled forwards cost differently: another key
+    assert costmodel.cache_key(costmodel.facts(compiled)) != costmodel.cache_key(costmodel.facts(pipe))
+
+
+def test_corrupt_cache_file_is_remeasured(real_cost_table, monkeypatch):
+    monkeypatch.setattr(costmodel, "measure", lambda pipe, clock=None: costmodel.CostTable(chain=(1.0,), tree=(1.0,)))
+    pipe = tiny_pipeline(drafter="ngram")
+    path = real_cost_table / "costs" / f"{costmodel.cache_key(costmodel.facts(pipe))}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert costmodel.cost_table(pipe).chain == (1.0,)

@@ -1,0 +1,98 @@
+"""The planner (pure) and the cost model's caching, without timed assertions.
+
+Costs come from hand-written tables or an injected fake timer, so nothing here
+depends on this machine's speed.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specgen.planner import AcceptanceHistory, CostTable, expected_tokens, plan_budget, truncate_chain, truncate_tree
+
+FLAT = CostTable(chain=tuple([1.0] * 16), tree=tuple([1.0] * 16))  # verifying more is free (a GPU-like curve)
+STEEP = CostTable(chain=tuple(1.0 + 0.6 * n for n in range(16)), tree=tuple(1.0 + 0.6 * n for n in range(16)))
+
+
+def _history(rate: float, rounds: int = 300, depth: int = 8, seed: int = 0) -> AcceptanceHistory:
+    """A history whose drafts were each accepted with probability ``rate`` given the earlier ones were."""
+    rng, history = random.Random(seed), AcceptanceHistory()
+    for _ in range(rounds):
+        accepted = 0
+        while accepted < depth and rng.random() < rate:
+            accepted += 1
+        history.observe([None] * depth, accepted)
+    return history
+
+
+def test_expected_tokens():
+    assert expected_tokens([]) == [1.0]
+    assert expected_tokens([1.0, 1.0]) == [1.0, 2.0, 3.0]
+    assert expected_tokens([0.5, 0.5]) == pytest.approx([1.0, 1.5, 1.75])
+
+
+def test_cost_table_extrapolates_and_adds_overhead():
+    table = CostTable(chain=(1.0, 1.2, 1.5), tree=(1.0, 1.3), overhead=0.1)
+    assert table.verify(2) == pytest.approx(1.2 + 0.2)
+    assert table.verify(5) == pytest.approx(1.5 + 2 * 0.3 + 0.5)  # last slope continued
+    assert table.verify(2, tree=True) == pytest.approx(1.3 + 0.2)
+    assert table.draft(0) == 0.0
+
+
+def test_budget_grows_with_acceptance_and_shrinks_with_cost():
+    good, bad = _history(0.9), _history(0.05)
+    assert plan_budget(FLAT, good, 8) >= 6
+    assert plan_budget(STEEP, good, 8) < plan_budget(FLAT, good, 8)
+    assert plan_budget(STEEP, bad, 8) == 0  # nothing pays: a plain step
+    assert plan_budget(FLAT, good, 0) == 0
+
+
+def test_expensive_drafter_is_not_asked_to_draft_at_low_acceptance():
+    costly = CostTable(chain=FLAT.chain, tree=FLAT.tree, draft_per_token=0.5)
+    assert plan_budget(costly, _history(0.3), 8) == 0
+    assert plan_budget(costly, _history(0.95), 8) >= 2
+
+
+def test_plain_streak_triggers_a_probe():
+    history = _history(0.0)
+    assert plan_budget(STEEP, history, 8) == 0
+    for _ in range(history.probe_every):
+        history.observe([], 0)
+    assert history.probe_due and plan_budget(STEEP, history, 8) == 1
+    history.observe([None], 0)
+    assert not history.probe_due
+
+
+def test_truncation_follows_confidence():
+    history = AcceptanceHistory()
+    for _ in range(100):  # high-confidence drafts were accepted, low-confidence ones were not
+        history.observe([0.95, 0.95, 0.05], 2)
+    assert truncate_chain(STEEP, history, [0.95, 0.95, 0.95, 0.05, 0.95]) == 3
+    assert truncate_chain(STEEP, history, [0.05, 0.95]) == 0
+
+
+def test_truncation_is_a_stopping_rule():
+    """Whether token i is kept never depends on confidences after i."""
+    history = _history(0.6)
+    for prefix in ([0.9], [0.9, 0.2], [0.9, 0.2, 0.7]):
+        cut = truncate_chain(STEEP, history, prefix)
+        for tail in ([0.0], [1.0, 1.0], [0.5] * 4):
+            longer = truncate_chain(STEEP, history, prefix + tail)
+            assert min(longer, len(prefix)) == cut or (cut == len(prefix) and longer >= cut)
+
+
+def test_tree_truncation_keeps_ancestors_and_best_scores():
+    parents = [-1, -1, 0, 0, 2, 4]
+    scores = [0.9, 0.3, 0.8, 0.1, 0.7, 0.6]
+    history = _history(0.8)
+    for table in (FLAT, STEEP):
+        kept, predicted = truncate_tree(table, history, scores, parents)
+        assert all(parents[i] < 0 or parents[i] in kept for i in kept)
+        assert predicted >= 0
+    flat_kept, _ = truncate_tree(FLAT, history, scores, parents)
+    steep_kept, _ = truncate_tree(STEEP, history, scores, parents)
+    assert len(flat_kept) == len(scores) and set(steep_kept) <= {0, 2, 4, 5}
+    orphan, _ = truncate_tree(FLAT, history, [0.1, 0.9], [-1, 0])  # a child scored above its parent
+    assert orphan == [0, 1]
