@@ -42,7 +42,9 @@ from specgen.processors import History
 TINY_REGEX = "(at|ta)[en]{0,3}"  # over the tiny alphabet: ids a=4, t=3, e=2, n=7
 JSON_CHARS = '{}":,[] ab0123-'  # 15 characters + EOS = the tiny models' 16 ids
 TINY_SCHEMA = {"type": "object", "properties": {"a": {"enum": [1, 2, 3]},
-               "b": {"type": "array", "items": {"enum": [0, 1]}, "maxItems": 3}}, "required": ["a", "b"]}
+               "b": {"type": "array", "items": {"enum": [0, 1]}, "maxItems": 3}}, "required": ["a", "b"],
+               "additionalProperties": False}
+BACKEND_NAMES = ["llguidance", "outlines_core"]
 NUM_SAMPLES = 1500
 MIN_P_VALUE = 1e-3
 
@@ -55,8 +57,8 @@ def grammar_cache(tmp_path, monkeypatch):
     yield tmp_path / "grammars"
 
 
-def regex_proc(pattern: str, info: TokenizerInfo) -> GrammarProcessor:
-    return grammar_processor({"kind": "regex", "pattern": pattern}, info)
+def regex_proc(pattern: str, info: TokenizerInfo, backend: str = "auto") -> GrammarProcessor:
+    return grammar_processor({"kind": "regex", "pattern": pattern, "backend": backend}, info)
 
 
 def with_grammar(pipe, processor):
@@ -134,10 +136,11 @@ def test_continuations_after_a_complete_match_are_kept(pattern, text):
     assert state is not None and automaton.is_accepting(state)
 
 
-def test_bounded_string_lengths_compile_quickly():
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_bounded_string_lengths_compile_quickly(backend):
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 60}}, "required": ["a"]}
     info = char_info(PRINTABLE_ASCII)
-    automaton = grammar_processor({"kind": "json_schema", "schema": schema}, info).automaton
+    automaton = grammar_processor({"kind": "json_schema", "schema": schema, "backend": backend}, info).automaton
     long_value = info.tokenizer.encode('{"a": "' + "x" * 60)
     assert automaton.state_after(long_value) is not None
     assert automaton.allowed(automaton.state_after(long_value)) == info.tokenizer.encode('"')
@@ -197,8 +200,7 @@ def test_dead_end_raises_in_the_processor_and_ends_generation():
         pipe.stack = with_grammar(pipe, proc)
         gen = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=6, speculative=speculative)
         assert gen.finish_reason == "dead_end"
-        assert gen.token_ids == [4][: len(gen.token_ids)], "never a token the grammar forbids"
-    assert pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=6, speculative=False).token_ids == [4]
+        assert gen.token_ids == [4], "the dead end after 'a' ends the run after 'a', speculative or not"
 
 
 def test_eosless_tokenizer_dead_ends_at_a_complete_match():
@@ -220,31 +222,36 @@ EXACT_CASES = {
 }
 
 
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize("name", list(EXACT_CASES))
-def test_constrained_speculation_matches_constrained_target(name):
+def test_constrained_speculation_matches_constrained_target(name, backend):
     drafter, prompt = EXACT_CASES[name]
-    pipe = tiny_pipeline("sampling.temperature=1.0", drafter=drafter)
+    pipe = tiny_pipeline("sampling.temperature=1.0", "drafter.num_tokens=3", drafter=drafter)
     assert pipe.guarantee == "exact"
-    stack = with_grammar(pipe, regex_proc(TINY_REGEX, pipe.tokenizer))
+    proc = regex_proc(TINY_REGEX, pipe.tokenizer, backend)
+    assert proc.automaton.backend == backend
+    pipe.stack = with_grammar(pipe, proc)
+    stack = pipe.stack
     expected = exact_distribution(pipe, prompt, 6, stack=stack)
     assert sum(expected.values()) == pytest.approx(1.0, abs=1e-6)
     assert len(expected) == 30, "every output ends with EOS inside 6 tokens"
-    counts = sample_counts(pipe, prompt, 6, NUM_SAMPLES, regex=TINY_REGEX)
+    counts = sample_counts(pipe, prompt, 6, NUM_SAMPLES)
     for seq in counts:
         assert seq[-1] == 0 and re.fullmatch(TINY_REGEX, pipe.tokenizer.decode(seq))
-    stats = pipe.generate(prompt_ids=prompt, max_new_tokens=6, seed=3, regex=TINY_REGEX).stats
+    stats = pipe.generate(prompt_ids=prompt, max_new_tokens=6, seed=3).stats
     assert stats.drafted > 0
     p_value, tv = goodness_of_fit(counts, expected)
     assert p_value > MIN_P_VALUE, f"{name}: chi-square p={p_value:.2e}, TV={tv:.3f}"
 
 
-def test_negative_control_masks_ignoring_candidates_fail(monkeypatch):
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_negative_control_masks_ignoring_candidates_fail(monkeypatch, backend):
     """If candidate positions were masked with the committed state, the same test must fail."""
-    pipe = tiny_pipeline("sampling.temperature=1.0")
-    stack = with_grammar(pipe, regex_proc(TINY_REGEX, pipe.tokenizer))
-    expected = exact_distribution(pipe, [1, 2, 3], 6, stack=stack)
+    pipe = tiny_pipeline("sampling.temperature=1.0", "drafter.num_tokens=3")
+    pipe.stack = with_grammar(pipe, regex_proc(TINY_REGEX, pipe.tokenizer, backend))
+    expected = exact_distribution(pipe, [1, 2, 3], 6)
     monkeypatch.setattr(History, "full", lambda self, row: list(self.committed.tokens))
-    counts = sample_counts(pipe, [1, 2, 3], 6, 400, regex=TINY_REGEX)
+    counts = sample_counts(pipe, [1, 2, 3], 6, 400)
     p_value, _ = goodness_of_fit(counts, expected)
     assert p_value < MIN_P_VALUE
 
@@ -263,12 +270,15 @@ def test_constrained_greedy_speculation_equals_plain_greedy(drafter):
             assert re.fullmatch(pattern, spec.text)
 
 
-def test_json_schema_on_tiny_models_gives_valid_documents():
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_json_schema_on_tiny_models_gives_valid_documents(backend):
     jsonschema = pytest.importorskip("jsonschema")
     pipe = tiny_pipeline("sampling.temperature=1.0")
     pipe.tokenizer = char_info(JSON_CHARS)
+    pipe.stack = with_grammar(pipe, grammar_processor({"kind": "json_schema", "schema": TINY_SCHEMA,
+                                                       "backend": backend}, pipe.tokenizer))
     for seed in range(25):
-        gen = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=40, seed=seed, schema=TINY_SCHEMA)
+        gen = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=40, seed=seed)
         assert gen.finish_reason == "eos", gen.text
         jsonschema.validate(json.loads(gen.text), TINY_SCHEMA)
     greedy = tiny_pipeline()
@@ -298,26 +308,30 @@ def test_byte_level_vocabulary_is_byte_exact_for_multibyte_text():
     assert automaton.is_accepting(automaton.state_after(tokenizer.encode("日é日", add_special_tokens=False)))
 
 
-def test_sentencepiece_vocabulary_maps_spaces_and_byte_fallback():
+@pytest.mark.parametrize("backend, spellings", [
+    ("outlines_core", {"▁", "▁a", "▁ab", "<0x20>"}),   # every token sequence that spells the text
+    ("llguidance", {"▁ab"}),                          # forced text only as the tokenizer spells it
+])
+def test_sentencepiece_vocabulary_maps_spaces_and_byte_fallback(backend, spellings):
     tokenizer = sentencepiece_tokenizer()
     info = TokenizerInfo(tokenizer)
     vocab = token_bytes(info)
     assert vocab.style == "sentencepiece"
     ids = tokenizer.encode("ab é", add_special_tokens=False)
     assert b"".join(vocab.by_id[i] for i in ids) == " ab é".encode()
-    automaton = regex_proc("( ab)+", info).automaton
+    automaton = regex_proc("( ab)+", info, backend).automaton
     allowed = {tokenizer.convert_ids_to_tokens(i) for i in automaton.allowed(automaton.initial_state)}
-    assert allowed == {"▁", "▁a", "▁ab", "<0x20>"}
+    assert allowed == spellings
 
 
 def test_compiled_grammars_are_cached_on_disk(grammar_cache):
     info = char_info(PRINTABLE_ASCII)
-    first = regex_proc("[0-9]{4}-[0-9]{2}", info).automaton
+    first = regex_proc("[0-9]{4}-[0-9]{2}", info, "outlines_core").automaton
     files = list(grammar_cache.glob("*.bin"))
     assert len(files) == 1
     files[0].write_bytes(b"corrupt")
     specgen.grammar._compiled.clear()
-    again = regex_proc("[0-9]{4}-[0-9]{2}", info).automaton
+    again = regex_proc("[0-9]{4}-[0-9]{2}", info, "outlines_core").automaton
     assert again is not first
     assert again.allowed(again.initial_state) == first.allowed(first.initial_state)
     assert files[0].read_bytes() != b"corrupt"
@@ -364,11 +378,12 @@ def test_every_grammar_file_has_examples():
     assert sorted(p.name for p in GRAMMARS.iterdir() if p.is_file()) == sorted(EXAMPLES)
 
 
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_grammar_file_accepts_valid_and_refuses_invalid_examples(name):
+def test_grammar_file_accepts_valid_and_refuses_invalid_examples(name, backend):
     path = GRAMMARS / name
     info = char_info(PRINTABLE_ASCII)
-    automaton = grammar_processor(_spec_for(path), info).automaton
+    automaton = grammar_processor({**_spec_for(path), "backend": backend}, info).automaton
     valid, invalid = EXAMPLES[name]
     for text in valid:
         state = automaton.state_after(info.tokenizer.encode(text))
@@ -415,23 +430,38 @@ def test_pydantic_models_are_schemas():
     info = char_info(PRINTABLE_ASCII)
     automaton = grammar_processor({"kind": "json_schema", "schema": Person}, info).automaton
     assert automaton.is_accepting(automaton.state_after(info.tokenizer.encode('{"name": "Al", "age": 3}')))
-    with pytest.raises(ConfigError, match="'minimum'"):
-        grammar_processor({"kind": "json_schema", "schema": Adult}, info)
+    adult = grammar_processor({"kind": "json_schema", "schema": Adult}, info).automaton
+    assert adult.backend == "llguidance"
+    assert adult.state_after(info.tokenizer.encode('{"age": 17}')) is None
+    assert adult.is_accepting(adult.state_after(info.tokenizer.encode('{"age": 18}')))
+    with pytest.raises(ConfigError, match="'minimum' at #/properties/age"):
+        grammar_processor({"kind": "json_schema", "schema": Adult, "backend": "outlines_core"}, info)
 
 
 BAD_INPUT = {
     "invalid schema": ({"kind": "json_schema", "schema": {"type": "strng"}}, "invalid or unsupported JSON schema"),
     "schema not JSON": ({"kind": "json_schema", "schema": '{"type": '}, "not valid JSON"),
-    "required not in properties": ({"kind": "json_schema", "schema": {"type": "object", "properties": {
-        "a": {"type": "string"}}, "required": ["b"]}}, "not listed in properties"),
+    "required not in properties (outlines_core)": ({"kind": "json_schema", "backend": "outlines_core", "schema": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}}, "not listed in properties"),
     "unsupported feature": ({"kind": "json_schema", "schema": {"type": "array", "uniqueItems": True}},
-                            "unsupported JSON schema feature 'uniqueItems' at #"),
+                            "JSON schema keyword 'uniqueItems' at # is not supported by grammar.backend=llguidance"),
     "nested unsupported feature": ({"kind": "json_schema", "schema": {"type": "object", "properties": {
-        "n": {"type": "number", "maximum": 3}}}}, "'maximum' at #/properties/n"),
+        "n": {"type": "array", "items": {"not": {"type": "null"}}}}}}, "'not' at #/properties/n/items"),
+    "nested unsupported (outlines_core)": ({"kind": "json_schema", "backend": "outlines_core", "schema": {
+        "type": "object", "properties": {"n": {"type": "number", "maximum": 3}}}}, "'maximum' at #/properties/n"),
+    "remote $ref": ({"kind": "json_schema", "schema": {"$ref": "https://example.com/s.json"}},
+                    "is not a local reference"),
+    "overlapping oneOf": ({"kind": "json_schema", "schema": {"type": "object", "properties": {"v": {
+        "oneOf": [{"type": "integer"}, {"type": "number"}]}}}}, "'oneOf' at #/properties/v"),
+    "unknown format": ({"kind": "json_schema", "schema": {"type": "string", "format": "color"}}, "'format'"),
     "missing schema file": ({"kind": "json_schema", "schema": "no/such/file.schema.json"}, "does not exist"),
     "empty-language regex": ({"kind": "regex", "pattern": r"[^\s\S]"}, "empty language"),
-    "invalid regex": ({"kind": "regex", "pattern": "(ab"}, "invalid or unsupported regex"),
-    "lookaround": ({"kind": "regex", "pattern": "a(?=b)"}, "invalid or unsupported regex"),
+    "invalid regex": ({"kind": "regex", "pattern": "(ab"}, "invalid regex (missing ), unterminated subpattern"),
+    "unterminated class": ({"kind": "regex", "pattern": "[a-z"}, "invalid regex (unterminated character set"),
+    "lookaround": ({"kind": "regex", "pattern": "a(?=b)"}, "lookaround"),
+    "backreference": ({"kind": "regex", "pattern": "(a)\\1"}, "backreferences are not supported"),
+    "bad whitespace": ({"kind": "json_schema", "schema": {"type": "string"}, "whitespace": "["},
+                       "grammar.whitespace '[' is not a valid regex: unterminated character set at position 0"),
     "unknown kind": ({"kind": "cfg"}, "grammar.kind"),
     "unknown key": ({"kind": "regex", "pattern": "a", "patern": "b"}, "unknown grammar keys"),
     "unknown backend": ({"kind": "regex", "pattern": "a", "backend": "nope"}, "unknown grammar.backend"),
@@ -441,8 +471,9 @@ BAD_INPUT = {
 @pytest.mark.parametrize("name", list(BAD_INPUT))
 def test_bad_input_is_a_clear_config_error(name):
     spec, message = BAD_INPUT[name]
-    with pytest.raises(ConfigError, match=re.escape(message)):
+    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
         grammar_processor(spec, char_info(PRINTABLE_ASCII))
+    assert "\n" not in str(caught.value) and len(str(caught.value)) < 300, "one short line"
 
 
 def test_grammar_the_tokenizer_cannot_spell_is_refused():

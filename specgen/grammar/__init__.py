@@ -3,11 +3,12 @@
 >>> from specgen.grammar import grammar_processor
 >>> proc = grammar_processor({"kind": "regex", "pattern": "(at|ta)e*"}, tokenizer_info)  # doctest: +SKIP
 
-``grammar_processor`` validates the spec, compiles it for the tokenizer (cached in
-memory and on disk) and returns a :class:`GrammarProcessor` to put at the front
-of the processor stack, so it shapes both the target's p and the drafter's q.
-Every bad input raises :class:`~specgen.errors.ConfigError` here, before any
-generation starts.
+``grammar_processor`` validates the spec, compiles it for the tokenizer with the
+chosen backend (``auto``: the first of :data:`~specgen.grammar.backend.AUTO_ORDER`
+that supports it; cached in memory, and on disk where the backend can) and
+returns a :class:`GrammarProcessor` to put at the front of the processor stack,
+so it shapes both the target's p and the drafter's q. Every bad input raises
+:class:`~specgen.errors.ConfigError` here, before any generation starts.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from collections.abc import Mapping
 
 from specgen.errors import ConfigError
 from specgen.grammar.automaton import TokenAutomaton
-from specgen.grammar.backend import BACKENDS, CompiledAutomaton, GrammarBackend, get_backend
+from specgen.grammar.backend import AUTO_ORDER, BACKENDS, CompiledAutomaton, GrammarBackend, candidates, get_backend
 from specgen.grammar.processor import GrammarProcessor
-from specgen.grammar.spec import GrammarSpec, load_schema, parse_spec, schema_to_regex
+from specgen.grammar.schema_check import Unsupported
+from specgen.grammar.spec import GrammarSpec, load_schema, parse_spec
 from specgen.grammar.vocabulary import TokenBytes, token_bytes
 
 __all__ = [
+    "AUTO_ORDER",
     "BACKENDS",
     "CompiledAutomaton",
     "GrammarBackend",
@@ -31,11 +34,11 @@ __all__ = [
     "GrammarSpec",
     "TokenAutomaton",
     "TokenBytes",
+    "Unsupported",
     "compile_grammar",
     "grammar_processor",
     "load_schema",
     "parse_spec",
-    "schema_to_regex",
     "token_bytes",
 ]
 
@@ -45,22 +48,36 @@ _COMPILED_CAPACITY = 16
 
 
 def compile_grammar(spec: GrammarSpec, tokenizer) -> TokenAutomaton:
-    """The token automaton of ``spec`` for ``tokenizer`` (a TokenizerInfo); memoised."""
+    """The token automaton of ``spec`` for ``tokenizer`` (a TokenizerInfo); memoised.
+
+    With several candidate backends (``auto``), one that raises
+    :class:`Unsupported` passes the spec to the next; if none takes it, the
+    first refusal is raised (it names the keyword and its JSON pointer).
+    """
     vocab = token_bytes(tokenizer)
-    key = (spec.backend, spec.regex, spec.description, vocab.fingerprint)
+    key = (spec, vocab.fingerprint)
     with _compiled_lock:
         if key in _compiled:
             _compiled.move_to_end(key)
             return _compiled[key]
-    backend = get_backend(spec.backend)
-    automaton = TokenAutomaton(backend.compile(spec.regex, vocab), vocab.eos_ids, vocab.vocab_size,
-                               spec.description, vocab.single_byte_ids())
-    _check_ends(automaton, spec)
-    with _compiled_lock:
-        _compiled[key] = automaton
-        while len(_compiled) > _COMPILED_CAPACITY:
-            _compiled.popitem(last=False)
-    return automaton
+    refusals: list[Unsupported] = []
+    for name in candidates(spec.backend):
+        try:
+            backend = get_backend(name)
+            backend.check(spec)
+            compiled = backend.compile(spec, vocab)
+        except Unsupported as exc:
+            refusals.append(exc)
+            continue
+        automaton = TokenAutomaton(compiled, vocab.eos_ids, vocab.vocab_size, spec.description,
+                                   vocab.single_byte_ids(), backend=backend.name)
+        _check_ends(automaton, spec)
+        with _compiled_lock:
+            _compiled[key] = automaton
+            while len(_compiled) > _COMPILED_CAPACITY:
+                _compiled.popitem(last=False)
+        return automaton
+    raise refusals[0]
 
 
 def _check_ends(automaton: TokenAutomaton, spec: GrammarSpec) -> None:

@@ -8,10 +8,12 @@ rules every backend shares:
 * a token the grammar forbids makes the sequence *unreachable* (state None);
   so does anything after it;
 * masks are cached per state (bounded LRU), since generation revisits few
-  states (inside a JSON string the state barely changes).
+  states (inside a JSON string the state barely changes), and per device: a
+  mask is copied to the logits' device once per state, not once per call.
 
-States are plain integers, so a round can keep one per candidate (chain or
-tree node) and roll back by forgetting them: the API is ``advance(state,
+States are hashable values (integers for outlines-core, prefix nodes for
+llguidance), so a round can keep one per candidate (chain or tree node) and
+roll back by forgetting them: the API is ``advance(state,
 token)`` and ``mask(state)``, nothing is mutated. All caching here is a pure
 cache: results depend only on the arguments.
 """
@@ -36,13 +38,14 @@ class TokenAutomaton:
     single_bytes: {byte: id of the one-byte token}, used by :meth:`forced_bytes`."""
 
     def __init__(self, compiled: CompiledAutomaton, eos_ids: Sequence[int], vocab_size: int, description: str,
-                 single_bytes: Mapping[int, int] | None = None):
+                 single_bytes: Mapping[int, int] | None = None, backend: str = "custom"):
         self.compiled = compiled
+        self.backend = backend
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.vocab_size = int(vocab_size)
         self.description = description
         self._eos_index = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
-        self._masks: OrderedDict[int, tuple[torch.Tensor, bool]] = OrderedDict()  # state -> (mask, any allowed)
+        self._masks: OrderedDict = OrderedDict()  # state -> (mask, any allowed, {device: mask there})
         self._capacity = max(16, MASK_CACHE_BYTES // max(self.vocab_size, 1))
         self._lock = threading.Lock()
         singles = sorted((single_bytes or {}).items())
@@ -50,14 +53,14 @@ class TokenAutomaton:
         self._single_ids = torch.tensor([i for _, i in singles], dtype=torch.long)  # [num_single_byte_tokens]
 
     @property
-    def initial_state(self) -> int:
+    def initial_state(self):
         return self.compiled.initial_state
 
-    def is_accepting(self, state: int) -> bool:
+    def is_accepting(self, state) -> bool:
         """True if the tokens that led to ``state`` form a complete match."""
         return self.compiled.is_final(state)
 
-    def advance(self, state: int | None, token: int) -> int | None:
+    def advance(self, state, token: int):
         """The state after ``token``; None if ``state`` is None or the token is forbidden."""
         if state is None:
             return None
@@ -67,7 +70,7 @@ class TokenAutomaton:
             return None
         return self.compiled.next_state(state, token)
 
-    def state_after(self, tokens: Sequence[int], state: int | None = None) -> int | None:
+    def state_after(self, tokens: Sequence[int], state=None):
         """The state after ``tokens`` from ``state`` (default: the initial state)."""
         state = self.initial_state if state is None else state
         for token in tokens:
@@ -76,41 +79,45 @@ class TokenAutomaton:
                 return None
         return state
 
-    def mask(self, state: int) -> torch.Tensor:
+    def mask(self, state, device: torch.device | str | None = None) -> torch.Tensor:
         """[vocab_size] bool, True where a token is allowed in ``state`` (EOS included when final).
 
-        The returned tensor is shared with the cache: do not modify it.
+        device: where the mask is wanted (default CPU); each state's mask is copied
+        there once and cached. The returned tensor is shared with the cache: do not modify it.
         """
-        return self._entry(state)[0]
+        mask, _, copies = self._entry(state)
+        if device is None or torch.device(device) == mask.device:
+            return mask
+        device = torch.device(device)
+        if device not in copies:
+            copies[device] = mask.to(device)
+        return copies[device]
 
-    def is_dead_end(self, state: int) -> bool:
+    def is_dead_end(self, state) -> bool:
         """True if no token at all (EOS included) is allowed in ``state``."""
         return not self._entry(state)[1]
 
-    def _entry(self, state: int) -> tuple[torch.Tensor, bool]:
+    def _entry(self, state) -> tuple[torch.Tensor, bool, dict]:
         with self._lock:
             cached = self._masks.get(state)
             if cached is not None:
                 self._masks.move_to_end(state)
                 return cached
         mask = self._build_mask(state)
-        entry = (mask, bool(mask.any()))
+        entry = (mask, bool(mask.any()), {})
         with self._lock:
             self._masks[state] = entry
             while len(self._masks) > self._capacity:
                 self._masks.popitem(last=False)
         return entry
 
-    def _build_mask(self, state: int) -> torch.Tensor:
-        mask = torch.zeros(self.vocab_size, dtype=torch.bool)  # [vocab]
-        ids = self.compiled.allowed_ids(state)  # [num_allowed]
-        ids = ids[ids < self.vocab_size]
-        mask[ids] = True
+    def _build_mask(self, state) -> torch.Tensor:
+        mask = self.compiled.allowed_mask(state, self.vocab_size)  # [vocab]
         if len(self._eos_index):
             mask[self._eos_index] = self.compiled.is_final(state)
         return mask
 
-    def forced_bytes(self, state: int | None, limit: int = 64) -> bytes:
+    def forced_bytes(self, state, limit: int = 64) -> bytes:
         """The text every continuation from ``state`` starts with (up to ``limit`` bytes).
 
         Walks one-byte tokens while exactly one is allowed and the match is not
@@ -118,6 +125,10 @@ class TokenAutomaton:
         its tokenization at no model cost. Exact when every byte has a one-byte
         token (byte-level vocabularies), a guess otherwise; empty without any.
         """
+        if state is not None and not self.is_accepting(state):
+            native = self.compiled.forced_bytes(state, limit)
+            if native is not None:
+                return native
         out = bytearray()
         while state is not None and len(out) < limit and len(self._single_ids) and not self.is_accepting(state):
             allowed = torch.nonzero(self.mask(state)[self._single_ids]).flatten()  # [num_allowed_single]
@@ -128,6 +139,6 @@ class TokenAutomaton:
             state = self.advance(state, int(self._single_ids[index]))
         return bytes(out)
 
-    def allowed(self, state: int) -> list[int]:
+    def allowed(self, state) -> list[int]:
         """The allowed ids in ``state`` (for tests and debugging)."""
         return torch.nonzero(self.mask(state)).flatten().tolist()

@@ -14,8 +14,19 @@ Row outcomes:
 * unreachable (the history contains a token the grammar forbids, i.e. a draft
   candidate that is rejected anyway) -> logits unchanged;
 * reachable with no token allowed (a final state with no continuation and no
-  EOS id in the vocabulary) -> :class:`~specgen.errors.DeadEndError`; the
-  engine ends the request with ``finish_reason="dead_end"``.
+  EOS id in the vocabulary), or none left once the stack's ``min_new_tokens``
+  and ``bad_words`` are applied (see :meth:`GrammarProcessor.bind`) -- a
+  *dead end*:
+
+  - at the committed position (no draft candidate in the row's history, i.e.
+    ``history.start + row == 0``) -> :class:`~specgen.errors.DeadEndError`
+    naming the reason; the engine ends the request with
+    ``finish_reason="dead_end"``, as plain decoding does;
+  - at a position that depends on draft candidates -> the row is all ``-inf``
+    (nothing allowed). The candidate that led there may yet be rejected, so this
+    must not end the request; the verifier reads the empty row as "the prefix
+    up to here is a dead end" and ends with ``kind="dead_end"`` only if it
+    accepts that prefix (see :mod:`specgen.sampling.rejection`).
 
 The processor remembers the states along the most recent token path (a pure
 cache): each round only walks the tokens added since the previous call.
@@ -55,8 +66,11 @@ class GrammarProcessor(Processor):
     pure = True
     argmax_invariant = False
 
-    def __init__(self, automaton: TokenAutomaton):
+    def __init__(self, automaton: TokenAutomaton, min_new_tokens: int = 0,
+                 bad_words: tuple[tuple[int, ...], ...] = ()):
         self.automaton = automaton
+        self.min_new_tokens = int(min_new_tokens)
+        self.bad_words = tuple(tuple(int(t) for t in seq) for seq in bad_words if seq)
         self._path: list[int] = []
         self._states: list[int | None] = [automaton.initial_state]  # _states[i]: state after _path[:i]
         self._lock = threading.Lock()
@@ -80,7 +94,10 @@ class GrammarProcessor(Processor):
             return state
 
     def __call__(self, logits: torch.Tensor, history: History) -> torch.Tensor:
-        """logits: [num_positions, width] -> the same tensor with forbidden tokens at -inf."""
+        """logits: [num_positions, width] -> the same tensor with forbidden tokens at -inf.
+
+        Raises DeadEndError for a dead end at the committed position only; a dead
+        end at a draft-dependent row leaves that row all -inf (module docstring)."""
         num_prompt = history.committed.num_prompt
         rows: list[int] = []
         masks: list[torch.Tensor] = []
@@ -89,13 +106,18 @@ class GrammarProcessor(Processor):
             state = self.state_for(generated)
             if state is None:
                 continue
-            if self.automaton.is_dead_end(state):
-                raise DeadEndError(self._dead_end_message(state, len(generated)))
+            reason = self._dead_end_reason(state, history, row, len(generated))
+            if reason is None:
+                mask = self.automaton.mask(state, logits.device)  # [vocab] bool, cached on that device
+            elif history.start + row == 0:
+                raise DeadEndError(reason)
+            else:
+                mask = torch.zeros(self.automaton.vocab_size, dtype=torch.bool, device=logits.device)  # [vocab]
             rows.append(row)
-            masks.append(self.automaton.mask(state))  # [vocab] bool
+            masks.append(mask)
         if not rows:
             return logits
-        allowed = torch.stack(masks).to(logits.device)  # [num_reachable, vocab]
+        allowed = torch.stack(masks)  # [num_reachable, vocab]
         width = logits.shape[-1]
         if allowed.shape[-1] < width:
             allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[-1]), value=False)
@@ -106,6 +128,61 @@ class GrammarProcessor(Processor):
         index = torch.tensor(rows, device=logits.device)
         logits[index] = logits[index].masked_fill(~allowed, NEG_INF)
         return logits
+
+    def bind(self, processors) -> GrammarProcessor:
+        """This grammar aware of the stack's ``min_new_tokens`` and ``bad_words`` processors.
+
+        Raises ConfigError when the combination certainly leaves no output
+        (:func:`specgen.grammar.compat.check_reachable`); otherwise a run that
+        meets such a dead end ends with ``finish_reason="dead_end"`` (DeadEndError
+        with the reason at the committed position, an all -inf row at a draft
+        position), instead of the sampler's "every token is forbidden".
+        :meth:`specgen.processors.ProcessorStack.with_grammar` binds every grammar it adds.
+        """
+        from specgen.grammar.compat import check_reachable
+
+        min_new = max((getattr(p, "min_new_tokens", 0) for p in processors if p.name == "min_new_tokens"), default=0)
+        bad = tuple(tuple(seq) for p in processors if p.name == "bad_words" for seq in p.sequences)
+        bound = GrammarProcessor(self.automaton, min_new, bad)
+        check_reachable(bound)
+        return bound
+
+    def banned_after(self, tokens: list[int]) -> set[int]:
+        """Ids the bound ``bad_words`` forbid after the (full) token history ``tokens``."""
+        banned = set()
+        for seq in self.bad_words:
+            *prefix, last = seq
+            if not prefix or (len(tokens) >= len(prefix) and tokens[len(tokens) - len(prefix) :] == prefix):
+                banned.add(last)
+        return banned
+
+    def _dead_end_reason(self, state: int, history: History, row: int, num_generated: int) -> str | None:
+        """Why nothing can be sampled at ``row`` (reachable grammar state ``state``), or None if something can."""
+        if self.automaton.is_dead_end(state):
+            return self._dead_end_message(state, num_generated)
+        if self.min_new_tokens or self.bad_words:
+            return self._nothing_left(state, history, row, num_generated)
+        return None
+
+    def _nothing_left(self, state: int, history: History, row: int, num_generated: int) -> str | None:
+        """The reason when ``min_new_tokens`` / ``bad_words`` ban every token the grammar allows, else None."""
+        mask = self.automaton.mask(state)  # [vocab] bool (CPU, cached)
+        eos = self.automaton.eos_ids
+        banned = self.banned_after(history.full(row)) if self.bad_words else set()
+        if num_generated < self.min_new_tokens:
+            banned |= eos
+        if not banned or any(i not in banned for i in self._first_allowed(mask, len(banned) + 1)):
+            return None
+        reason = (f"min_new_tokens={self.min_new_tokens} forbids EOS" if num_generated < self.min_new_tokens
+                  and self.automaton.is_accepting(state) else "bad_words forbid every token it allows")
+        return (f"grammar {self.automaton.description}: after {num_generated} generated tokens "
+                f"the grammar allows no token that sampling allows ({reason})")
+
+    @staticmethod
+    def _first_allowed(mask: torch.Tensor, count: int) -> list[int]:
+        """Up to ``count`` allowed ids (enough to tell whether one survives ``count - 1`` bans)."""
+        ids = torch.nonzero(mask).flatten()
+        return ids[:count].tolist()
 
     def _dead_end_message(self, state: int, num_generated: int) -> str:
         where = f"after {num_generated} generated tokens"

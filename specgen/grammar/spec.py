@@ -1,4 +1,4 @@
-"""Grammar specs -> one regex, with every bad input turned into a ConfigError.
+"""Grammar specs: validate the ``grammar`` config into a :class:`GrammarSpec`.
 
 A spec is the ``grammar`` config group (or what ``generate(schema=..., regex=...)``
 builds)::
@@ -8,16 +8,18 @@ builds)::
     {"kind": "json_schema", "schema": <dict | JSON text | file path | pydantic model class>,
      "whitespace": "[ ]?"}
 
-Both kinds may set ``backend`` (default ``outlines``). JSON schemas are turned
-into a regex by outlines-core. Keywords that regex cannot enforce (numeric
-bounds, ``uniqueItems``, ``not`` ...) are refused, so every complete output of a
-schema run validates against the schema.
+Both kinds may set ``backend`` (``auto`` by default, see :mod:`specgen.grammar.backend`)
+and ``compile_timeout_s`` (the compile budget). Nothing here compiles: which
+schema keywords can be enforced depends on the backend, which checks them.
+Regexes use ASCII classes: ``\\d`` is ``[0-9]``, ``\\w`` is ``[0-9A-Za-z_]`` and
+``\\s`` is ``[ \\t\\n\\r\\f\\v]`` (:func:`ascii_classes`), whichever backend runs.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -26,37 +28,39 @@ from specgen.errors import ConfigError, first_line
 #: Whitespace allowed between JSON tokens: at most one space keeps small models on track
 #: ("" gives compact JSON, whose longer forced runs suit speculation).
 DEFAULT_WHITESPACE = r"[ ]?"
+#: Seconds a backend may spend compiling one grammar before it is refused.
+DEFAULT_COMPILE_TIMEOUT_S = 60.0
 
 _MISSING = (None, "", "???")
-_SPEC_KEYS = {"json_schema": {"kind", "schema", "whitespace", "backend"},
-              "regex": {"kind", "pattern", "pattern_file", "backend"}, "none": {"kind"}}
-
-# Keywords outlines-core ignores: a schema using them could produce invalid output.
-_UNENFORCED = {
-    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
-    "contains", "minContains", "maxContains", "minProperties", "maxProperties", "propertyNames",
-    "patternProperties", "dependentRequired", "dependentSchemas", "dependencies", "if", "then",
-    "else", "not", "unevaluatedProperties", "unevaluatedItems", "additionalItems",
-    "contentEncoding", "contentMediaType", "contentSchema",
-}
-# Keywords whose value is a schema / a list of schemas / a map of schemas.
-_SUBSCHEMA = ("items", "additionalProperties")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+_COMMON_KEYS = {"kind", "backend", "compile_timeout_s"}
+_SPEC_KEYS = {"json_schema": _COMMON_KEYS | {"schema", "whitespace"},
+              "regex": _COMMON_KEYS | {"pattern", "pattern_file"}, "none": {"kind"}}
+_ASCII = {"d": "0-9", "w": "0-9A-Za-z_", "s": " \\t\\n\\r\\f\\v",
+          "D": "\\x00-\\x2F\\x3A-\\x{10FFFF}", "W": "\\x00-\\x2F\\x3A-\\x40\\x5B-\\x5E\\x60\\x7B-\\x{10FFFF}",
+          "S": "\\x00-\\x08\\x0E-\\x1F\\x21-\\x{10FFFF}"}
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """kind: "json_schema" | "regex"; regex: what the backend compiles; description: for messages."""
+    """kind: "json_schema" | "regex"; source: the regex (ASCII classes applied) or the schema
+    as JSON text; whitespace: the JSON whitespace regex; description: a short name for
+    messages; backend: a registered backend name or "auto"; compile_timeout_s: the budget."""
 
     kind: str
-    regex: str
+    source: str
     description: str
-    backend: str = "outlines"
+    backend: str = "auto"
+    whitespace: str = DEFAULT_WHITESPACE
+    compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+
+    @property
+    def schema(self) -> dict:
+        """The JSON schema (json_schema specs only)."""
+        return json.loads(self.source)
 
 
 def parse_spec(spec: Mapping | None) -> GrammarSpec | None:
-    """Validate a grammar spec; None for ``kind: none``."""
+    """Validate a grammar spec; None for ``kind: none``. Raises ConfigError with one clear line."""
     if spec is None:
         return None
     if not isinstance(spec, Mapping):
@@ -69,14 +73,88 @@ def parse_spec(spec: Mapping | None) -> GrammarSpec | None:
         raise ConfigError(f"unknown grammar keys for kind={kind}: {', '.join(unknown)}")
     if kind == "none":
         return None
-    backend = str(spec.get("backend") or "outlines")
+    backend = str(spec.get("backend") or "auto")
+    timeout = _timeout(spec.get("compile_timeout_s"))
     if kind == "regex":
         pattern = _pattern(spec.get("pattern"), spec.get("pattern_file"))
-        return GrammarSpec("regex", pattern, f"regex {_short(pattern)}", backend)
+        return GrammarSpec("regex", check_regex(pattern), f"regex {_short(pattern)}", backend,
+                           compile_timeout_s=timeout)
     schema, source = load_schema(spec.get("schema"))
     whitespace = spec.get("whitespace")
     whitespace = DEFAULT_WHITESPACE if whitespace is None else str(whitespace)
-    return GrammarSpec("json_schema", schema_to_regex(schema, whitespace), f"json_schema {source}", backend)
+    _check_whitespace(whitespace)
+    return GrammarSpec("json_schema", json.dumps(schema), f"json_schema {source}", backend, whitespace, timeout)
+
+
+def _timeout(value) -> float:
+    if value in _MISSING:
+        return DEFAULT_COMPILE_TIMEOUT_S
+    try:
+        timeout = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"grammar.compile_timeout_s must be a number of seconds, got {value!r}") from None
+    if not timeout > 0:
+        raise ConfigError(f"grammar.compile_timeout_s must be positive, got {value!r}")
+    return timeout
+
+
+def _check_whitespace(whitespace: str) -> None:
+    try:
+        re.compile(whitespace)
+    except re.error as exc:
+        raise ConfigError(f"grammar.whitespace {whitespace!r} is not a valid regex: {exc}") from None
+    if re.fullmatch(whitespace, "x") or re.fullmatch(whitespace, '"'):
+        raise ConfigError(f"grammar.whitespace {whitespace!r} must match only whitespace")
+
+
+def check_regex(pattern: str) -> str:
+    """``pattern`` with ASCII classes, after a syntax check that names the problem."""
+    if re.search(r"\(\?<?[=!]", pattern):
+        raise ConfigError(f"lookaround ((?=, (?!, (?<=, (?<!) is not supported in grammar regexes: {_short(pattern)!r}")
+    if re.search(r"(?<!\\)(?:\\\\)*\\[1-9]|\(\?P=", pattern):
+        raise ConfigError(f"backreferences are not supported in grammar regexes: {_short(pattern)!r}")
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        if "bad escape" not in str(exc):  # \p{L}, \x{41}: valid for the backends' Rust syntax
+            raise ConfigError(f"invalid regex ({exc}): {_short(pattern)!r}") from None
+    return ascii_classes(pattern)
+
+
+def ascii_classes(pattern: str) -> str:
+    r"""``pattern`` with ``\d \w \s`` (and ``\D \W \S``) spelt as ASCII character classes.
+
+    The result uses Rust regex syntax (``\x{10FFFF}``), which both backends read.
+    """
+    out: list[str] = []
+    in_class = False
+    i = 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern):
+            nxt = pattern[i + 1]
+            if nxt in _ASCII:
+                out.append(_ASCII[nxt] if in_class else f"[{_ASCII[nxt]}]")
+            else:
+                out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if ch == "[" and not in_class:
+            in_class = True
+            out.append(ch)
+            i += 1
+            if pattern[i : i + 1] == "^":
+                out.append("^")
+                i += 1
+            if pattern[i : i + 1] == "]":
+                out.append("]")
+                i += 1
+            continue
+        if ch == "]" and in_class:
+            in_class = False
+        out.append(ch)
+        i += 1
+    return "".join(out)
 
 
 def _pattern(pattern, pattern_file) -> str:
@@ -127,7 +205,7 @@ def load_schema(value) -> tuple[dict, str]:
     try:
         parsed = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"schema file {text!r} is not valid JSON: {exc}") from exc
+        raise ConfigError(f"schema file {text!r} is not valid JSON: {first_line(exc)}") from exc
     if not isinstance(parsed, Mapping):
         raise ConfigError(f"schema file {text!r} must contain a JSON object, not {type(parsed).__name__}")
     return _plain(parsed), path.name
@@ -140,51 +218,6 @@ def _plain(value):
     if isinstance(value, (list, tuple)) or (hasattr(value, "__iter__") and type(value).__name__ == "ListConfig"):
         return [_plain(v) for v in value]
     return value
-
-
-def check_schema(schema, path: str = "#") -> None:
-    """Refuse structures that are invalid or that the regex translation cannot enforce."""
-    if not isinstance(schema, Mapping):
-        raise ConfigError(f"invalid JSON schema at {path}: expected an object, got {json.dumps(schema)[:60]}")
-    for key in sorted(set(schema) & _UNENFORCED):
-        raise ConfigError(f"unsupported JSON schema feature {key!r} at {path}: constrained decoding cannot "
-                          "enforce it; remove it (or validate it after generation)")
-    if "allOf" in schema and len(schema["allOf"] or []) > 1:
-        raise ConfigError(f"unsupported JSON schema feature 'allOf' with several schemas at {path}; merge them")
-    properties = schema.get("properties", {})
-    required = schema.get("required", [])
-    if not isinstance(properties, Mapping):
-        raise ConfigError(f"invalid JSON schema at {path}/properties: expected an object")
-    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-        raise ConfigError(f"invalid JSON schema at {path}/required: expected a list of property names")
-    missing = [r for r in required if properties and r not in properties]
-    if missing:
-        raise ConfigError(f"invalid JSON schema at {path}: required {missing} not listed in properties")
-    if "enum" in schema and (not isinstance(schema["enum"], list) or not schema["enum"]):
-        raise ConfigError(f"invalid JSON schema at {path}/enum: expected a non-empty list")
-    for key in _SUBSCHEMA:
-        if isinstance(schema.get(key), Mapping):
-            check_schema(schema[key], f"{path}/{key}")
-    for key in _SUBSCHEMA_LISTS:
-        if key in schema:
-            if not isinstance(schema[key], list):
-                raise ConfigError(f"invalid JSON schema at {path}/{key}: expected a list of schemas")
-            for i, sub in enumerate(schema[key]):
-                check_schema(sub, f"{path}/{key}/{i}")
-    for key in _SUBSCHEMA_MAPS:
-        for name, sub in (schema.get(key) or {}).items():
-            check_schema(sub, f"{path}/{key}/{name}")
-
-
-def schema_to_regex(schema: dict, whitespace: str = DEFAULT_WHITESPACE) -> str:
-    """The regex of ``schema``'s JSON documents (outlines-core translation)."""
-    from outlines_core.json_schema import build_regex_from_schema
-
-    check_schema(schema)
-    try:
-        return build_regex_from_schema(json.dumps(schema), whitespace_pattern=whitespace)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"invalid or unsupported JSON schema: {first_line(exc)}") from exc
 
 
 def _short(text: str, limit: int = 60) -> str:

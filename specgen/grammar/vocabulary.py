@@ -21,7 +21,8 @@ import json
 import re
 import threading
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from specgen.models.tokenizer import TokenizerInfo
@@ -39,12 +40,15 @@ class TokenBytes:
 
     style: "byte_level" | "sentencepiece" | "text" (how the bytes were derived).
     fingerprint: identifies vocabulary + special tokens + EOS ids + derivation.
+    encode: text -> the tokenizer's own ids for it (no special tokens), or None; a
+    backend may use it to spell text the grammar forces the way the model would.
     """
 
     by_id: tuple[bytes | None, ...]
     eos_ids: tuple[int, ...]
     style: str
     fingerprint: str
+    encode: Callable[[str], list[int]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def vocab_size(self) -> int:
@@ -165,7 +169,9 @@ def _derive(info: TokenizerInfo) -> TokenBytes:
         else:
             by_id.append(_decode_token(text, style) or None)
     fingerprint = f"{info.fingerprint()}-{style}-v{FORMAT_VERSION}"
-    return TokenBytes(tuple(by_id), tuple(info.eos_ids), style, fingerprint)
+    encode = getattr(tokenizer, "encode", None)
+    return TokenBytes(tuple(by_id), tuple(info.eos_ids), style, fingerprint,
+                      None if encode is None else lambda text: list(encode(text, add_special_tokens=False)))
 
 
 _memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
