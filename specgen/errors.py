@@ -34,6 +34,10 @@ class NumericalError(SpecgenError):
 class DeadEndError(SpecgenError):
     """No token is allowed at a committed position (e.g. a grammar with no way on).
 
+    Raised only where the history holds no draft candidate; at a draft position
+    the grammar empties the row and the verifier decides (a "dead_end" verdict,
+    see :mod:`specgen.sampling.rejection`).
+
     The engine ends the generation with ``finish_reason="dead_end"`` instead of
     sampling a garbage token.
     """

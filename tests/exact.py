@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from scipy import stats as scipy_stats
 
+from specgen.errors import DeadEndError
 from specgen.processors import CommittedCounts, History
 
 
@@ -40,6 +41,46 @@ def exact_distribution(pipe, prompt_ids: list[int], max_new_tokens: int, stack=N
 
     visit([], 1.0)
     return out
+
+
+def exact_outcomes(pipe, prompt_ids: list[int], max_new_tokens: int, stack=None) -> dict[tuple, float]:
+    """{(generated token tuple, finish_reason): probability} over all outputs of plain
+    decoding (pruned below 1e-12), dead ends included: a prefix where the stack raises
+    DeadEndError ends with "dead_end", as the engine does."""
+    stack = stack or pipe.stack
+    eos = set(pipe.tokenizer.eos_ids)
+    vocab = pipe.tokenizer.vocab_size
+    out: dict[tuple, float] = {}
+
+    def add(prefix: list[int], reason: str, mass: float) -> None:
+        out[(tuple(prefix), reason)] = out.get((tuple(prefix), reason), 0.0) + mass
+
+    def visit(prefix: list[int], mass: float) -> None:
+        if mass < 1e-12:
+            return
+        if prefix and prefix[-1] in eos:
+            return add(prefix, "eos", mass)
+        if len(prefix) == max_new_tokens:
+            return add(prefix, "length", mass)
+        raw = pipe.target.forward(pipe.target.new_cache(), prompt_ids + prefix, keep=1)  # [1, vocab]
+        counts = CommittedCounts.start(prompt_ids, vocab, torch.device("cpu"))
+        counts.commit(prefix)
+        try:
+            probs = stack.probs(raw, History(counts, [], 1))[0]  # [vocab]
+        except DeadEndError:
+            return add(prefix, "dead_end", mass)
+        for token in torch.nonzero(probs).flatten().tolist():
+            visit(prefix + [token], mass * float(probs[token]))
+
+    visit([], 1.0)
+    return out
+
+
+def sample_outcomes(pipe, prompt_ids: list[int], max_new_tokens: int, num: int, **kwargs) -> Counter:
+    """Counts of (generated token tuple, finish_reason) over seeds 0..num-1."""
+    gens = (pipe.generate(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, seed=seed, **kwargs)
+            for seed in range(num))
+    return Counter((tuple(gen.token_ids), gen.finish_reason) for gen in gens)
 
 
 def sample_counts(pipe, prompt_ids: list[int], max_new_tokens: int, num: int, **kwargs) -> Counter:

@@ -13,7 +13,7 @@ import torch
 
 from specgen.processors.history import History
 from specgen.processors.standard import Processor
-from specgen.sampling import greedy_token, normalise
+from specgen.sampling import argmax_or_none, argmax_tokens, normalise
 
 
 class ProcessorStack:
@@ -37,18 +37,31 @@ class ProcessorStack:
         return out
 
     def probs(self, raw_logits: torch.Tensor, history: History) -> torch.Tensor:
-        """[N, vocab] -> float64 distributions [N, vocab] (sampling mode)."""
+        """[N, vocab] -> float64 distributions [N, vocab] (sampling mode), without a host read:
+        a row with NaN logits comes out NaN and a row with nothing allowed all zero, and
+        the consumer refuses it (see :func:`specgen.sampling.normalise`)."""
         return normalise(self.logits(raw_logits, history))
 
     def argmax(self, raw_logits: torch.Tensor, history: History) -> list[int]:
-        """[N, vocab] -> N greedy tokens."""
-        processed = self.logits(raw_logits, history)
-        return [greedy_token(row) for row in processed]
+        """[N, vocab] -> N greedy tokens, read back in one transfer (NoAllowedToken for
+        a row with nothing allowed)."""
+        return argmax_tokens(self.logits(raw_logits, history))
+
+    def argmax_or_none(self, raw_logits: torch.Tensor, history: History) -> list[int | None]:
+        """[N, vocab] -> N greedy tokens in one transfer, None for a row with nothing
+        allowed (a dead end; the verifiers decide what it means, see
+        :func:`specgen.sampling.verify_chain_greedy`)."""
+        return argmax_or_none(self.logits(raw_logits, history))
 
     def with_grammar(self, grammar: Processor) -> ProcessorStack:
-        """A stack with ``grammar`` in front, replacing any grammar already there."""
+        """A stack with ``grammar`` in front, replacing any grammar already there.
+
+        A grammar with ``bind`` (:meth:`specgen.grammar.GrammarProcessor.bind`) is
+        bound to the rest of the stack first, so a ``min_new_tokens`` / ``bad_words``
+        combination that certainly leaves no output raises ConfigError here."""
         others = [p for p in self.processors if p.name != "grammar"]
-        return ProcessorStack([grammar, *others], greedy=self.greedy)
+        bound = grammar.bind(others) if hasattr(grammar, "bind") else grammar
+        return ProcessorStack([bound, *others], greedy=self.greedy)
 
     def describe(self) -> list[str]:
         return [repr(p) for p in self.processors]

@@ -4,7 +4,16 @@ Nothing here touches a model, a cache or I/O; every function takes tensors and
 an explicit ``torch.Generator`` and returns plain values.
 """
 
-from specgen.sampling.probs import greedy_token, normalise, sample_token, uniform
+from specgen.sampling.probs import (
+    NoAllowedToken,
+    argmax_or_none,
+    argmax_tokens,
+    greedy_token,
+    normalise,
+    sample_token,
+    uniform,
+    uniforms,
+)
 from specgen.sampling.rejection import (
     Verdict,
     positive_residual,
@@ -23,10 +32,13 @@ from specgen.sampling.tree import (
 )
 
 __all__ = [
+    "NoAllowedToken",
     "TreeVerdict",
     "Verdict",
     "ancestor_matrix",
     "ancestors",
+    "argmax_or_none",
+    "argmax_tokens",
     "greedy_token",
     "normalise",
     "positive_residual",
@@ -35,6 +47,7 @@ __all__ = [
     "tree_depths",
     "tree_paths",
     "uniform",
+    "uniforms",
     "verify_chain",
     "verify_chain_greedy",
     "verify_tree",

@@ -14,6 +14,15 @@ Speculative Sampling"):
   the normalised positive residual ``(p_i - q_i)+``; the round ends there.
 * **bonus** -- when every draft token is accepted, one extra token drawn from the
   last target row.
+* **dead_end** -- target row ``i >= 1`` allows no token (all zero: e.g. the
+  grammar has no continuation after draft tokens ``0..i-1``, see
+  :mod:`specgen.grammar.processor`). If verification reaches row ``i`` -- every
+  earlier draft token accepted -- the round commits those ``i`` tokens and no
+  other, and the request ends with ``finish_reason="dead_end"``: exactly where
+  plain decoding, having committed the same tokens, would meet the dead end. If
+  an earlier token is rejected, the empty row is never looked at. An empty row 0
+  (the committed position) still raises :class:`NoAllowedToken`, as in plain
+  decoding.
 
 Each accepted path contributes ``min(p, q)`` and each rejection ``p - min(p, q)``,
 so the committed token has distribution exactly ``p``.
@@ -22,14 +31,19 @@ so the committed token has distribution exactly ``p``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from specgen.errors import NumericalError
-from specgen.sampling.probs import sample_token, uniform
+from specgen.sampling.probs import NoAllowedToken, sample_token, uniforms
 
 #: Residual mass below this (relative to 1) is treated as round-off, see positive_residual.
 RESIDUAL_EPS = 1e-12
+#: Probability rows must sum to 1 within this tolerance.
+PROB_SUM_TOL = 1e-6
+#: How a round's last token came about (see the module docstring); "dead_end" adds no token.
+VerdictKind = Literal["resampled", "bonus", "dead_end"]
 
 
 @dataclass(frozen=True)
@@ -37,19 +51,20 @@ class Verdict:
     """Outcome of verifying one chain.
 
     num_accepted: how many leading draft tokens were kept (0..len(draft)).
-    next_token: the one token the target adds (resampled or bonus).
-    kind: "resampled" if a draft token was rejected, else "bonus".
+    next_token: the one token the target adds (resampled or bonus); None for "dead_end".
+    kind: "resampled" if a draft token was rejected, "dead_end" if the target row
+        after the accepted tokens allows nothing (module docstring), else "bonus".
     accept_probs: min(1, p/q) for every draft position that was checked.
     """
 
     num_accepted: int
-    next_token: int
-    kind: str
+    next_token: int | None
+    kind: VerdictKind
     accept_probs: tuple[float, ...]
 
 
 def positive_residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-    """Normalised ``max(p - q, 0)`` for one position (both [vocab], float64).
+    """Normalised ``max(p - q, 0)`` for one position (both [vocab], float64), read nothing back.
 
     Fallback, defined and tested: if the residual has (numerically) no mass --
     which happens only when p and q agree up to round-off, so a rejection had
@@ -57,10 +72,43 @@ def positive_residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> 
     residual as q -> p along any path and never assigns mass where p is zero.
     """
     residual = (target_probs - draft_probs).clamp_min(0.0)  # [vocab]
-    mass = float(residual.sum())
-    if mass <= RESIDUAL_EPS:
-        return target_probs / target_probs.sum()
-    return residual / mass
+    mass = residual.sum()
+    return torch.where(mass > RESIDUAL_EPS, residual / mass, target_probs / target_probs.sum())
+
+
+def row_health(probs: torch.Tensor) -> torch.Tensor:
+    """[..., vocab] probability rows -> [4] float64 on their device, read together with
+    other values: (any non-finite, any negative, any all-zero row, worst |row sum - 1|
+    over the rows that are not all zero)."""
+    if probs.numel() == 0:
+        return torch.zeros(4, dtype=torch.float64, device=probs.device)
+    sums = probs.sum(dim=-1)  # [...]
+    zero = sums == 0  # [...]
+    return torch.stack([(~torch.isfinite(probs)).any(), (probs < 0).any(), zero.any(),
+                        (sums - 1.0).abs().masked_fill(zero, 0.0).nan_to_num(0.0).max()]).to(torch.float64)
+
+
+def check_health(health: list[float], what: str, allow_empty: bool = False) -> None:
+    """Raise for the values of :func:`row_health` (NaN, negative, nothing allowed, unnormalised).
+
+    allow_empty: all-zero rows are dead ends the caller handles (target rows at
+    draft positions, module docstring), not an error."""
+    nonfinite, negative, zero_row, worst = health
+    if nonfinite:
+        raise NumericalError(f"{what} contains NaN or Inf (NaN logits?)")
+    if negative:
+        raise NumericalError(f"{what} has negative probabilities")
+    if zero_row and not allow_empty:
+        raise NoAllowedToken(f"{what}: every token is forbidden at a position (all logits are -inf)")
+    if worst > PROB_SUM_TOL:
+        raise NumericalError(f"{what} sums to 1 ± {worst:.3g}, not 1 (rows must be normalised)")
+
+
+def check_tokens(tokens: list[int], vocab: int, what: str = "draft_tokens") -> None:
+    """Every entry a plain int id in [0, vocab) (host-side, reads nothing back)."""
+    for i, token in enumerate(tokens):
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+            raise ValueError(f"{what}[{i}] = {token!r} is not a token id of a vocabulary of {vocab}")
 
 
 def _draft_row(draft_probs: torch.Tensor | None, token: int, like: torch.Tensor) -> torch.Tensor:
@@ -79,45 +127,94 @@ def verify_chain(
 ) -> Verdict:
     """Exact speculative sampling over a chain.
 
-    target_probs: [num_draft + 1, vocab] float64
-    draft_probs:  [num_draft, vocab] float64, or None for a deterministic draft
-    draft_tokens: num_draft token ids
-    Consumes one uniform per checked position plus one for the final draw.
+    target_probs: [num_draft + 1, vocab] float64, rows summing to 1 (rows >= 1 may be all zero: dead ends)
+    draft_probs:  [num_draft, vocab] float64 rows summing to 1, or None for a deterministic draft
+    draft_tokens: num_draft token ids in [0, vocab)
+    Draws num_draft + 1 uniforms in one call: ``u[i]`` decides position ``i``, and
+    the final draw (residual after a rejection at ``i``, or the bonus) uses
+    ``u[i + 1]`` -- the numbers one :func:`~specgen.sampling.probs.uniform` per
+    checked position plus one for the final draw would give.
+
+    An all-zero target row ``i >= 1`` is a dead end: reaching it gives
+    ``Verdict(i, None, "dead_end", ...)`` (module docstring).
+
+    Host reads: one for the input checks, p(x) and q(x) of every draft token, the
+    empty target rows and the uniforms together, one for the final draw. Raises
+    ValueError for mismatched shapes or a bad token id, NumericalError for NaN /
+    negative / unnormalised rows (NoAllowedToken for target row 0 or a draft row
+    with nothing allowed) or a draft token with zero draft probability.
     """
     num_draft = len(draft_tokens)
-    if target_probs.shape[0] != num_draft + 1:
-        raise ValueError(f"need {num_draft + 1} target rows for {num_draft} draft tokens, got {target_probs.shape[0]}")
-    if draft_probs is not None and tuple(draft_probs.shape) != (num_draft, target_probs.shape[1]):
+    if target_probs.dim() != 2 or target_probs.shape[0] != num_draft + 1:
+        raise ValueError(f"need {num_draft + 1} target rows for {num_draft} draft tokens, "
+                         f"got shape {tuple(target_probs.shape)}")
+    vocab = target_probs.shape[1]
+    if draft_probs is not None and tuple(draft_probs.shape) != (num_draft, vocab):
         raise ValueError(f"draft_probs shape {tuple(draft_probs.shape)} does not match {num_draft} x vocab")
+    check_tokens(draft_tokens, vocab)
+    device = target_probs.device
+    index = torch.tensor(draft_tokens, dtype=torch.long, device=device)  # [num_draft]
+    positions = torch.arange(num_draft, device=device)  # [num_draft]
+    p_x = target_probs[positions, index].to(torch.float64)  # [num_draft]
+    empty = (target_probs.sum(dim=-1) == 0).to(torch.float64)  # [num_draft + 1] 1.0 where nothing is allowed
+    parts = [row_health(target_probs), empty, p_x]
+    if draft_probs is not None:
+        parts += [row_health(draft_probs), draft_probs[positions, index].to(torch.float64)]
+    u = uniforms(generator, num_draft + 1)  # [num_draft + 1]
+    values = torch.cat([*parts, u.to(device, torch.float64)]).tolist()  # the one read of the inputs
+    check_health(values[:4], "target_probs", allow_empty=True)
+    dead = [bool(v) for v in values[4: 5 + num_draft]]
+    if dead[0]:
+        raise NoAllowedToken("target_probs: every token is forbidden at the first position (all logits are -inf)")
+    values = values[5 + num_draft:]
+    p_values = values[:num_draft]
+    if draft_probs is not None:
+        check_health(values[num_draft: 4 + num_draft], "draft_probs")
+        q_values = values[4 + num_draft: 4 + 2 * num_draft]
+    else:
+        q_values = [1.0] * num_draft
+    u_values = values[-(num_draft + 1):]
     accept_probs: list[float] = []
     for i, token in enumerate(draft_tokens):
+        if dead[i]:
+            return Verdict(i, None, "dead_end", tuple(accept_probs))
+        if not q_values[i] > 0.0:
+            raise NumericalError(f"draft token {token} at position {i + 1} has zero draft probability")
+        ratio = min(1.0, p_values[i] / q_values[i])
+        accept_probs.append(ratio)
+        if u_values[i] < ratio:
+            continue
         p_row = target_probs[i]
         q_row = _draft_row(None if draft_probs is None else draft_probs[i], token, p_row)
-        q_x = float(q_row[token])
-        if not q_x > 0.0:
-            raise NumericalError(f"draft token {token} at position {i + 1} has zero draft probability")
-        ratio = min(1.0, float(p_row[token]) / q_x)
-        accept_probs.append(ratio)
-        if uniform(generator) < ratio:
-            continue
-        next_token = sample_token(positive_residual(p_row, q_row), generator)
+        next_token = sample_token(positive_residual(p_row, q_row), generator, u_values[i + 1])
         return Verdict(i, next_token, "resampled", tuple(accept_probs))
-    bonus = sample_token(target_probs[num_draft], generator)
+    if dead[num_draft]:
+        return Verdict(num_draft, None, "dead_end", tuple(accept_probs))
+    bonus = sample_token(target_probs[num_draft], generator, u_values[num_draft])
     return Verdict(num_draft, bonus, "bonus", tuple(accept_probs))
 
 
-def verify_chain_greedy(target_tokens: list[int], draft_tokens: list[int]) -> Verdict:
+def verify_chain_greedy(target_tokens: list[int | None], draft_tokens: list[int]) -> Verdict:
     """Greedy verification: keep the longest prefix equal to the target's argmaxes.
 
-    target_tokens: num_draft + 1 argmax ids of the processed target logits.
-    The output equals plain greedy decoding token for token.
+    target_tokens: num_draft + 1 argmax ids of the processed target logits, None
+    where nothing is allowed (:func:`~specgen.sampling.probs.argmax_or_none`).
+    Reaching a None at position ``i >= 1`` gives ``Verdict(i, None, "dead_end", ...)``;
+    a None at position 0 raises NoAllowedToken. The output equals plain greedy
+    decoding token for token.
     """
     if len(target_tokens) != len(draft_tokens) + 1:
         raise ValueError("need one more target token than draft tokens")
+    if target_tokens[0] is None:
+        raise NoAllowedToken("target: every token is forbidden at the first position (all logits are -inf)")
     accept_probs: list[float] = []
     for i, token in enumerate(draft_tokens):
+        if target_tokens[i] is None:
+            return Verdict(i, None, "dead_end", tuple(accept_probs))
         if token != target_tokens[i]:
             accept_probs.append(0.0)
             return Verdict(i, target_tokens[i], "resampled", tuple(accept_probs))
         accept_probs.append(1.0)
+    if target_tokens[-1] is None:
+        return Verdict(len(draft_tokens), None, "dead_end", tuple(accept_probs))
     return Verdict(len(draft_tokens), target_tokens[-1], "bonus", tuple(accept_probs))

@@ -22,6 +22,12 @@ and descend (``r = target_probs(c)``); on rejection set ``r <- (r - q_c)+``
 normalised and try the next sibling. With no child accepted (or at a leaf) draw
 the next token from ``r``: the residual if a sibling was rejected here
 ("resampled"), else ``p`` itself ("bonus").
+
+**dead_end** -- a node's row is draft-dependent: if ``target_probs(node)`` of an
+accepted node allows nothing (all zero), the prefix through that node is a dead
+end (:mod:`specgen.sampling.rejection`); the verdict keeps the path, adds no
+token, and the request ends with ``finish_reason="dead_end"``. An empty root row
+still raises NoAllowedToken.
 """
 
 from __future__ import annotations
@@ -32,11 +38,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specgen.errors import NumericalError
-from specgen.sampling.probs import sample_token, uniform
-from specgen.sampling.rejection import positive_residual
+from specgen.sampling.probs import NoAllowedToken, sample_token, uniforms
+from specgen.sampling.rejection import RESIDUAL_EPS, VerdictKind, check_health, positive_residual, row_health
 
-#: Probability rows must sum to 1 within this tolerance.
-PROB_SUM_TOL = 1e-6
 
 ROOT = -1
 
@@ -47,8 +51,10 @@ class TreeVerdict:
 
     path: accepted node indices, root -> leaf (empty if the first level failed).
     tokens: the accepted nodes' tokens, same order as ``path``.
-    next_token: the one token the target adds after the path (resampled or bonus).
-    kind: "resampled" if a child of the last accepted node (or of the root) was
+    next_token: the one token the target adds after the path (resampled or bonus);
+        None for "dead_end".
+    kind: "dead_end" if the last accepted node's row allows nothing, else
+        "resampled" if a child of the last accepted node (or of the root) was
         rejected, else "bonus" (that node is a leaf of the tree).
     checked: every node whose acceptance was tested, in test order (accepted
         nodes and rejected siblings alike).
@@ -60,8 +66,8 @@ class TreeVerdict:
 
     path: list[int]
     tokens: list[int]
-    next_token: int
-    kind: str
+    next_token: int | None
+    kind: VerdictKind
     checked: tuple[int, ...] = field(default=())
     accept_probs: tuple[float, ...] = field(default=())
 
@@ -72,8 +78,8 @@ class TreeVerdict:
 
     @property
     def emitted(self) -> list[int]:
-        """All tokens this round commits: accepted tokens, then ``next_token``."""
-        return [*self.tokens, self.next_token]
+        """All tokens this round commits: accepted tokens, then ``next_token`` (if any)."""
+        return [*self.tokens] if self.next_token is None else [*self.tokens, self.next_token]
 
 
 # --------------------------------------------------------------------------- structure
@@ -156,45 +162,37 @@ def ancestor_matrix(parents: list[int], device: torch.device | str | None = None
 # --------------------------------------------------------------------------- rows
 
 
-def _check_row(row: torch.Tensor, vocab: int | None, what: str) -> torch.Tensor:
+def _as_row(row: torch.Tensor, vocab: int | None, what: str) -> torch.Tensor:
     if not isinstance(row, torch.Tensor) or row.dim() != 1:
         shape = tuple(row.shape) if isinstance(row, torch.Tensor) else type(row).__name__
         raise ValueError(f"{what} must be a [vocab] tensor, got {shape}")
     if vocab is not None and row.shape[0] != vocab:
         raise ValueError(f"{what} has vocab {row.shape[0]}, expected {vocab}")
-    row = row.to(torch.float64)
-    if not bool(torch.isfinite(row).all()):
-        raise NumericalError(f"{what} contains NaN or Inf")
-    if bool((row < 0).any()):
-        raise NumericalError(f"{what} has negative probabilities")
-    if abs(float(row.sum()) - 1.0) > PROB_SUM_TOL:
-        raise NumericalError(f"{what} sums to {float(row.sum())}, not 1")
-    return row
+    return row.to(torch.float64)
+
+
+def _check_row(row: torch.Tensor, vocab: int | None, what: str, read: list[int] = (),
+               extra: torch.Tensor | None = None, allow_empty: bool = False) -> tuple[torch.Tensor, list, bool]:
+    """Check a target row ([vocab]) and read its probabilities at ``read`` token ids and
+    the values of ``extra`` ([E], e.g. uniforms), in one transfer -> (row as float64,
+    [p(t) for t in read] + extra values, whether the row is all zero). An all-zero row
+    raises NoAllowedToken unless ``allow_empty``."""
+    row = _as_row(row, vocab, what)
+    parts = [row_health(row), row[torch.tensor(list(read), dtype=torch.long, device=row.device)]]
+    if extra is not None:
+        parts.append(extra.to(row.device, torch.float64))
+    values = torch.cat(parts).tolist()
+    check_health(values[:4], what, allow_empty)
+    return row, values[4:], bool(values[2])
 
 
 def _check_draft(draft_probs: torch.Tensor, num_nodes: int, vocab: int) -> torch.Tensor:
-    """All draft rows at once ([num_nodes, vocab]); same checks as _check_row."""
+    """Shape checks of all draft rows ([num_nodes, vocab]), reading nothing back."""
     if draft_probs.dim() != 2 or draft_probs.shape[0] != num_nodes:
         raise ValueError(f"draft_probs shape {tuple(draft_probs.shape)} does not match {num_nodes} x vocab")
     if draft_probs.shape[1] != vocab:
         raise ValueError(f"draft_probs vocab {draft_probs.shape[1]} does not match target vocab {vocab}")
-    draft_probs = draft_probs.to(torch.float64)
-    if num_nodes == 0:
-        return draft_probs
-    if not bool(torch.isfinite(draft_probs).all()):
-        raise NumericalError("draft_probs contains NaN or Inf")
-    if bool((draft_probs < 0).any()):
-        raise NumericalError("draft_probs has negative probabilities")
-    worst = float((draft_probs.sum(dim=-1) - 1.0).abs().max())
-    if worst > PROB_SUM_TOL:
-        raise NumericalError(f"a draft_probs row is off normalisation by {worst}")
-    return draft_probs
-
-
-def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
-    row = torch.zeros_like(like)  # [vocab]
-    row[token] = 1.0
-    return row
+    return draft_probs.to(torch.float64)  # its values are checked in the root's read (verify_tree)
 
 
 # --------------------------------------------------------------------------- verification
@@ -214,8 +212,14 @@ def verify_tree(
     draft_probs:  [num_nodes, vocab] float64 (see module docstring), or None for
                   deterministic nodes (q one-hot on the token)
     target_probs: node -> [vocab] float64 target row after that node's path
-                  (-1 = root); called once for the root and once per accepted node
-    Consumes one uniform per checked node plus one for the final draw.
+                  (-1 = root); called once for the root and once per accepted node;
+                  an all-zero row of an accepted node ends with "dead_end" (module
+                  docstring), an all-zero root row raises NoAllowedToken
+    Uniforms: at each visited node, one per child plus one for a final draw, in a
+    single call (:func:`~specgen.sampling.probs.uniforms`); child ``i`` uses ``u[i]``.
+    Host reads: one per visited node (the row's checks, the children's p -- and q --
+    values and the uniforms, with the draft rows' checks at the root), one per
+    rejected sampled sibling after the first, and one for the final draw.
 
     Exactness, one level at a time (then induct on depth, since an accepted child
     c restarts the same procedure with p = target_probs(c) and c's children): at a
@@ -239,57 +243,127 @@ def verify_tree(
         raise ValueError(f"draft_probs shape {tuple(draft_probs.shape)} does not match {num_nodes} x vocab")
     children = tree_children(parents)
 
-    p_row = _check_row(target_probs(ROOT), None, "target_probs(-1)")  # [vocab]
-    vocab = p_row.shape[0]
-    if draft_probs is not None:
-        draft_probs = _check_draft(draft_probs, num_nodes, vocab)
+    root_row = _as_row(target_probs(ROOT), None, "target_probs(-1)")  # [vocab] float64
+    vocab = root_row.shape[0]
     for i, token in enumerate(tokens):
         if token >= vocab:
             raise ValueError(f"tokens[{i}] = {token} is outside the vocabulary of {vocab}")
+    one_hot = draft_probs is None
+    if draft_probs is not None:
+        draft_probs = _check_draft(draft_probs, num_nodes, vocab)
+
+    def visit(row: torch.Tensor, node: int) -> tuple[torch.Tensor, list, bool]:
+        """The checked row after ``node``, with what its level needs, in one read: p of the
+        children's tokens (and, for sampled drafts, their q), the level's uniforms (one per
+        child plus one for a final draw) and, at the root, the draft rows' checks; and
+        whether the row (of a node, not the root) is empty."""
+        kids = children[node]
+        read = [tokens[c] for c in kids]
+        extra = [uniforms(generator, len(kids) + 1)]
+        if not one_hot:
+            index = torch.tensor(kids, dtype=torch.long, device=draft_probs.device)
+            ids = torch.tensor(read, dtype=torch.long, device=draft_probs.device)
+            extra.insert(0, draft_probs[index, ids])  # [k] q of each child's token
+            if node == ROOT:
+                extra.insert(0, row_health(draft_probs))
+        device = row.device if isinstance(row, torch.Tensor) else torch.device("cpu")
+        row, values, empty = _check_row(row, vocab, f"target_probs({node})", read,
+                                        torch.cat([e.to(device, torch.float64) for e in extra]), node != ROOT)
+        if not one_hot and node == ROOT:
+            check_health(values[len(read): len(read) + 4], "draft_probs")
+            values = values[: len(read)] + values[len(read) + 4:]
+        return row, values, empty
+
+    p_row, level, _ = visit(root_row, ROOT)  # [vocab], values for the root's children
 
     path: list[int] = []
     checked: list[int] = []
     accept_probs: list[float] = []
     node = ROOT
     while True:
-        row = p_row  # [vocab], the target row, replaced by residuals on rejection
-        accepted = None
-        for child in children[node]:
-            token = tokens[child]
-            if draft_probs is None:
-                q_row = _one_hot(token, row)
-            else:
-                q_row = draft_probs[child]  # [vocab]
-            q_x = float(q_row[token])
-            if not q_x > 0.0:
-                raise NumericalError(f"draft node {child} (token {token}) has zero draft probability")
-            ratio = min(1.0, float(row[token]) / q_x)
-            checked.append(child)
-            accept_probs.append(ratio)
-            if uniform(generator) < ratio:
-                accepted = child
-                break
-            row = positive_residual(row, q_row)
+        if one_hot:
+            accepted, row, u = _one_hot_level(p_row, level, children[node], tokens, checked, accept_probs)
+        else:
+            accepted, row, u = _sampled_level(p_row, draft_probs, level, children[node], tokens, checked,
+                                              accept_probs)
         if accepted is None:
             kind = "resampled" if children[node] else "bonus"
-            next_token = sample_token(row, generator)
+            next_token = sample_token(row, generator, u)
             return TreeVerdict(
                 path, [tokens[i] for i in path], next_token, kind, tuple(checked), tuple(accept_probs)
             )
         path.append(accepted)
         node = accepted
-        p_row = _check_row(target_probs(node), vocab, f"target_probs({node})")
+        p_row, level, empty = visit(target_probs(node), node)
+        if empty:
+            return TreeVerdict(path, [tokens[i] for i in path], None, "dead_end", tuple(checked),
+                               tuple(accept_probs))
+
+
+def _one_hot_level(p_row, values, kids, tokens, checked, accept_probs):
+    """One level of RRS with one-hot siblings, from the values read with the row: p of
+    each child's token, then len(kids) + 1 uniforms (child i uses u[i], a final draw
+    after rejecting them all u[len(kids)]).
+
+    Rejecting token x turns the row r into (r - e_x)+ / (1 - r(x)): x removed, the
+    rest rescaled, so the row is p restricted to the tokens not yet rejected, over
+    their mass -- tracked on the host; the device row is built once, for the final
+    draw. The round-off fallback of :func:`positive_residual` (no residual mass:
+    keep the row) is kept. -> (accepted child or None, row to draw from [vocab], its uniform)."""
+    child_p, u = values[: len(kids)], values[len(kids):]
+    remaining = 1.0  # mass of p over the tokens not yet rejected
+    removed: list[int] = []
+    for i, (child, p_x) in enumerate(zip(kids, child_p, strict=True)):
+        token = tokens[child]
+        r_x = 0.0 if token in removed else p_x / remaining
+        ratio = min(1.0, r_x)
+        checked.append(child)
+        accept_probs.append(ratio)
+        if u[i] < ratio:
+            return child, p_row, None
+        if 1.0 - r_x > RESIDUAL_EPS and token not in removed:
+            removed.append(token)
+            remaining -= p_x
+    if not removed:
+        return None, p_row, u[-1]
+    index = torch.tensor(removed, dtype=torch.long, device=p_row.device)
+    return None, p_row.index_fill(0, index, 0.0), u[-1]
+
+
+def _sampled_level(p_row, draft_probs, values, kids, tokens, checked, accept_probs):
+    """One level of RRS against sampled siblings, from the values read with the row:
+    p of each child's token, q of it, then len(kids) + 1 uniforms. After a rejection the
+    row is the residual, and the next sibling's r(x) takes one more read.
+    -> (accepted child or None, row to draw from [vocab], the final draw's uniform)."""
+    k = len(kids)
+    first_p, q_values, u = values[:k], values[k: 2 * k], values[2 * k:]
+    row = p_row  # [vocab], the target row, replaced by residuals on rejection
+    for i, child in enumerate(kids):
+        token = tokens[child]
+        q_x = q_values[i]
+        if not q_x > 0.0:
+            raise NumericalError(f"draft node {child} (token {token}) has zero draft probability")
+        r_x = first_p[i] if row is p_row else row[token].item()
+        ratio = min(1.0, r_x / q_x)
+        checked.append(child)
+        accept_probs.append(ratio)
+        if u[i] < ratio:
+            return child, row, None
+        row = positive_residual(row, draft_probs[child])
+    return None, row, u[-1]
 
 
 def verify_tree_greedy(
     tokens: list[int],
     parents: list[int],
-    target_argmax: Callable[[int], int],
+    target_argmax: Callable[[int], int | None],
 ) -> TreeVerdict:
     """Greedy verification: follow the children equal to the target's argmax.
 
     target_argmax: node -> argmax id of the processed target row after that node's
-    path (-1 = root); called for the root and each accepted node.
+    path (-1 = root), None where nothing is allowed; called for the root and each
+    accepted node. None at an accepted node ends with "dead_end" (module docstring);
+    None at the root raises NoAllowedToken.
     At each node the first child (in node order) whose token equals the argmax is
     accepted; the next token is the argmax at the last accepted node, so the output
     equals plain greedy decoding token for token. ``checked``/``accept_probs`` list
@@ -302,7 +376,13 @@ def verify_tree_greedy(
     accept_probs: list[float] = []
     node = ROOT
     while True:
-        best = int(target_argmax(node))
+        best = target_argmax(node)
+        if best is None:
+            if node == ROOT:
+                raise NoAllowedToken("target: every token is forbidden at the first position (all logits are -inf)")
+            return TreeVerdict(path, [tokens[i] for i in path], None, "dead_end", tuple(checked),
+                               tuple(accept_probs))
+        best = int(best)
         accepted = None
         for child in children[node]:
             checked.append(child)
