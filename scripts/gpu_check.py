@@ -11,35 +11,14 @@ bfloat16 is ``approximate`` and only reported). Exit status 1 on a float32 misma
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 
 import torch
 
-READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "cpu", "numpy")
+from specgen.bench.host_reads import counting_reads
+
 PROMPT = "Write a short story about a robot who learns to paint. Repeat the title at the end."
-
-
-@contextlib.contextmanager
-def counting_reads():
-    """Count host reads (the tensor methods in READS) while the block runs -> [count]."""
-    count = [0]
-    saved = {name: getattr(torch.Tensor, name) for name in READS}
-
-    def counted(method):
-        def wrapper(self, *args, **kwargs):
-            count[0] += 1
-            return method(self, *args, **kwargs)
-        return wrapper
-
-    for name, method in saved.items():
-        setattr(torch.Tensor, name, counted(method))
-    try:
-        yield count
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
 
 
 def _synchronize(device: str) -> None:

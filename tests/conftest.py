@@ -27,3 +27,24 @@ def tiny_pipeline(*overrides: str, drafter: str = "tiny"):
 @pytest.fixture
 def make_tiny():
     return tiny_pipeline
+
+
+@pytest.fixture(scope="module")
+def tiny_eagle_head(tmp_path_factory) -> str:
+    """Path of a random float32 EAGLE head for the tiny target with an 8-token vocabulary
+    (a tree drafter: its rounds go through the tree verifier)."""
+    import torch
+
+    from specgen.heads import HeadConfig, build_head, save_head, target_fingerprint
+
+    target = specgen.pipeline(*TINY, "target.source.vocab_size=8", "drafter=none", progress=False)
+    d = target.target.model.config.hidden_size
+    cfg = HeadConfig(kind="eagle", hidden_size=d, draft_vocab_size=8, intermediate_size=2 * d, num_heads=4)
+    torch.manual_seed(0)
+    head = build_head(cfg, torch.arange(8))
+    with torch.no_grad():
+        for param in head.parameters():
+            param.normal_(0.0, 0.3)
+    path = tmp_path_factory.mktemp("heads") / "eagle.safetensors"
+    return str(save_head(path, head, target_fingerprint(target.target.model), command="test", seed=0,
+                         dtype=torch.float32))

@@ -128,22 +128,6 @@ def test_tree_greedy_dead_end_and_empty_root():
 
 # --- the grammar processor's rows ---------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def eagle_head(tmp_path_factory) -> str:
-    """A random EAGLE head for the tiny target with 8 ids: a tree drafter (rounds go through the tree verifier)."""
-    from specgen.heads import HeadConfig, build_head, save_head, target_fingerprint
-
-    target = specgen.pipeline(*TINY, "target.source.vocab_size=8", "drafter=none", progress=False)
-    d = target.target.model.config.hidden_size
-    cfg = HeadConfig(kind="eagle", hidden_size=d, draft_vocab_size=8, intermediate_size=2 * d, num_heads=4)
-    torch.manual_seed(0)
-    head = build_head(cfg, torch.arange(8))
-    with torch.no_grad():
-        for param in head.parameters():
-            param.normal_(0.0, 0.3)
-    path = tmp_path_factory.mktemp("heads") / "eagle.safetensors"
-    return str(save_head(path, head, target_fingerprint(target.target.model), command="test", seed=0))
-
 
 def _bound_stack(*overrides: str, drafter: str = "tiny", head: str | None = None):
     if head is None:
@@ -185,7 +169,7 @@ def _ended_by_verdict(pipe, prompt, num) -> int:
                                             ("eagle", [1, 2, 3])])
 def test_speculation_meets_dead_ends_like_plain_decoding(drafter, prompt, request):
     """Sampled chain (small model), deterministic chain (ngram + grammar lookahead) and tree (EAGLE)."""
-    head = request.getfixturevalue("eagle_head") if drafter == "eagle" else None
+    head = request.getfixturevalue("tiny_eagle_head") if drafter == "eagle" else None
     pipe = _bound_stack("sampling.temperature=1.0", "drafter.num_tokens=3", drafter=drafter, head=head)
     assert pipe.guarantee == "exact"
     expected = exact_outcomes(pipe, prompt, 6)
@@ -202,7 +186,7 @@ def test_speculation_meets_dead_ends_like_plain_decoding(drafter, prompt, reques
 
 @pytest.mark.parametrize("drafter", ["tiny", "ngram", "eagle"])
 def test_greedy_speculation_meets_dead_ends_token_for_token(drafter, request):
-    head = request.getfixturevalue("eagle_head") if drafter == "eagle" else None
+    head = request.getfixturevalue("tiny_eagle_head") if drafter == "eagle" else None
     pipe = _bound_stack("sampling.temperature=0", "drafter.num_tokens=3", drafter=drafter, head=head)
     assert pipe.guarantee == "greedy"
     reasons = []

@@ -180,26 +180,10 @@ def test_masks_are_cached_on_the_logits_device():
 TINY_REGEX = "(at|ta)[en]{0,3}"
 
 
-@pytest.fixture(scope="module")
-def eagle_head(tmp_path_factory):
-    from specgen.heads import HeadConfig, build_head, save_head, target_fingerprint
-
-    target = specgen.pipeline(*TINY, "target.source.vocab_size=8", "drafter=none", progress=False)
-    d = target.target.model.config.hidden_size
-    cfg = HeadConfig(kind="eagle", hidden_size=d, draft_vocab_size=8, intermediate_size=2 * d, num_heads=4)
-    torch.manual_seed(0)
-    head = build_head(cfg, torch.arange(8))
-    with torch.no_grad():
-        for param in head.parameters():
-            param.normal_(0.0, 0.3)
-    path = tmp_path_factory.mktemp("heads") / "eagle.safetensors"
-    return str(save_head(path, head, target_fingerprint(target.target.model), command="test", seed=0,
-                         dtype=torch.float32))
-
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_tree_drafter_under_each_backend_is_exact(backend, eagle_head):
-    pipe = specgen.pipeline(*TINY, "target.source.vocab_size=8", "drafter=eagle", f"drafter.head_file={eagle_head}",
+def test_tree_drafter_under_each_backend_is_exact(backend, tiny_eagle_head):
+    pipe = specgen.pipeline(*TINY, "target.source.vocab_size=8", "drafter=eagle", f"drafter.head_file={tiny_eagle_head}",
                             "sampling.temperature=1.0", "drafter.num_tokens=3", progress=False)
     proc = grammar_processor({"kind": "regex", "pattern": TINY_REGEX, "backend": backend}, pipe.tokenizer)
     pipe.stack = pipe.stack.with_grammar(proc)

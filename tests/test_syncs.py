@@ -10,40 +10,17 @@ in specgen and in the libraries it calls, during one round driven through
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 import specgen
 from conftest import TINY
+from specgen.bench.host_reads import counting_reads
 from specgen.heads import HeadConfig, build_head, save_head, target_fingerprint
 from specgen.round import speculative_round
 
-READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "cpu", "numpy")
 CHAIN_LIMIT, TREE_LIMIT = 3, 5
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4]  # repeats, so the n-gram drafter proposes
-
-
-@contextlib.contextmanager
-def counting_reads():
-    """Count calls of the tensor methods in READS while the block runs -> [count]."""
-    count = [0]
-    saved = {name: getattr(torch.Tensor, name) for name in READS}
-
-    def counted(method):
-        def wrapper(self, *args, **kwargs):
-            count[0] += 1
-            return method(self, *args, **kwargs)
-        return wrapper
-
-    for name, method in saved.items():
-        setattr(torch.Tensor, name, counted(method))
-    try:
-        yield count
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
 
 
 def test_the_hook_counts_reads():

@@ -380,7 +380,7 @@ def test_reply_view_restyles_only_what_changed_and_stays_right(cfg, pipe):
 
     async def scenario():
         app = ChatApp(cfg, pipeline=pipe)
-        async with app.run_test(size=SIZE) as pilot:
+        async with app.run_test(size=SIZE):
             view = ReplyView("test")
             await app.query_one("#chat").mount(view)
             view.extend([TokenEvent(1, "a", "accepted", 1, 0.9, 1), TokenEvent(2, "b", "bonus", None, None, 1)])
