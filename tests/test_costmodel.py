@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 import specgen.costmodel as costmodel
-from conftest import tiny_pipeline
+from conftest import TEST_COSTS, tiny_pipeline
 
 
 class FakeTimer:
@@ -72,3 +72,22 @@ def test_corrupt_cache_file_is_remeasured(real_cost_table, monkeypatch):
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
     assert costmodel.cost_table(pipe).chain == (1.0,)
+
+
+def test_measuring_the_cost_table_is_not_part_of_a_requests_time(monkeypatch):
+    """The one-off measurement happens before the request's clock starts (a fake clock: no timing)."""
+    import specgen.engine
+
+    now = [0.0]
+    monkeypatch.setattr(specgen.engine.time, "perf_counter", lambda: now[0])
+
+    def slow_measurement(pipe, **kwargs):
+        now[0] += 100.0  # a measurement that "takes" 100 s
+        return TEST_COSTS
+
+    monkeypatch.setattr("specgen.costmodel.cost_table", slow_measurement)
+    pipe = tiny_pipeline(drafter="tiny")
+    gen = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=8)
+    assert pipe.drafter.num_tokens == "auto" and pipe.costs is TEST_COSTS
+    assert now[0] == 100.0  # measured exactly once
+    assert gen.stats.wall < 100.0 and gen.stats.ttft < 100.0
