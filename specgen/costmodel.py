@@ -31,7 +31,7 @@ from specgen.planner import CostTable
 from specgen.sampling import ancestor_matrix, tree_depths
 
 #: Verified-token counts measured; the rest are interpolated.
-SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 17)
+SIZES = (1, 2, 3, 4, 6, 8, 12, 17)
 CONTEXT_TOKENS = 192
 _MEMO: dict[str, CostTable] = {}
 
@@ -78,7 +78,7 @@ def _interpolate(measured: dict[int, float], size: int) -> tuple[float, ...]:
     return tuple(table)
 
 
-def measure(pipe, *, clock: Callable[[], float] | None = None, repeats: int = 3,
+def measure(pipe, *, clock: Callable[[], float] | None = None, repeats: int = 2,
             max_tokens: int = SIZES[-1]) -> CostTable:
     """Time this pipeline's verify passes and drafter (see the module docstring)."""
     from specgen.stats import Clock
