@@ -74,3 +74,32 @@ def sentencepiece_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def order_model(*, sku_max: int | None = None, lines_max: int = 3, note_max: int | None = None):
+    """A pydantic order with Field(ge, le), conint, a datetime, an Enum, a nested list of
+    models and an Optional (the issue's schema); the length bounds keep outputs short on
+    small vocabularies. Skips the test when pydantic is missing."""
+    import datetime
+    import enum
+
+    import pytest
+
+    pydantic = pytest.importorskip("pydantic")
+
+    class Status(enum.Enum):
+        open = "open"
+        shipped = "shipped"
+
+    class Line(pydantic.BaseModel):
+        sku: str = pydantic.Field(max_length=sku_max)
+        qty: pydantic.conint(ge=1, le=99)
+
+    class Order(pydantic.BaseModel):
+        rating: int = pydantic.Field(ge=1, le=5)
+        placed: datetime.datetime
+        status: Status
+        lines: list[Line] = pydantic.Field(max_length=lines_max)
+        note: str | None = pydantic.Field(default=None, max_length=note_max)
+
+    return Order

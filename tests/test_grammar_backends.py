@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import TINY, tiny_pipeline
 from exact import exact_distribution, goodness_of_fit, sample_counts
-from grammar_helpers import PRINTABLE_ASCII, byte_level_tokenizer, char_info, history
+from grammar_helpers import PRINTABLE_ASCII, byte_level_tokenizer, char_info, history, order_model
 
 import specgen
 import specgen.grammar
@@ -227,32 +227,9 @@ def test_bad_words_that_the_grammar_needs_end_with_a_clear_dead_end():
 
 # --- pydantic models with bounds, datetimes, enums, nested lists and optionals ---------------
 
-def order_model():
-    pydantic = pytest.importorskip("pydantic")
-    import datetime
-    import enum
-
-    class Status(enum.Enum):
-        open = "open"
-        shipped = "shipped"
-
-    class Line(pydantic.BaseModel):
-        sku: str = pydantic.Field(max_length=6)
-        qty: pydantic.conint(ge=1, le=99)
-
-    class Order(pydantic.BaseModel):
-        rating: int = pydantic.Field(ge=1, le=5)
-        placed: datetime.datetime
-        status: Status
-        lines: list[Line] = pydantic.Field(max_length=2)
-        note: str | None = pydantic.Field(default=None, max_length=5)
-
-    return Order
-
-
 @pytest.mark.parametrize("speculative", [True, False])
 def test_pydantic_model_outputs_validate_whenever_finished_by_eos(speculative):
-    model = order_model()
+    model = order_model(sku_max=6, lines_max=2, note_max=5)
     chars = '{}[]":,-.+ 0123456789abcdefghijklmnopqrstuvwxyzTZ'
     pipe = specgen.pipeline(*TINY, f"target.source.vocab_size={len(chars) + 1}", "drafter=tiny",
                             f"drafter.source.vocab_size={len(chars) + 1}", "sampling.temperature=1.0",

@@ -11,7 +11,7 @@ import json
 import re
 
 import pytest
-from grammar_helpers import GRAMMARS
+from grammar_helpers import GRAMMARS, order_model
 
 import specgen
 
@@ -81,26 +81,7 @@ def test_constrained_greedy_speculation_equals_plain_on_the_default_model(pipe):
 
 def test_pydantic_order_validates_on_the_default_model():
     """Field(ge, le), conint, datetime, Enum, a nested list of models and an Optional (llguidance via auto)."""
-    import datetime
-    import enum
-
-    pydantic = pytest.importorskip("pydantic")
-
-    class Status(enum.Enum):
-        open = "open"
-        shipped = "shipped"
-
-    class Line(pydantic.BaseModel):
-        sku: str
-        qty: pydantic.conint(ge=1, le=99)
-
-    class Order(pydantic.BaseModel):
-        rating: int = pydantic.Field(ge=1, le=5)
-        placed: datetime.datetime
-        status: Status
-        lines: list[Line] = pydantic.Field(max_length=3)
-        note: str | None = None
-
+    Order = order_model(lines_max=3)
     sampled = specgen.pipeline("sampling.temperature=0.7", "max_new_tokens=200", "threads=1", progress=False)
     assert sampled.guarantee == "exact"
     prompt = ("Extract the order as JSON: 3 stars, placed 2024-05-01 at 10:00 UTC, shipped; 2 x AB-1 and 5 x CD-2.")
