@@ -29,6 +29,27 @@ def make_tiny():
     return tiny_pipeline
 
 
+#: The tree the forward-vs-paths check uses: a 5-token prefix and 6 nodes in 3 levels.
+TREE_PREFIX, TREE_NODES, TREE_PARENTS = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11], [-1, -1, 0, 0, 2, 1]
+
+
+def check_tree_forward_matches_each_path(lm):
+    """One tree forward over TREE_NODES (after a cached part of TREE_PREFIX) gives, at every
+    node, the logits of a plain forward over that node's path; returns the tree's cache."""
+    import torch
+
+    from specgen.sampling import ancestor_matrix, tree_depths, tree_paths
+
+    cache = lm.new_cache()
+    lm.forward(cache, TREE_PREFIX[:3], keep=1)
+    out = lm.forward_tree(cache, TREE_PREFIX[3:], TREE_NODES, ancestor_matrix(TREE_PARENTS),
+                          tree_depths(TREE_PARENTS), [])
+    for i, path in enumerate(tree_paths(TREE_PARENTS)):
+        reference = lm.forward(lm.new_cache(), TREE_PREFIX + [TREE_NODES[j] for j in path], keep=1)[0]
+        torch.testing.assert_close(out.logits(1 + i)[0], reference, atol=1e-4, rtol=1e-4)
+    return cache
+
+
 @pytest.fixture(scope="module")
 def tiny_eagle_head(tmp_path_factory) -> str:
     """Path of a random float32 EAGLE head for the tiny target with an 8-token vocabulary

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import specgen
+from conftest import check_tree_forward_matches_each_path
 from exact import exact_distribution, goodness_of_fit, sample_counts
 from specgen.heads import HeadConfig, build_head, save_head, target_fingerprint
-from specgen.sampling import ancestor_matrix, tree_depths, tree_paths
 
 DEVICE = os.environ.get("SPECGEN_CHECK_DEVICE", "cpu")
 BASE = ("target=tiny", "threads=1", f"device={DEVICE}")
@@ -57,14 +57,7 @@ def _drafter(kind, heads, vocab: int = 16):
 
 
 def test_tree_forward_matches_each_path_on_device():
-    lm = _pipe("dtype=float32", "drafter=none").target
-    prefix, nodes, parents = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11], [-1, -1, 0, 0, 2, 1]
-    cache = lm.new_cache()
-    lm.forward(cache, prefix[:3], keep=1)
-    out = lm.forward_tree(cache, prefix[3:], nodes, ancestor_matrix(parents), tree_depths(parents), [])
-    for i, path in enumerate(tree_paths(parents)):
-        reference = lm.forward(lm.new_cache(), prefix + [nodes[j] for j in path], keep=1)[0]
-        torch.testing.assert_close(out.logits(1 + i)[0], reference, atol=1e-4, rtol=1e-4)
+    check_tree_forward_matches_each_path(_pipe("dtype=float32", "drafter=none").target)
 
 
 @pytest.mark.parametrize("kind", ["ngram", "tiny", "eagle", "medusa", "mtp"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import specgen
-from conftest import TINY
+from conftest import TINY, TREE_PREFIX, check_tree_forward_matches_each_path
 from exact import exact_distribution, goodness_of_fit, sample_counts
 from specgen.errors import ConfigError, ModelLoadError
 from specgen.heads import HeadConfig, build_head, save_head, target_fingerprint
@@ -120,16 +120,8 @@ def test_tree_forward_matches_each_path(lazy_logits):
     pipe = _target()
     lm = pipe.target
     lm._plain_lm_head = lazy_logits  # False: the path for models that scale or cap their logits
-    prefix = [1, 2, 3, 4, 5]
-    nodes, parents = [6, 7, 8, 9, 10, 11], [-1, -1, 0, 0, 2, 1]
-    from specgen.sampling import ancestor_matrix, tree_depths, tree_paths
-
-    cache = lm.new_cache()
-    lm.forward(cache, prefix[:3], keep=1)
-    out = lm.forward_tree(cache, prefix[3:], nodes, ancestor_matrix(parents), tree_depths(parents), [])
-    for i, path in enumerate(tree_paths(parents)):
-        reference = lm.forward(lm.new_cache(), prefix + [nodes[j] for j in path], keep=1)[0]
-        torch.testing.assert_close(out.logits(1 + i)[0], reference, atol=1e-4, rtol=1e-4)
+    prefix = TREE_PREFIX
+    cache = check_tree_forward_matches_each_path(lm)
     cache.keep_rows(len(prefix), [0, 2, 4])
     assert cache.tokens == prefix + [6, 8, 10]
     after = lm.forward(cache, [3], keep=1)
