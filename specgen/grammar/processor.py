@@ -41,7 +41,7 @@ import torch
 from specgen.errors import DeadEndError
 from specgen.grammar.automaton import TokenAutomaton
 from specgen.processors.history import History
-from specgen.processors.standard import NEG_INF, Processor
+from specgen.processors.standard import NEG_INF, Processor, banned_after
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -147,15 +147,6 @@ class GrammarProcessor(Processor):
         check_reachable(bound)
         return bound
 
-    def banned_after(self, tokens: list[int]) -> set[int]:
-        """Ids the bound ``bad_words`` forbid after the (full) token history ``tokens``."""
-        banned = set()
-        for seq in self.bad_words:
-            *prefix, last = seq
-            if not prefix or (len(tokens) >= len(prefix) and tokens[len(tokens) - len(prefix) :] == prefix):
-                banned.add(last)
-        return banned
-
     def _dead_end_reason(self, state: int, history: History, row: int, num_generated: int) -> str | None:
         """Why nothing can be sampled at ``row`` (reachable grammar state ``state``), or None if something can."""
         if self.automaton.is_dead_end(state):
@@ -168,7 +159,7 @@ class GrammarProcessor(Processor):
         """The reason when ``min_new_tokens`` / ``bad_words`` ban every token the grammar allows, else None."""
         mask = self.automaton.mask(state)  # [vocab] bool (CPU, cached)
         eos = self.automaton.eos_ids
-        banned = self.banned_after(history.full(row)) if self.bad_words else set()
+        banned = banned_after(self.bad_words, history, row) if self.bad_words else set()
         if num_generated < self.min_new_tokens:
             banned |= eos
         if not banned or any(i not in banned for i in self._first_allowed(mask, len(banned) + 1)):

@@ -171,6 +171,12 @@ class MinNewTokens(Processor):
         return logits
 
 
+def banned_after(sequences: Sequence[Sequence[int]], history: History, row: int) -> set[int]:
+    """The ids the bad-word ``sequences`` forbid at ``row``: each sequence's last token when
+    the history there ends with the rest of it (a one-token sequence is always forbidden)."""
+    return {seq[-1] for seq in sequences if history.tail(row, len(seq) - 1) == list(seq[:-1])}
+
+
 class BadWords(Processor):
     """Forbid token sequences: a single-token entry is always banned, a longer one
     bans its last token whenever the history ends with the rest of it."""
@@ -187,9 +193,7 @@ class BadWords(Processor):
         self.sequences = cleaned
 
     def __call__(self, logits, history):
-        for seq in self.sequences:
-            *prefix, last = seq
-            for row in range(logits.shape[0]):
-                if not prefix or history.tail(row, len(prefix)) == prefix:
-                    logits[row, last] = NEG_INF
+        for row in range(logits.shape[0]):
+            for token in banned_after(self.sequences, history, row):
+                logits[row, token] = NEG_INF
         return logits
