@@ -53,7 +53,8 @@ def _bad_words(entries: list, tokenizer) -> list[list[int]]:
     return sequences
 
 
-def _processor_entries(cfg: Mapping, tokenizer) -> list[dict]:
+def processor_entries(cfg: Mapping, tokenizer) -> list[dict]:
+    """The config's ``processors`` list as build_stack entries (bad words resolved with ``tokenizer``)."""
     entries = []
     for entry in cfg.get("processors") or []:
         entry = dict(entry)
@@ -126,7 +127,7 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
 
     sampling = cfg["sampling"]
     temperature = sampling.get("temperature", 0.0)
-    stack = build_stack(_processor_entries(cfg, target.tokenizer), greedy=temperature == 0.0,
+    stack = build_stack(processor_entries(cfg, target.tokenizer), greedy=temperature == 0.0,
                         eos_ids=target.tokenizer.eos_ids, vocab_size=target.tokenizer.vocab_size)
     grammar = grammar_processor(cfg.get("grammar") or {"kind": "none"}, target.tokenizer)
     if grammar is not None:

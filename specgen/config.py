@@ -14,8 +14,8 @@ from specgen.errors import ConfigError, SpecgenError
 from specgen import schema  # noqa: F401  (registers the structured-config schemas)
 
 #: Keys whose values are free text; the CLI quotes them so Hydra's parser accepts any characters.
-TEXT_KEYS = ("prompt", "system", "prompt_file", "grammar.schema", "grammar.pattern", "grammar.pattern_file",
-             "grammar.whitespace")
+TEXT_KEYS = ("prompt", "system", "prompt_file", "output", "grammar.schema", "grammar.pattern",
+             "grammar.pattern_file", "grammar.whitespace")
 
 #: Entries a model source (``target.source``, ``drafter.source``) may carry; see specgen.models.loading.
 SOURCE_KEYS = ("kind", "tokenizer", "trust_remote_code", "revision", "cache_dtype", "pip", "version", "sha256",

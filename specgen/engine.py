@@ -14,6 +14,8 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from specgen.drafters import DraftContext, Drafter
 from specgen.errors import ConfigError, DeadEndError, PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
@@ -42,6 +44,9 @@ class Pipeline:
 
     guarantee: "exact" | "greedy" | "approximate: <why>" | "off: <reason>";
     speculation runs only when it is not "off".
+    read_once: rounds that spend FLOPs to read back once per verification (constant
+    host reads per round), the default off the CPU; on the CPU, where a read costs
+    nothing, rounds do less arithmetic instead (see :class:`specgen.round.RoundContext`).
     """
 
     def __init__(self, *, target: CausalLM, tokenizer: TokenizerInfo, drafter: Drafter | None,
@@ -55,6 +60,7 @@ class Pipeline:
         self.config = config
         self.device = target.device
         self.costs: CostTable | None = None
+        self.read_once = torch.device(self.device).type != "cpu"
 
     def cost_table(self, *, refresh: bool = False) -> CostTable:
         """The planner's cost table for this pipeline (measured once, cached on disk; see specgen.costmodel)."""
@@ -159,7 +165,7 @@ class Pipeline:
                           eos_ids=self.tokenizer.eos_ids, max_new_tokens=max_new_tokens, seed=seed)
         stats = Stats() if stats is None else stats
         stats.prompt_tokens = len(ids)
-        ctx = RoundContext(self.target, stack, stats, Clock(self.device))
+        ctx = RoundContext(self.target, stack, stats, Clock(self.device), read_once=self.read_once)
         if use_spec and self.speculative:
             ctx.feature_layers = self.drafter.feature_layers
             ctx.max_tokens, ctx.tree_width = self.drafter.max_tokens, self.drafter.tree_width

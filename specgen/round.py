@@ -19,8 +19,9 @@ from specgen.drafters import Proposal
 from specgen.drafters.base import EMPTY
 from specgen.events import TokenEvent
 from specgen.models import CausalLM
+from specgen.models.causal_lm import TreeOutput
 from specgen.planner import AUTO, AcceptanceHistory, CostTable, plan_budget, truncate_chain, truncate_tree
-from specgen.processors import History, ProcessorStack
+from specgen.processors import History, PathHistory, ProcessorStack
 from specgen.sampling import (
     TreeVerdict,
     Verdict,
@@ -43,6 +44,13 @@ class RoundContext:
     costs: the pipeline's cost table for num_tokens="auto" (None: ``load_costs()``
     supplies it on the first planned round); history: this request's acceptance
     estimates; max_tokens / tree_width: the drafter's limits.
+    read_once: spend FLOPs to read back once per verification (what an accelerator,
+    where every read stalls the stream, wants): a tree is verified from every node's
+    row, computed and read back together, instead of the LM head and processors of
+    the root and accepted nodes only with one read per visited node; a chain draws
+    every possible final token ahead (``verify_chain(draw_ahead=True)``) and leaves
+    the NaN check to the verifier's read. Off, rounds do less arithmetic (what a CPU
+    wants). Same verdict law either way.
     """
 
     target: CausalLM
@@ -55,6 +63,7 @@ class RoundContext:
     max_tokens: int = 8
     tree_width: int = 1
     load_costs: Callable[[], CostTable] | None = None
+    read_once: bool = False
 
 
 def draft_budget(request: Request, num_tokens: int, context_length: int) -> int:
@@ -133,14 +142,16 @@ def _chain(request: Request, ctx: RoundContext, proposal: Proposal):
     with clock.stage("verify"):  # one target forward over the uncached committed tokens + candidates
         committed = request.committed
         feed = request.target_cache.uncached(committed.tokens) + proposal.tokens
-        raw = ctx.target.forward(request.target_cache, feed, keep=len(proposal) + 1)  # [num_draft + 1, vocab]
+        raw = ctx.target.forward(request.target_cache, feed, keep=len(proposal) + 1,
+                                 check=not ctx.read_once)  # [num_draft + 1, vocab]; NaN refused by verification
     with clock.stage("process"):  # process + accept
         history = History(committed, proposal.tokens, num_positions=len(proposal) + 1)
         if ctx.stack.greedy:
             verdict = verify_chain_greedy(ctx.stack.argmax_or_none(raw, history), proposal.tokens)
         else:
             target_probs = ctx.stack.probs(raw, history)  # [num_draft + 1, vocab]
-            verdict = verify_chain(target_probs, proposal.draft_probs, proposal.tokens, request.target_rng)
+            verdict = verify_chain(target_probs, proposal.draft_probs, proposal.tokens, request.target_rng,
+                                   draw_ahead=ctx.read_once)
     with clock.stage("commit"):
         tokens = proposal.tokens[: verdict.num_accepted]
         kept = _commit(request, tokens if verdict.next_token is None else [*tokens, verdict.next_token], verdict)
@@ -170,6 +181,24 @@ def _tree(request: Request, ctx: RoundContext, proposal: Proposal):
                                       ctx.feature_layers)  # rows: 0 = root, 1 + i = node i
     paths = [[proposal.tokens[j] for j in path] for path in tree_paths(parents)]
 
+    if ctx.read_once:
+        tree = _walk_prefetched(request, ctx, proposal, parents, paths, out)
+    else:
+        tree = _walk_lazy(request, ctx, proposal, parents, paths, out)
+    with clock.stage("commit"):  # keep the accepted path's keys/values, then the tokens
+        cache.keep_rows(prefix, tree.path)
+        kept = _commit(request, tree.emitted, tree)
+        if out.features is not None and request.draft is not None:
+            last = tree.path[-1] + 1 if tree.path else 0
+            request.draft.observe_features(prefix - 1 + tree.num_accepted, out.features[last])
+    return _as_chain_verdict(tree), kept, max(depths, default=0)
+
+
+def _walk_lazy(request: Request, ctx: RoundContext, proposal: Proposal, parents: list[int],
+               paths: list[list[int]], out: TreeOutput) -> TreeVerdict:
+    """Process + accept walking down the tree, computing p only on the walked path."""
+    clock, committed = ctx.clock, request.committed
+
     def history(node: int) -> History:
         path = paths[node] if node >= 0 else []
         return History(committed, path, num_positions=1, start=len(path))
@@ -178,20 +207,26 @@ def _tree(request: Request, ctx: RoundContext, proposal: Proposal):
         with clock.stage("verify"):  # the lazy LM head is part of the verify pass
             return out.logits(node + 1)  # [1, vocab]
 
-    with clock.stage("process"):  # process + accept, walking down the tree; p only on the walked path
+    with clock.stage("process"):
         if ctx.stack.greedy:
-            tree = verify_tree_greedy(proposal.tokens, parents,
+            return verify_tree_greedy(proposal.tokens, parents,
                                       lambda n: ctx.stack.argmax_or_none(rows(n), history(n))[0])
-        else:
-            tree = verify_tree(proposal.tokens, parents, proposal.draft_probs,
-                               lambda n: ctx.stack.probs(rows(n), history(n))[0], request.target_rng)
-    with clock.stage("commit"):  # keep the accepted path's keys/values, then the tokens
-        cache.keep_rows(prefix, tree.path)
-        kept = _commit(request, tree.emitted, tree)
-        if out.features is not None and request.draft is not None:
-            last = tree.path[-1] + 1 if tree.path else 0
-            request.draft.observe_features(prefix - 1 + tree.num_accepted, out.features[last])
-    return _as_chain_verdict(tree), kept, max(depths, default=0)
+        return verify_tree(proposal.tokens, parents, proposal.draft_probs,
+                           lambda n: ctx.stack.probs(rows(n), history(n))[0], request.target_rng)
+
+
+def _walk_prefetched(request: Request, ctx: RoundContext, proposal: Proposal, parents: list[int],
+                     paths: list[list[int]], out: TreeOutput) -> TreeVerdict:
+    """Process every node's row at once, read back once, then walk on the host."""
+    with ctx.clock.stage("verify"):
+        raw = out.all_logits()  # [num_nodes + 1, vocab]
+    with ctx.clock.stage("process"):
+        history = PathHistory(request.committed, [[], *paths])
+        if ctx.stack.greedy:
+            best = ctx.stack.argmax_or_none(raw, history)  # root, then each node
+            return verify_tree_greedy(proposal.tokens, parents, lambda n: best[n + 1])
+        return verify_tree(proposal.tokens, parents, proposal.draft_probs, ctx.stack.probs(raw, history),
+                           request.target_rng)
 
 
 def _as_chain_verdict(tree: TreeVerdict) -> Verdict:

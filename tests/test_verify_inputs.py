@@ -135,13 +135,42 @@ def _mtp_session(tmp_path):
     return request
 
 
-@pytest.mark.parametrize("raised,swallowed", [(NoAllowedToken("nothing allowed"), True),
-                                              (NumericalError("NaN logits"), False)])
-def test_mtp_catches_only_no_allowed_token(tmp_path, monkeypatch, raised, swallowed):
-    import specgen.drafters.mtp as mtp
+@pytest.mark.parametrize("total,swallowed", [(0.0, True), (float("nan"), False)])
+def test_mtp_catches_only_no_allowed_token(tmp_path, monkeypatch, total, swallowed):
+    """Device-resident draws (drafters/chain_draw.py): a step whose row allows nothing
+    (total mass 0) ends the chain before it; a NaN row raises."""
+    import specgen.drafters.chain_draw as chain_draw
 
     request = _mtp_session(tmp_path)
     assert len(request.draft.propose(3)) == 3
+    calls = []
+    real = chain_draw.draw_on_device
+
+    def failing_second(q_row, u):
+        calls.append(1)
+        token, mass = real(q_row, u)
+        return (token, torch.full_like(mass, total)) if len(calls) == 2 else (token, mass)
+
+    monkeypatch.setattr(chain_draw, "draw_on_device", failing_second)
+    if swallowed:
+        assert len(request.draft.propose(3).tokens) == 1  # the chain stops where nothing is allowed
+    else:
+        with pytest.raises(NumericalError, match="NaN"):
+            request.draft.propose(3)
+
+
+@pytest.mark.parametrize("raised,swallowed", [(NoAllowedToken("nothing allowed"), True),
+                                              (NumericalError("NaN logits"), False)])
+def test_host_draws_catch_only_no_allowed_token(tmp_path, monkeypatch, raised, swallowed):
+    """Host draws (a processor that reads token ids: bad_words) stop the chain on
+    NoAllowedToken only."""
+    import specgen.drafters.chain_draw as chain_draw
+
+    path = _save(tmp_path / "mtp.safetensors", "mtp", poison=lambda h: [p.normal_(0, 0.3) for p in h.parameters()])
+    pipe = specgen.pipeline(*TINY, "drafter=mtp", f"drafter.head_file={path}", "drafter.num_tokens=3",
+                            "sampling.temperature=1.0", "sampling.bad_words=[[9,9]]", progress=False)
+    request, ctx = pipe.open_request([1, 2, 3], max_new_tokens=30, seed=0)
+    speculative_round(request, ctx, 3)
     calls = []
 
     def failing_second(q_row, generator, u=None):
@@ -150,9 +179,9 @@ def test_mtp_catches_only_no_allowed_token(tmp_path, monkeypatch, raised, swallo
             raise raised
         return 1
 
-    monkeypatch.setattr(mtp, "sample_token", failing_second)
+    monkeypatch.setattr(chain_draw, "sample_token", failing_second)
     if swallowed:
-        assert request.draft.propose(3).tokens == [1]  # the chain stops where nothing is allowed
+        assert request.draft.propose(3).tokens == [1]
     else:
         with pytest.raises(NumericalError, match="NaN"):
             request.draft.propose(3)

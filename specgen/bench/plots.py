@@ -106,3 +106,32 @@ def _time_split(rows, tasks, axes) -> None:
 def _legend(ax) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
+
+
+def plot_costs(tables: Mapping[str, object], path: Path, title: str = "") -> Path:
+    """v(n) of each cost table (specgen.planner.CostTable), chain solid and tree dashed, one
+    colour per label, in units of that table's own 1-token forward; write ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (label, table) in enumerate(tables.items()):
+        colour = f"C{i}"
+        ms = 1e3 * table.step_s
+        ax.plot(range(1, len(table.chain) + 1), table.chain, marker="o", color=colour,
+                label=f"{label} chain (v(1) = {ms:.1f} ms)")
+        if table.tree:
+            ax.plot(range(1, len(table.tree) + 1), table.tree, marker="x", linestyle="--", color=colour,
+                    label=f"{label} tree")
+    ax.set(xlabel="tokens verified in one forward (n)", ylabel="v(n) = cost / cost of 1 token", ylim=(0, None))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    if title:
+        ax.set_title(textwrap.fill(title, 90), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 
 from specgen.drafters.base import EMPTY, Proposal
+from specgen.drafters.chain_draw import ChainDraws
 from specgen.drafters.learned import LearnedDrafter, LearnedSession, load_for_target
-from specgen.processors import History
-from specgen.sampling import NoAllowedToken, sample_token
 
 
 class MtpSession(LearnedSession):
@@ -24,29 +23,15 @@ class MtpSession(LearnedSession):
         if root is None:
             return EMPTY
         state, token = root
-        stack, committed = self.ctx.stack, self.ctx.committed
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        peaks: list[torch.Tensor] = []  # max q before each draw: the planner's confidence
-        for step in range(budget):
-            state, logits = self.head.step(state, torch.tensor([token], device=state.device))  # [1, d], [1, Vd]
-            raw = self.full_logits(logits)  # [1, vocab]
-            history = History(committed, tokens, num_positions=1, start=step)
-            try:
-                if stack.greedy:
-                    token = stack.argmax(raw, history)[0]
-                else:
-                    q_row = stack.probs(raw, history)[0]  # [vocab] float64
-                    token = sample_token(q_row, self.ctx.generator)
-            except NoAllowedToken:
-                break  # the processors leave no draft-vocabulary token here: stop the chain
-            if not stack.greedy:
-                rows.append(q_row)
-            peaks.append(torch.softmax(logits[0].float(), dim=-1).max() if stack.greedy else q_row.max())
-            tokens.append(token)
-        if not tokens:
-            return EMPTY
-        return Proposal(tokens, None if stack.greedy else torch.stack(rows), confidence=torch.stack(peaks).tolist())
+        draws = ChainDraws(self.ctx, strict_first=False)  # every step here is a draft position
+        token = torch.tensor([token], device=state.device)  # [1]
+        for _ in range(budget):
+            state, logits = self.head.step(state, token)  # [1, d], [1, Vd]
+            drawn = draws.draw(self.full_logits(logits), logits[0])  # raw [1, vocab]
+            if drawn is None:
+                break
+            token = drawn if isinstance(drawn, torch.Tensor) else torch.tensor([drawn], device=state.device)
+        return draws.finish()
 
 
 class MtpDrafter(LearnedDrafter):

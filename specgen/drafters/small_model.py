@@ -2,11 +2,13 @@
 
 The draft model has its own KV cache and samples each candidate from the same
 processor stack as the target, evaluated on its own history (committed tokens +
-its earlier candidates). The recorded ``draft_probs`` are exactly the
-distributions it sampled from, so verification is exact. When the stack allows
-nothing at a later draft step (e.g. the grammar has no continuation after the
-tokens drawn so far) the chain stops there and proposes those tokens: a stopping
-rule that looks only at the drafter's own draws, so it keeps exactness.
+its earlier candidates), through :class:`~specgen.drafters.chain_draw.ChainDraws`:
+the recorded ``draft_probs`` are exactly the distributions it sampled from, so
+verification is exact; drafted tokens stay on the device unless a processor reads
+token ids. When the stack allows nothing at a later draft step (e.g. the grammar
+has no continuation after the tokens drawn so far) the chain stops there and
+proposes those tokens: a stopping rule that looks only at the drafter's own
+draws, so it keeps exactness.
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ from __future__ import annotations
 import torch
 
 from specgen.drafters.base import EMPTY, DraftContext, Drafter, DraftSession, Proposal
+from specgen.drafters.chain_draw import ChainDraws
 from specgen.models import CausalLM, resolve_drafter_dtype
-from specgen.processors import History
-from specgen.sampling import NoAllowedToken, sample_token
 
 
 class SmallModelSession(DraftSession):
@@ -30,33 +31,18 @@ class SmallModelSession(DraftSession):
         budget = min(budget, self.lm.context_length - len(committed.tokens))  # the draft model's own window
         if budget <= 0:
             return EMPTY
-        stack = self.ctx.stack
+        draws = ChainDraws(self.ctx, strict_first=True)  # step 0 follows the committed tokens only
         feed = self.cache.uncached(committed.tokens)
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        peaks: list[torch.Tensor] = []  # max q before each draw: the planner's confidence
         for step in range(budget):
-            raw = self.lm.forward(self.cache, feed, keep=1, check=False)  # [1, vocab]; NaN refused by argmax/sample
-            history = History(committed, tokens, num_positions=1, start=step)
-            try:
-                if stack.greedy:
-                    token = stack.argmax(raw, history)[0]
-                else:
-                    q_row = stack.probs(raw, history)[0]  # [vocab]
-                    token = sample_token(q_row, self.ctx.generator)
-            except NoAllowedToken:
-                if step == 0:  # the committed position: plain decoding meets the same error
-                    raise
-                break  # nothing allowed after the tokens drawn so far: propose those
-            if stack.greedy:
-                peaks.append(torch.softmax(raw[0].float(), dim=-1).max())
-            else:
-                peaks.append(q_row.max())
-                rows.append(q_row)
-            tokens.append(token)
-            feed = [token]
-        draft_probs = None if stack.greedy else torch.stack(rows)  # [len(tokens), vocab]
-        return Proposal(tokens, draft_probs, confidence=torch.stack(peaks).tolist())
+            raw = self.lm.forward(self.cache, feed, keep=1, check=False)  # [1, vocab]; NaN refused by the draws
+            token = draws.draw(raw, raw[0])
+            if token is None:
+                break
+            if step + 1 < budget:
+                feed = token if isinstance(token, torch.Tensor) else [token]
+        proposal = draws.finish()
+        self.cache.resolve(draws.drawn)  # the ids of the draws fed as device tensors
+        return proposal
 
     def sync(self) -> None:
         self.cache.sync(self.ctx.committed.tokens)

@@ -19,7 +19,7 @@ Row outcomes:
   *dead end*:
 
   - at the committed position (no draft candidate in the row's history, i.e.
-    ``history.start + row == 0``) -> :class:`~specgen.errors.DeadEndError`
+    not ``history.draft_dependent(row)``) -> :class:`~specgen.errors.DeadEndError`
     naming the reason; the engine ends the request with
     ``finish_reason="dead_end"``, as plain decoding does;
   - at a position that depends on draft candidates -> the row is all ``-inf``
@@ -64,6 +64,7 @@ class GrammarProcessor(Processor):
 
     name = "grammar"
     pure = True
+    host_tokens = True
     argmax_invariant = False
 
     def __init__(self, automaton: TokenAutomaton, min_new_tokens: int = 0,
@@ -109,7 +110,7 @@ class GrammarProcessor(Processor):
             reason = self._dead_end_reason(state, history, row, len(generated))
             if reason is None:
                 mask = self.automaton.mask(state, logits.device)  # [vocab] bool, cached on that device
-            elif history.start + row == 0:
+            elif not history.draft_dependent(row):
                 raise DeadEndError(reason)
             else:
                 mask = torch.zeros(self.automaton.vocab_size, dtype=torch.bool, device=logits.device)  # [vocab]

@@ -18,6 +18,10 @@ from specgen.models.compiled import (BUCKETS, FIRST_CAPACITY, CompiledDecoder, b
                                      new_static_cache)
 
 
+#: A cached entry whose token id is still on the device (see KVCache.resolve).
+PENDING = -1
+
+
 @dataclass
 class KVCache:
     """KV cache of one model for one request.
@@ -33,6 +37,18 @@ class KVCache:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def resolve(self, values: list[int]) -> None:
+        """Name the ids of entries fed as device tensors (:data:`PENDING` in ``tokens``),
+        in order, once they are read back. Entries left pending never match a committed
+        token, so :meth:`sync` drops them: correct, only slower."""
+        values = iter(values)
+        for i, token in enumerate(self.tokens):
+            if token == PENDING:
+                value = next(values, None)
+                if value is None:
+                    return
+                self.tokens[i] = value
 
     def sync(self, committed: list[int]) -> None:
         """Crop to the longest common prefix with ``committed``."""
@@ -136,6 +152,15 @@ class TreeOutput:
         raw = self.lm.model.get_output_embeddings()(self.hidden[row : row + 1])  # [1, padded vocab]
         return raw[:, : self.lm.vocab_size].float()
 
+    @torch.inference_mode()
+    def all_logits(self) -> torch.Tensor:
+        """Raw logits [n + 1, vocab] (float32) of every row, in one LM-head call: what a
+        device verifies with when reading back once beats skipping unvisited rows."""
+        if self.full_logits is not None:
+            return self.full_logits
+        raw = self.lm.model.get_output_embeddings()(self.hidden)  # [n + 1, padded vocab]
+        return raw[:, : self.lm.vocab_size].float()
+
 
 class CausalLM:
     """model: a transformers ``*ForCausalLM`` in eval mode.
@@ -180,7 +205,7 @@ class CausalLM:
             return KVCache(new_static_cache(self.config, FIRST_CAPACITY))
         return KVCache(DynamicCache(config=self.config))
 
-    def _static_forward(self, cache: KVCache, ids: list[int], positions: list[int], allowed: torch.Tensor,
+    def _static_forward(self, cache: KVCache, ids: list[int] | torch.Tensor, positions: list[int], allowed: torch.Tensor,
                         all_hidden: bool = False):
         """The compiled path: grow the static cache if ``ids`` (padded to their
         bucket) would not fit, run, append ``ids`` to ``cache.tokens``.
@@ -190,7 +215,7 @@ class CausalLM:
         limit = self.context_length + BUCKETS[-1]
         cache.cache = grown(cache.cache, self.config, start, start + width, limit)
         out = self.compiled.run(cache.cache, ids, positions, allowed, start, all_hidden)
-        cache.tokens.extend(ids)
+        cache.tokens.extend([PENDING] * len(ids) if isinstance(ids, torch.Tensor) else ids)
         return out
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -198,26 +223,32 @@ class CausalLM:
         return self.model.get_output_embeddings()(hidden)[:, : self.vocab_size]
 
     @torch.inference_mode()
-    def forward(self, cache: KVCache, new_tokens: list[int], keep: int, check: bool = True) -> torch.Tensor:
+    def forward(self, cache: KVCache, new_tokens: list[int] | torch.Tensor, keep: int,
+                check: bool = True) -> torch.Tensor:
         """Feed ``new_tokens`` after the cached ones; return the last ``keep`` rows.
 
+        new_tokens: ids, or a [n] long tensor on the model's device fed without reading
+        it back (the cache records them as PENDING until :meth:`KVCache.resolve`).
         Returns raw logits [keep, vocab_size] (float32). Appends to the cache.
         check: read the logits back once for NaN (NumericalError naming this model);
         False skips that host read where the consumer refuses NaN itself (a
         drafter's argmax or sample_token).
         """
-        if not new_tokens:
+        on_device = isinstance(new_tokens, torch.Tensor)
+        n = int(new_tokens.shape[0]) if on_device else len(new_tokens)
+        if not n:
             raise ValueError("forward needs at least one new token")
         start = len(cache)
         device = self.device
+        recorded = [PENDING] * n if on_device else list(new_tokens)
         if self.compiled is not None:
-            n = len(new_tokens)
             allowed = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)  # [n, start + n]
-            hidden, _ = self._static_forward(cache, list(new_tokens), list(range(start, start + n)), allowed)
+            hidden, _ = self._static_forward(cache, new_tokens if on_device else recorded,
+                                             list(range(start, start + n)), allowed)
             logits = self._head(hidden[-keep:])  # [keep, vocab]
             return self._checked(logits, start + n - 1) if check else logits.float()
-        ids = torch.tensor([new_tokens], dtype=torch.long, device=device)  # [1, n]
-        positions = torch.arange(start, start + len(new_tokens), device=device).unsqueeze(0)  # [1, n]
+        ids = new_tokens.reshape(1, n) if on_device else torch.tensor([new_tokens], dtype=torch.long, device=device)
+        positions = torch.arange(start, start + n, device=device).unsqueeze(0)  # [1, n]
         out = self.model(
             input_ids=ids,
             position_ids=positions,
@@ -225,9 +256,9 @@ class CausalLM:
             logits_to_keep=keep,
             **{self._cache_kwarg: cache.cache},
         )
-        cache.tokens.extend(new_tokens)
+        cache.tokens.extend(recorded)
         logits = out.logits[0, -keep:, : self.vocab_size]  # [keep, vocab]
-        return self._checked(logits, start + len(new_tokens) - 1) if check else logits.float()
+        return self._checked(logits, start + n - 1) if check else logits.float()
 
     def _checked(self, logits: torch.Tensor, position: int) -> torch.Tensor:
         logits = logits.float()

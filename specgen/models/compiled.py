@@ -109,9 +109,10 @@ class CompiledDecoder:
             self.compiled[key] = torch.compile(self.decoder, dynamic=False, mode=self.mode)
         return self.compiled[key]
 
-    def run(self, cache: StaticCache, ids: list[int], positions: list[int], allowed: torch.Tensor,
+    def run(self, cache: StaticCache, ids: list[int] | torch.Tensor, positions: list[int], allowed: torch.Tensor,
             start: int, all_hidden: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """One forward of the n tokens ``ids`` at rotary ``positions``, written to
+        """One forward of the n tokens ``ids`` (a list, or a [n] long tensor on the device)
+        at rotary ``positions``, written to
         slots ``start .. start + n - 1``.
 
         allowed: [n, start + n] bool, True where a new row may attend to a key slot.
@@ -135,7 +136,11 @@ class CompiledDecoder:
             if layer.is_initialized:
                 layer.cumulative_length.fill_(start)
         decoder = self.decoder if bucket is None else self._compiled(bucket, all_hidden)
-        out = decoder(input_ids=torch.tensor([ids + [ids[-1]] * (width - n)], device=device),  # [1, width]
+        if isinstance(ids, torch.Tensor):  # [n] long on the device, not read back
+            input_ids = torch.cat([ids, ids[-1:].expand(width - n)]).reshape(1, width)
+        else:
+            input_ids = torch.tensor([ids + [ids[-1]] * (width - n)], device=device)  # [1, width]
+        out = decoder(input_ids=input_ids,  # [1, width]
                       position_ids=torch.tensor([positions + pad], device=device),  # [1, width]
                       attention_mask=mask[None, None],  # [1, 1, width, capacity], additive
                       use_cache=True, output_hidden_states=all_hidden, **{self.cache_kwarg: cache})

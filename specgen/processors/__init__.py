@@ -2,7 +2,7 @@
 
 from specgen.processors.build import build_stack
 from specgen.processors.hf_adapter import HFProcessorAdapter
-from specgen.processors.history import CommittedCounts, History
+from specgen.processors.history import CommittedCounts, DeviceHistory, History, PathHistory
 from specgen.processors.stack import ProcessorStack
 from specgen.processors.standard import (
     BadWords,
@@ -19,9 +19,11 @@ from specgen.processors.standard import (
 __all__ = [
     "BadWords",
     "CommittedCounts",
+    "DeviceHistory",
     "FrequencyPresencePenalty",
     "HFProcessorAdapter",
     "History",
+    "PathHistory",
     "MinNewTokens",
     "MinP",
     "Processor",

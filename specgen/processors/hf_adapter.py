@@ -17,6 +17,7 @@ from specgen.processors.standard import Processor
 
 class HFProcessorAdapter(Processor):
     name = "hf"
+    host_tokens = True
 
     def __init__(self, processor, pure: bool = False):
         self.processor = processor

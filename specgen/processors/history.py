@@ -122,3 +122,86 @@ class History:
     def full(self, row: int) -> list[int]:
         """The whole token history at ``row`` (prompt included)."""
         return self.committed.tokens + self.candidates[: self.start + row]
+
+    def draft_dependent(self, row: int) -> bool:
+        """Whether ``row``'s history holds draft candidates (False: the committed position)."""
+        return self.start + row > 0
+
+
+class PathHistory(History):
+    """Histories for positions on different draft paths, e.g. every node of a draft tree.
+
+    Row ``r``'s history is the committed tokens + ``paths[r]`` (a list of candidate
+    tokens; ``[]`` is the committed position). Same interface as :class:`History`,
+    so every processor evaluates a whole tree's rows in one call; counts are built
+    with one device scatter.
+    """
+
+    def __init__(self, committed: CommittedCounts, paths: list[list[int]]):
+        self.committed = committed
+        self.paths = [list(path) for path in paths]
+        self.num_positions = len(self.paths)
+        self.start = 0
+
+    def _candidate_prefix_counts(self) -> torch.Tensor:
+        """[num_positions, vocab]: counts of each row's path tokens."""
+        device = self.committed.seen.device
+        vocab = self.committed.seen.shape[0]
+        rows = [r for r, path in enumerate(self.paths) for _ in path]
+        tokens = [t for path in self.paths for t in path]
+        counts = torch.zeros(self.num_positions, vocab, device=device)  # [N, vocab]
+        if tokens:
+            index = torch.tensor([rows, tokens], dtype=torch.long).to(device)  # [2, total path tokens]
+            counts.index_put_((index[0], index[1]), torch.ones(len(tokens), device=device), accumulate=True)
+        return counts
+
+    @cached_property
+    def num_generated(self) -> torch.Tensor:
+        """[num_positions] number of generated tokens each row's position has seen."""
+        base = self.committed.num_generated
+        return torch.tensor([base + len(path) for path in self.paths]).to(self.committed.seen.device)
+
+    def tail(self, row: int, length: int) -> list[int]:
+        if length <= 0:
+            return []
+        own = self.paths[row]
+        if len(own) >= length:
+            return own[len(own) - length :]
+        need = length - len(own)
+        return self.committed.tokens[-need:] + own
+
+    def full(self, row: int) -> list[int]:
+        return self.committed.tokens + self.paths[row]
+
+    def draft_dependent(self, row: int) -> bool:
+        return bool(self.paths[row])
+
+
+class DeviceHistory(History):
+    """The history of one position after draft tokens that stay on the device.
+
+    candidates: [k] long tensor on the counts' device, the drafted tokens so far.
+    Offers the count-based interface only (``seen_counts``, ``generated_counts``,
+    ``num_generated``): ``tail``/``full`` would need the ids on the host, so a stack
+    with a ``host_tokens`` processor cannot use it.
+    """
+
+    def __init__(self, committed: CommittedCounts, candidates: torch.Tensor):
+        self.committed = committed
+        self.device_candidates = candidates
+        self.num_positions = 1
+        self.start = int(candidates.shape[0])  # a shape, not a read
+
+    def _candidate_prefix_counts(self) -> torch.Tensor:
+        vocab = self.committed.seen.shape[0]
+        counts = torch.zeros(1, vocab, device=self.committed.seen.device)  # [1, vocab]
+        if self.start:
+            ones = torch.ones(self.start, device=counts.device)
+            counts[0].index_add_(0, self.device_candidates.to(counts.device), ones)
+        return counts
+
+    def tail(self, row: int, length: int) -> list[int]:
+        raise TypeError("a device-resident draft history has no host token ids (Processor.host_tokens)")
+
+    def full(self, row: int) -> list[int]:
+        raise TypeError("a device-resident draft history has no host token ids (Processor.host_tokens)")

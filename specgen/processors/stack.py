@@ -29,6 +29,11 @@ class ProcessorStack:
         """Processors that cannot be evaluated on hypothetical histories."""
         return [p for p in self.processors if not p.pure]
 
+    @property
+    def host_tokens(self) -> bool:
+        """Whether a processor in use reads token ids of the history (see Processor.host_tokens)."""
+        return any(p.host_tokens for p in self._active)
+
     def logits(self, raw_logits: torch.Tensor, history: History) -> torch.Tensor:
         """raw_logits: [N, vocab] -> processed logits [N, vocab] (float32, a new tensor)."""
         out = raw_logits.to(torch.float32, copy=True)

@@ -34,11 +34,14 @@ class Processor:
         logit, so greedy decoding may skip it (temperature, top-k/p, min-p).
     pure: the processor is a function of (logits, history) only and can be
         evaluated on hypothetical histories; exact speculation requires it.
+    host_tokens: it reads the history's token ids (``tail``/``full``), not only its
+        counts, so a drafter must read each drafted token back before the next step.
     """
 
     name = "processor"
     argmax_invariant = False
     pure = True
+    host_tokens = False
 
     def __call__(self, logits: torch.Tensor, history: History) -> torch.Tensor:
         raise NotImplementedError
@@ -84,8 +87,9 @@ class TopP(Processor):
     """Keep the smallest set of most likely tokens whose mass reaches ``top_p``.
 
     Ties at the boundary are all kept (the rule is "probability >= that of the
-    last token needed"), so the result does not depend on sort order. Only the
-    top candidates are sorted: k grows until the mass is reached.
+    last token needed"), so the result does not depend on sort order. On the CPU
+    only the top candidates are sorted, k growing until the mass is reached (one
+    host read per try); elsewhere the whole row is sorted, which reads nothing back.
     """
 
     name = "top_p"
@@ -98,7 +102,7 @@ class TopP(Processor):
     def __call__(self, logits, history):
         probs = torch.softmax(logits.to(torch.float64), dim=-1)  # [N, V]
         vocab = probs.shape[-1]
-        k = min(vocab, 256)
+        k = min(vocab, 256) if probs.device.type == "cpu" else vocab
         while True:
             top = torch.topk(probs, k, dim=-1).values  # [N, k], descending
             mass = torch.cumsum(top, dim=-1)
@@ -182,6 +186,7 @@ class BadWords(Processor):
     bans its last token whenever the history ends with the rest of it."""
 
     name = "bad_words"
+    host_tokens = True
 
     def __init__(self, sequences: Sequence[Sequence[int]], vocab_size: int):
         cleaned = []

@@ -5,9 +5,13 @@ an explicit ``torch.Generator`` and returns plain values.
 """
 
 from specgen.sampling.probs import (
+    NAN_CODE,
+    NONE_ALLOWED_CODE,
     NoAllowedToken,
+    argmax_codes,
     argmax_or_none,
     argmax_tokens,
+    draw_on_device,
     greedy_token,
     normalise,
     sample_token,
@@ -32,13 +36,17 @@ from specgen.sampling.tree import (
 )
 
 __all__ = [
+    "NAN_CODE",
+    "NONE_ALLOWED_CODE",
     "NoAllowedToken",
     "TreeVerdict",
     "Verdict",
     "ancestor_matrix",
     "ancestors",
+    "argmax_codes",
     "argmax_or_none",
     "argmax_tokens",
+    "draw_on_device",
     "greedy_token",
     "normalise",
     "positive_residual",

@@ -69,15 +69,24 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator, u: torch.Tenso
     index whose cumulative mass exceeds ``u * total``. One read: the index and
     the total mass together (a NaN or zero total raises, see :func:`raise_for_row`).
     """
-    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)  # [vocab]
-    total = cdf[-1:]  # [1]
-    if u is None:
-        u = uniforms(generator, 1)
-    u = torch.as_tensor(u, dtype=torch.float64, device=cdf.device).reshape(1)  # [1]
-    index = torch.searchsorted(cdf, u * total, right=True)  # [1]
+    index, total = draw_on_device(probs, uniforms(generator, 1) if u is None else u)
     index_value, total_value = torch.cat([index.to(torch.float64), total]).tolist()
     raise_for_row(total_value, "cannot sample")
-    return min(int(index_value), probs.shape[-1] - 1)
+    return int(index_value)
+
+
+def draw_on_device(probs: torch.Tensor, u: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse-CDF draw of :func:`sample_token` without reading anything back.
+
+    probs: [vocab]; u: one uniform. -> (token [1] long, total mass [1] float64), on
+    probs' device. The token is only meaningful when the total is finite and > 0
+    (:func:`raise_for_row`); it is always a valid id, so it can be fed on before
+    the caller reads both."""
+    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)  # [vocab]
+    total = cdf[-1:]  # [1]
+    u = torch.as_tensor(u, dtype=torch.float64, device=cdf.device).reshape(1)  # [1]
+    index = torch.searchsorted(cdf, u * total, right=True).clamp_max(probs.shape[-1] - 1)  # [1]
+    return index, total
 
 
 def argmax_tokens(logits: torch.Tensor) -> list[int]:
@@ -95,14 +104,23 @@ def argmax_or_none(logits: torch.Tensor) -> list[int | None]:
     """Argmax of each row of processed logits [N, vocab] in one read, None for a row with
     every logit -inf (nothing allowed); ties go to the lowest id. Raises NumericalError
     for a row with a NaN logit."""
+    out = argmax_codes(logits).tolist()
+    if NAN_CODE in out:
+        raise NumericalError(NAN_MESSAGE.replace("sample from", "pick a token from"))
+    return [None if value == NONE_ALLOWED_CODE else value for value in out]
+
+
+#: Codes of :func:`argmax_codes` for rows without an argmax.
+NAN_CODE, NONE_ALLOWED_CODE = -1, -2
+
+
+def argmax_codes(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax of each row of processed logits [N, vocab] without reading anything back ->
+    [N] long: the argmax id (ties to the lowest), NAN_CODE for a row with a NaN logit,
+    NONE_ALLOWED_CODE for a row with every logit -inf."""
     best = logits.max(dim=-1)  # values [N], indices [N]
     nan = torch.isnan(logits).any(dim=-1)  # [N]
-    # code: -1 NaN, -2 nothing allowed, else the argmax
-    code = torch.where(nan, -1, torch.where(best.values == float("-inf"), -2, best.indices))  # [N]
-    out = code.tolist()
-    if -1 in out:
-        raise NumericalError(NAN_MESSAGE.replace("sample from", "pick a token from"))
-    return [None if value == -2 else value for value in out]
+    return torch.where(nan, NAN_CODE, torch.where(best.values == float("-inf"), NONE_ALLOWED_CODE, best.indices))
 
 
 def greedy_token(logits: torch.Tensor) -> int:

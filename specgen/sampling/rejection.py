@@ -36,7 +36,7 @@ from typing import Literal
 import torch
 
 from specgen.errors import NumericalError
-from specgen.sampling.probs import NoAllowedToken, sample_token, uniforms
+from specgen.sampling.probs import NoAllowedToken, raise_for_row, sample_token, uniforms
 
 #: Residual mass below this (relative to 1) is treated as round-off, see positive_residual.
 RESIDUAL_EPS = 1e-12
@@ -88,6 +88,14 @@ def row_health(probs: torch.Tensor) -> torch.Tensor:
                         (sums - 1.0).abs().masked_fill(zero, 0.0).nan_to_num(0.0).max()]).to(torch.float64)
 
 
+def rows_health(probs: torch.Tensor) -> torch.Tensor:
+    """[R, vocab] probability rows -> [R, 4] float64: :func:`row_health` of each row on its own."""
+    sums = probs.sum(dim=-1)  # [R]
+    zero = sums == 0  # [R]
+    return torch.stack([(~torch.isfinite(probs)).any(dim=-1), (probs < 0).any(dim=-1), zero,
+                        (sums - 1.0).abs().masked_fill(zero, 0.0).nan_to_num(0.0)], dim=-1).to(torch.float64)
+
+
 def check_health(health: list[float], what: str, allow_empty: bool = False) -> None:
     """Raise for the values of :func:`row_health` (NaN, negative, nothing allowed, unnormalised).
 
@@ -124,6 +132,7 @@ def verify_chain(
     draft_probs: torch.Tensor | None,
     draft_tokens: list[int],
     generator: torch.Generator,
+    draw_ahead: bool = False,
 ) -> Verdict:
     """Exact speculative sampling over a chain.
 
@@ -139,7 +148,11 @@ def verify_chain(
     ``Verdict(i, None, "dead_end", ...)`` (module docstring).
 
     Host reads: one for the input checks, p(x) and q(x) of every draft token, the
-    empty target rows and the uniforms together, one for the final draw. Raises
+    empty target rows and the uniforms together, one for the final draw.
+    draw_ahead: also make the final draw of every possible outcome on the device (the
+    residual after a rejection at each position, the bonus) with the same uniforms,
+    and read them with the rest: one read per round and the same verdicts, for
+    (num_draft + 1) x vocab more work -- worth it where a read stalls a stream. Raises
     ValueError for mismatched shapes or a bad token id, NumericalError for NaN /
     negative / unnormalised rows (NoAllowedToken for target row 0 or a draft row
     with nothing allowed) or a draft token with zero draft probability.
@@ -160,8 +173,13 @@ def verify_chain(
     parts = [row_health(target_probs), empty, p_x]
     if draft_probs is not None:
         parts += [row_health(draft_probs), draft_probs[positions, index].to(torch.float64)]
-    u = uniforms(generator, num_draft + 1)  # [num_draft + 1]
-    values = torch.cat([*parts, u.to(device, torch.float64)]).tolist()  # the one read of the inputs
+    u = uniforms(generator, num_draft + 1).to(device, torch.float64)  # [num_draft + 1]
+    if draw_ahead:
+        parts.append(_draws_ahead(target_probs, draft_probs, index, u))  # [2 * (num_draft + 1)]
+    values = torch.cat([*parts, u]).tolist()  # the one read of the inputs
+    if draw_ahead:  # take the draws out: [..., draws ahead (2 (n + 1)), u (n + 1)]
+        width = num_draft + 1
+        ahead, values = values[-3 * width: -width], values[: -3 * width] + values[-width:]
     check_health(values[:4], "target_probs", allow_empty=True)
     dead = [bool(v) for v in values[4: 5 + num_draft]]
     if dead[0]:
@@ -184,14 +202,47 @@ def verify_chain(
         accept_probs.append(ratio)
         if u_values[i] < ratio:
             continue
+        if draw_ahead:
+            return Verdict(i, _drawn_ahead(ahead, i, num_draft), "resampled", tuple(accept_probs))
         p_row = target_probs[i]
         q_row = _draft_row(None if draft_probs is None else draft_probs[i], token, p_row)
         next_token = sample_token(positive_residual(p_row, q_row), generator, u_values[i + 1])
         return Verdict(i, next_token, "resampled", tuple(accept_probs))
     if dead[num_draft]:
         return Verdict(num_draft, None, "dead_end", tuple(accept_probs))
+    if draw_ahead:
+        return Verdict(num_draft, _drawn_ahead(ahead, num_draft, num_draft), "bonus", tuple(accept_probs))
     bonus = sample_token(target_probs[num_draft], generator, u_values[num_draft])
     return Verdict(num_draft, bonus, "bonus", tuple(accept_probs))
+
+
+def _draws_ahead(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, index: torch.Tensor,
+                 u: torch.Tensor) -> torch.Tensor:
+    """Every final draw :func:`verify_chain` may need, without a read: row ``i < n`` is the
+    residual after rejecting draft token ``i`` (:func:`positive_residual`, row by row),
+    row ``n`` the bonus row; row ``i`` is drawn with ``u[i + 1]`` as :func:`sample_token`
+    would. -> [2 * (n + 1)] float64: the drawn ids, then each row's total mass."""
+    num_draft = index.shape[0]
+    p = target_probs.to(torch.float64)  # [n + 1, vocab]
+    if draft_probs is None:
+        q = torch.zeros_like(p[:num_draft]).scatter_(1, index.unsqueeze(1), 1.0)  # [n, vocab] one-hot
+    else:
+        q = draft_probs.to(p.device, torch.float64)  # [n, vocab]
+    residual = (p[:num_draft] - q).clamp_min(0.0)  # [n, vocab]
+    mass = residual.sum(dim=-1, keepdim=True)  # [n, 1]
+    fallback = p[:num_draft] / p[:num_draft].sum(dim=-1, keepdim=True)
+    rows = torch.cat([torch.where(mass > RESIDUAL_EPS, residual / mass, fallback), p[num_draft:]])  # [n + 1, vocab]
+    cdf = torch.cumsum(rows, dim=-1)  # [n + 1, vocab]
+    total = cdf[:, -1]  # [n + 1]
+    draws = torch.cat([u[1:], u[num_draft:]])  # [n + 1]: rows i < n use u[i + 1], the bonus row u[n]
+    ids = torch.searchsorted(cdf, (draws * total).unsqueeze(-1), right=True).squeeze(-1)  # [n + 1]
+    return torch.cat([ids.clamp_max(rows.shape[-1] - 1).to(torch.float64), total])
+
+
+def _drawn_ahead(ahead: list[float], row: int, num_draft: int) -> int:
+    """The id drawn ahead for ``row``, refused as :func:`sample_token` refuses its row."""
+    raise_for_row(ahead[num_draft + 1 + row], "cannot sample")
+    return int(ahead[row])
 
 
 def verify_chain_greedy(target_tokens: list[int | None], draft_tokens: list[int]) -> Verdict:

@@ -39,7 +39,14 @@ import torch
 
 from specgen.errors import NumericalError
 from specgen.sampling.probs import NoAllowedToken, sample_token, uniforms
-from specgen.sampling.rejection import RESIDUAL_EPS, VerdictKind, check_health, positive_residual, row_health
+from specgen.sampling.rejection import (
+    RESIDUAL_EPS,
+    VerdictKind,
+    check_health,
+    positive_residual,
+    row_health,
+    rows_health,
+)
 
 
 ROOT = -1
@@ -202,7 +209,7 @@ def verify_tree(
     tokens: list[int],
     parents: list[int],
     draft_probs: torch.Tensor | None,
-    target_probs: Callable[[int], torch.Tensor],
+    target_probs: Callable[[int], torch.Tensor] | torch.Tensor,
     generator: torch.Generator,
 ) -> TreeVerdict:
     """Exact speculative sampling over a draft tree by recursive rejection sampling.
@@ -211,15 +218,20 @@ def verify_tree(
     parents:      num_nodes parent indices (-1 = root, parents[i] < i)
     draft_probs:  [num_nodes, vocab] float64 (see module docstring), or None for
                   deterministic nodes (q one-hot on the token)
-    target_probs: node -> [vocab] float64 target row after that node's path
-                  (-1 = root); called once for the root and once per accepted node;
-                  an all-zero row of an accepted node ends with "dead_end" (module
-                  docstring), an all-zero root row raises NoAllowedToken
-    Uniforms: at each visited node, one per child plus one for a final draw, in a
-    single call (:func:`~specgen.sampling.probs.uniforms`); child ``i`` uses ``u[i]``.
-    Host reads: one per visited node (the row's checks, the children's p -- and q --
-    values and the uniforms, with the draft rows' checks at the root), one per
+    target_probs: either node -> [vocab] float64 target row after that node's path
+                  (-1 = root), called once for the root and once per accepted node
+                  ("lazy"); or every row at once, [num_nodes + 1, vocab] with row 0
+                  the root and row 1 + i node i ("prefetched"). An all-zero row of an
+                  accepted node ends with "dead_end" (module docstring), an all-zero
+                  root row raises NoAllowedToken; rows never visited are not checked.
+    Uniforms: at each visited node, one per child plus one for a final draw; child
+    ``i`` uses ``u[i]``. Lazy: drawn per visited node. Prefetched: drawn for every
+    node in one call (node order, root first), unused ones discarded.
+    Host reads, lazy: one per visited node (the row's checks, the children's p -- and
+    q -- values and the uniforms, with the draft rows' checks at the root), one per
     rejected sampled sibling after the first, and one for the final draw.
+    Prefetched: one for the whole tree, one per rejected sampled sibling after the
+    first, and one for the final draw -- independent of the tree's size.
 
     Exactness, one level at a time (then induct on depth, since an accepted child
     c restarts the same procedure with p = target_probs(c) and c's children): at a
@@ -232,7 +244,8 @@ def verify_tree(
     from any law given the earlier ones (i.i.d., without replacement) as long as
     draft_probs holds that law. With one-hot siblings x1, x2, ... this reads:
     accept x1 w.p. p(x1), else x2 w.p. p(x2) / (1 - p(x1)), ..., else sample p with
-    those tokens removed.
+    those tokens removed. Each level's uniforms are fresh and used once in both
+    modes, so the two are the same procedure.
 
     Raises ValueError for a malformed tree or mismatched shapes, NumericalError for
     NaN / negative / unnormalised rows or a node with zero draft probability.
@@ -243,8 +256,15 @@ def verify_tree(
         raise ValueError(f"draft_probs shape {tuple(draft_probs.shape)} does not match {num_nodes} x vocab")
     children = tree_children(parents)
 
-    root_row = _as_row(target_probs(ROOT), None, "target_probs(-1)")  # [vocab] float64
-    vocab = root_row.shape[0]
+    prefetched = isinstance(target_probs, torch.Tensor)
+    if prefetched:
+        if target_probs.dim() != 2 or target_probs.shape[0] != num_nodes + 1:
+            raise ValueError(f"target_probs shape {tuple(target_probs.shape)} does not match "
+                             f"{num_nodes + 1} x vocab (the root, then every node)")
+        vocab = target_probs.shape[1]
+    else:
+        root_row = _as_row(target_probs(ROOT), None, "target_probs(-1)")  # [vocab] float64
+        vocab = root_row.shape[0]
     for i, token in enumerate(tokens):
         if token >= vocab:
             raise ValueError(f"tokens[{i}] = {token} is outside the vocabulary of {vocab}")
@@ -252,11 +272,12 @@ def verify_tree(
     if draft_probs is not None:
         draft_probs = _check_draft(draft_probs, num_nodes, vocab)
 
-    def visit(row: torch.Tensor, node: int) -> tuple[torch.Tensor, list, bool]:
+    def visit_lazy(node: int) -> tuple[torch.Tensor, list, bool]:
         """The checked row after ``node``, with what its level needs, in one read: p of the
         children's tokens (and, for sampled drafts, their q), the level's uniforms (one per
         child plus one for a final draw) and, at the root, the draft rows' checks; and
         whether the row (of a node, not the root) is empty."""
+        row = root_row if node == ROOT else target_probs(node)
         kids = children[node]
         read = [tokens[c] for c in kids]
         extra = [uniforms(generator, len(kids) + 1)]
@@ -274,7 +295,8 @@ def verify_tree(
             values = values[: len(read)] + values[len(read) + 4:]
         return row, values, empty
 
-    p_row, level, _ = visit(root_row, ROOT)  # [vocab], values for the root's children
+    visit = _prefetch(target_probs, tokens, parents, children, draft_probs, generator) if prefetched else visit_lazy
+    p_row, level, _ = visit(ROOT)  # [vocab], values for the root's children
 
     path: list[int] = []
     checked: list[int] = []
@@ -294,10 +316,53 @@ def verify_tree(
             )
         path.append(accepted)
         node = accepted
-        p_row, level, empty = visit(target_probs(node), node)
+        p_row, level, empty = visit(node)
         if empty:
             return TreeVerdict(path, [tokens[i] for i in path], None, "dead_end", tuple(checked),
                                tuple(accept_probs))
+
+
+def _prefetch(rows: torch.Tensor, tokens: list[int], parents: list[int], children: dict[int, list[int]],
+              draft_probs: torch.Tensor | None, generator: torch.Generator):
+    """Read what the whole walk may need in one transfer -- each row's checks, p of every
+    node's token under its parent's row (and q of it), every level's uniforms, the draft
+    rows' checks -- and return ``visit(node) -> (row, level values, empty)`` as the lazy
+    walk's, reading nothing more.
+
+    rows: [num_nodes + 1, vocab] target rows, root first."""
+    num_nodes = len(tokens)
+    rows = rows.to(torch.float64)  # [N + 1, vocab]
+    device = rows.device
+    ids = torch.tensor(tokens, dtype=torch.long).to(device)  # [N]
+    parent_rows = torch.tensor([parent + 1 for parent in parents], dtype=torch.long).to(device)  # [N]
+    parts = [rows_health(rows).flatten(), rows[parent_rows, ids]]  # [(N + 1) * 4], [N] p of each token under its parent
+    if draft_probs is not None:
+        nodes = torch.arange(num_nodes, device=draft_probs.device)
+        parts.append(draft_probs[nodes, ids.to(draft_probs.device)].to(device))  # [N] q of each node's token
+        parts.append(row_health(draft_probs).to(device))  # [4]
+    parts.append(uniforms(generator, 2 * num_nodes + 1).to(device, torch.float64))  # [2N + 1]
+    values = torch.cat(parts).tolist()
+    health, values = values[: 4 * (num_nodes + 1)], values[4 * (num_nodes + 1):]
+    child_p, values = values[:num_nodes], values[num_nodes:]
+    child_q: list[float] = []
+    if draft_probs is not None:
+        child_q, values = values[:num_nodes], values[num_nodes:]
+        check_health(values[:4], "draft_probs")
+        values = values[4:]
+    offsets, start = {}, 0
+    for node in [ROOT, *range(num_nodes)]:
+        offsets[node] = start
+        start += len(children[node]) + 1
+
+    def visit(node: int) -> tuple[torch.Tensor, list, bool]:
+        r = node + 1
+        check_health(health[4 * r: 4 * r + 4], f"target_probs({node})", allow_empty=node != ROOT)
+        kids = children[node]
+        level = [child_p[c] for c in kids] + [child_q[c] for c in kids if draft_probs is not None]
+        level += values[offsets[node]: offsets[node] + len(kids) + 1]
+        return rows[r], level, bool(health[4 * r + 2])
+
+    return visit
 
 
 def _one_hot_level(p_row, values, kids, tokens, checked, accept_probs):

@@ -1,0 +1,113 @@
+"""Drawing a draft chain token by token from the processor stack, recording q.
+
+The one draw-and-record helper of the drafters that sample step by step (the
+small model, MTP). Step ``i``'s distribution q_i is the stack applied to the
+drafter's raw logits with the drafter's own history (committed tokens + its
+draws before ``i``); the recorded rows are exactly what was sampled from, so
+verification is exact. Each step uses one uniform from the drafter's generator,
+in order, on both paths below, so they draw the same tokens:
+
+* **device-resident** (no processor in use reads token ids, see
+  ``Processor.host_tokens``): each token stays on the device and is fed straight
+  back; :meth:`ChainDraws.finish` reads every token, check and confidence back
+  in one transfer, whatever the chain's length;
+* **host** (a grammar, bad words, an HF processor): each token is read back at
+  its step, as those processors need the ids.
+
+Stopping rule: the chain ends before the first step whose row allows nothing
+(the draft's own dead end, e.g. nothing left in the draft vocabulary), a rule of
+the drafter's own draws, so exactness holds. ``strict_first``: such a row at the
+first step raises NoAllowedToken instead (the small model's first row follows the
+committed tokens only, where plain decoding meets the same error). NaN logits
+raise NumericalError.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specgen.drafters.base import EMPTY, DraftContext, Proposal
+from specgen.errors import NumericalError
+from specgen.processors import DeviceHistory, History
+from specgen.sampling import NAN_CODE, NoAllowedToken, argmax_codes, draw_on_device, sample_token, uniforms
+from specgen.sampling.probs import FORBIDDEN_MESSAGE, NAN_MESSAGE
+
+
+class ChainDraws:
+    """One proposal's draws. Call :meth:`draw` per step, then :meth:`finish` once."""
+
+    def __init__(self, ctx: DraftContext, *, strict_first: bool):
+        self.stack, self.committed, self.generator = ctx.stack, ctx.committed, ctx.generator
+        self.on_device = not self.stack.host_tokens
+        self.strict_first = strict_first
+        self.tokens: list = []  # host ints, or [1] long tensors on the device path
+        self.rows: list[torch.Tensor] = []  # q of each step, [vocab] float64 (sampled only)
+        self.peaks: list[torch.Tensor] = []  # max q before each draw: the planner's confidence
+        self.checks: list[torch.Tensor] = []  # device path: argmax code or total mass per step, [1]
+        self.drawn: list[int] = []  # device path, after finish: every drawn id, kept or not
+
+    def draw(self, raw: torch.Tensor, greedy_peak_logits: torch.Tensor) -> int | torch.Tensor | None:
+        """Draw the next token from raw logits [1, vocab] -> the token to feed next (an int,
+        or a [1] long tensor on the device path), or None when the chain stops here (host
+        path; the device path notices in :meth:`finish`).
+
+        greedy_peak_logits: [V] logits whose softmax maximum is the confidence under greedy
+        decoding (a sampled step's confidence is max q)."""
+        greedy = self.stack.greedy
+        if self.on_device:
+            drafted = torch.cat(self.tokens) if self.tokens else torch.zeros(0, dtype=torch.long, device=raw.device)
+            history = DeviceHistory(self.committed, drafted)
+            if greedy:
+                code = argmax_codes(self.stack.logits(raw, history))  # [1]
+                token = code.clamp_min(0)
+                self.checks.append(code.to(torch.float64))
+            else:
+                q_row = self.stack.probs(raw, history)[0]  # [vocab] float64
+                token, total = draw_on_device(q_row, uniforms(self.generator, 1))  # [1], [1]
+                self.checks.append(total)
+        else:
+            history = History(self.committed, self.tokens, num_positions=1, start=len(self.tokens))
+            try:
+                if greedy:
+                    token = self.stack.argmax(raw, history)[0]
+                else:
+                    q_row = self.stack.probs(raw, history)[0]  # [vocab] float64
+                    token = sample_token(q_row, self.generator)
+            except NoAllowedToken:
+                if not self.tokens and self.strict_first:
+                    raise
+                return None
+        if not greedy:
+            self.rows.append(q_row)
+        self.peaks.append(torch.softmax(greedy_peak_logits.float(), dim=-1).max() if greedy else q_row.max())
+        self.tokens.append(token)
+        return token
+
+    def finish(self) -> Proposal:
+        """The proposal: one read of everything on the device path (cut before a step that
+        allowed nothing), one read of the confidences on the host path."""
+        if not self.tokens:
+            return EMPTY
+        if not self.on_device:
+            return self._proposal(list(self.tokens), len(self.tokens), torch.stack(self.peaks).tolist())
+        count = len(self.tokens)
+        values = torch.cat([torch.cat(self.tokens).to(torch.float64), torch.cat(self.checks),
+                            torch.stack(self.peaks).to(torch.float64)]).tolist()
+        self.drawn = [int(v) for v in values[:count]]
+        checks, peaks = values[count: 2 * count], values[2 * count:]
+        keep = count
+        for step, check in enumerate(checks):
+            if check != check or (self.stack.greedy and check == NAN_CODE):
+                raise NumericalError(f"drafter: {NAN_MESSAGE}")
+            if (check < 0) if self.stack.greedy else not check > 0.0:  # nothing allowed at this step
+                if step == 0 and self.strict_first:
+                    raise NoAllowedToken(f"drafter: {FORBIDDEN_MESSAGE}")
+                keep = step
+                break
+        if not keep:
+            return EMPTY
+        return self._proposal(self.drawn, keep, peaks)
+
+    def _proposal(self, tokens: list[int], keep: int, peaks: list[float]) -> Proposal:
+        draft_probs = None if self.stack.greedy else torch.stack(self.rows[:keep])  # [keep, vocab]
+        return Proposal(tokens[:keep], draft_probs, confidence=peaks[:keep])
