@@ -46,8 +46,9 @@ def check_run_config(cfg: Mapping) -> dict:
 
     Normalised: ``speculative`` (bool), ``chat`` ("auto" or bool), ``max_new_tokens``,
     ``seed`` (ints), ``stop`` (list of non-empty strings), ``threads`` ("auto" or a
-    positive int), the ``sampling`` numbers and ``ui`` switches. Raises
-    :class:`ConfigError` naming the first bad key.
+    positive int), the ``sampling`` numbers and ``ui`` switches, and where the config
+    has them ``output`` (None or a path) and ``resume`` (bool), whose files are checked
+    by :func:`check_jsonl_paths`. Raises :class:`ConfigError` naming the first bad key.
     """
     cfg = dict(cfg)
     cfg["speculative"] = parse_bool(cfg.get("speculative", True), "speculative")
@@ -69,7 +70,49 @@ def check_run_config(cfg: Mapping) -> dict:
         source = (cfg.get(group) or {}).get("source")
         if isinstance(source, Mapping):
             check_source(source, f"{group}.source")
+    if "output" in cfg or "resume" in cfg:
+        cfg["output"] = parse_optional_text(cfg.get("output"), "output")
+        cfg["resume"] = parse_bool(cfg.get("resume", False), "resume")
+        check_jsonl_paths(cfg)
     return cfg
+
+
+#: Suffixes ``prompt_file`` may have when ``output=`` asks for one result per JSONL row.
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+
+def check_jsonl_paths(cfg: Mapping) -> None:
+    """ConfigError unless ``output=`` (JSONL mode) has a readable JSONL ``prompt_file`` and a writable
+    output that holds no earlier results, or ``resume`` is on. Reads nothing but file metadata."""
+    output, resume = cfg.get("output"), cfg.get("resume", False)
+    if output is None:
+        if resume:
+            raise ConfigError("resume=true continues an output file; add output=PATH.jsonl")
+        return
+    if not output:
+        raise ConfigError("output is empty; give the path of a .jsonl file for the results")
+    if cfg.get("prompt") is not None:
+        raise ConfigError("output= writes one result per row of prompt_file=PATH.jsonl; give that instead of prompt=")
+    prompt_file = cfg.get("prompt_file")
+    if not prompt_file or prompt_file == "-":
+        raise ConfigError("output= needs prompt_file=PATH.jsonl, a file with one JSON prompt per line")
+    source, target = Path(prompt_file), Path(output)
+    if source.suffix.lower() not in JSONL_SUFFIXES:
+        raise ConfigError(f"prompt_file {prompt_file} must be a .jsonl file (one JSON prompt per line) "
+                          "when output= is given")
+    if not source.is_file():
+        raise ConfigError(f"prompt_file {prompt_file} does not exist" if not source.exists()
+                          else f"prompt_file {prompt_file} is not a file")
+    if target.is_dir():
+        raise ConfigError(f"output={output} is a directory; give a file path such as {target / 'results.jsonl'}")
+    if target.exists() and target.samefile(source):
+        raise ConfigError(f"output={output} is the prompt_file itself; write the results to another file")
+    if target.exists() and not target.is_file():
+        raise ConfigError(f"output={output} is not a regular file; give the path of a .jsonl file")
+    check_output_file(target, "output")
+    if not resume and target.is_file() and target.stat().st_size > 0:
+        raise ConfigError(f"output={output} already holds results; add resume=true to continue it, "
+                          "or choose another file")
 
 
 def parse_threads(value: object, name: str = "threads") -> int | str:

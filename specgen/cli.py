@@ -4,6 +4,13 @@ stdout gets only the generated text, streamed token by token; the summary line
 (guarantee, tokens/s, tokens per target call, acceptance by draft position) and
 every error go to stderr. Errors a user can cause exit with status 2 and one
 line; Ctrl-C stops the stream cleanly (status 130).
+
+With ``output=out.jsonl`` the command runs every row of ``prompt_file=PATH.jsonl``
+instead (see :mod:`specgen.jsonl`): stdout stays empty, a progress bar (on a
+terminal) and one summary line go to stderr. Status 0: every row ran; 1: the
+output is complete but some rows hold error records; 2: nothing ran (bad config,
+unreadable input, an output that already holds results without ``resume=true``);
+130: Ctrl-C, with the output valid up to the last finished row.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from specgen.checks import check_run_config
 from specgen.config import conf_dir, exits_on_error, run_console, to_container
 from specgen.errors import PromptError
 from specgen.events import FinishEvent, Generation
+from specgen.jsonl import Summary
 
 _COLOURS = {"accepted": "\033[32m", "resampled": "\033[33m", "bonus": "\033[36m", "plain": ""}
 _RESET = "\033[0m"
@@ -91,13 +99,16 @@ def _use_colour(setting, stream) -> bool:
     return hasattr(stream, "isatty") and stream.isatty()
 
 
-def run(cfg: dict, out=None, err=None) -> Generation | None:
-    """Check the resolved config's values, build the pipeline and stream one generation."""
+def run(cfg: dict, out=None, err=None) -> Generation | Summary | None:
+    """Check the resolved config's values, build the pipeline and stream one generation
+    (or, with ``output=``, run the JSONL file: :func:`run_jsonl`)."""
     from specgen.build import build_pipeline
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     cfg = check_run_config(cfg)
+    if cfg.get("output") is not None:
+        return run_jsonl(cfg, err)
     prompt = read_prompt(cfg)
     pipe = build_pipeline(cfg)
     ui = cfg.get("ui") or {}
@@ -121,6 +132,34 @@ def run(cfg: dict, out=None, err=None) -> Generation | None:
     if ui.get("summary", True) and generation is not None:
         err.write(summary_line(generation) + "\n")
     return generation
+
+
+def run_jsonl(cfg: dict, err) -> Summary:
+    """Run every row of ``prompt_file`` into ``output`` (a checked config); raises SystemExit(1)
+    when some rows hold error records and SystemExit(130) on Ctrl-C, after the summary line."""
+    from tqdm import tqdm
+
+    from specgen.build import build_pipeline
+    from specgen.jsonl import job_from_config
+
+    job = job_from_config(cfg)
+    pipe = build_pipeline(cfg)
+    ui = cfg.get("ui") or {}
+    show = hasattr(err, "isatty") and err.isatty()
+    bar = tqdm(total=job.summary.rows, initial=job.summary.finished, unit="row", file=err, disable=not show)
+    try:
+        summary = job.run(pipe, on_row=bar.update)
+    except KeyboardInterrupt:
+        bar.close()
+        s = job.summary
+        err.write(f"specgen: cancelled; {s.finished} of {s.rows} rows are in {s.output} (resume=true continues)\n")
+        raise SystemExit(130) from None
+    bar.close()
+    if ui.get("summary", True):
+        err.write(summary.line() + "\n")
+    if summary.errors:
+        raise SystemExit(1)
+    return summary
 
 
 @hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)

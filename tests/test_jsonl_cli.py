@@ -1,0 +1,196 @@
+"""JSONL in, JSONL out: ``specgen prompt_file=rows.jsonl output=out.jsonl`` (specgen.jsonl, cli.run_jsonl)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from specgen import cli
+from specgen.checks import check_run_config
+from specgen.config import compose, to_container
+from specgen.errors import ConfigError
+from specgen.jsonl import RecordWriter
+
+from conftest import TINY, tiny_pipeline
+
+ARGS = (*TINY, "drafter=tiny", "max_new_tokens=6")
+ROWS = [
+    "Hello there",
+    {"prompt": "count to three", "id": "b", "max_new_tokens": 4},
+    {"prompt": "pick a letter", "id": 7, "regex": "[a-e]+", "seed": 3},
+    {"prompt": "x", "id": "refused", "schema": {"not": {"type": "string"}}},
+    {"promt": "a typo in the key", "id": "typo"},
+    "THIS LINE IS NOT JSON",
+    {"prompt": "stop early", "stop": ["e"], "speculative": False},
+]
+OK_INDICES = [0, 1, 2, 6]
+
+
+def write_rows(path, rows=ROWS) -> None:
+    lines = [row if row == "THIS LINE IS NOT JSON" else json.dumps(row) for row in rows]
+    path.write_text("\n".join(lines[:3]) + "\n\n" + "\n".join(lines[3:]) + "\n", encoding="utf-8")
+
+
+def read_records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def run_file(tmp_path, *extra, name="out.jsonl"):
+    """cli.run in-process; returns (exit status, records, stderr)."""
+    rows = tmp_path / "rows.jsonl"
+    if not rows.exists():
+        write_rows(rows)
+    cfg = to_container(compose([*ARGS, f"prompt_file={rows}", f"output={tmp_path / name}", *extra]))
+    err = io.StringIO()
+    try:
+        cli.run(cfg, out=io.StringIO(), err=err)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    return code, read_records(tmp_path / name), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("full")
+    return tmp_path, *run_file(tmp_path)
+
+
+def test_rows_in_order_with_per_row_errors(full_run):
+    _, code, records, err = full_run
+    assert code == 1  # complete, but some rows hold error records
+    assert err.strip() == "7 rows: 4 ok, 3 errors -> " + str(full_run[0] / "out.jsonl")
+    assert [r["index"] for r in records] == list(range(7))
+    assert [r["id"] for r in records] == [None, "b", 7, "refused", "typo", None, None]
+    assert [i for i, r in enumerate(records) if "error" not in r] == OK_INDICES
+    assert "'not'" in records[3]["error"] and records[3]["error"].startswith("line 5: ")  # the blank line counts
+    assert records[4]["error"] == "line 6: unknown key 'promt'; did you mean prompt?"
+    assert records[5]["error"].startswith("line 7: not valid JSON")
+    for record in (records[i] for i in OK_INDICES):
+        assert set(record) == {"index", "id", "text", "finish_reason", "guarantee", "stats"}
+        assert record["stats"]["new_tokens"] >= 1 and record["stats"]["target_calls"] >= 1
+    assert records[1]["stats"]["new_tokens"] <= 4
+    assert records[6]["guarantee"] == "off: speculative=false"
+
+
+def test_rows_equal_single_requests(full_run):
+    """Each ok row is exactly what pipe.generate gives for that request alone (greedy, float32)."""
+    _, _, records, _ = full_run
+    pipe = tiny_pipeline("max_new_tokens=6")
+    expected = [pipe.generate("Hello there"), pipe.generate("count to three", max_new_tokens=4),
+                pipe.generate("pick a letter", regex="[a-e]+", seed=3),
+                pipe.generate("stop early", stop=["e"], speculative=False)]
+    for index, gen in zip(OK_INDICES, expected):
+        assert (records[index]["text"], records[index]["finish_reason"]) == (gen.text, gen.finish_reason)
+        assert records[index]["guarantee"] == gen.guarantee
+        assert records[index]["stats"]["new_tokens"] == gen.stats.new_tokens
+    assert set(records[2]["text"]) <= set("abcde")
+
+
+def test_sampled_rows_do_not_depend_on_position(tmp_path):
+    """A row's seed (or the command line's) alone decides its sample: reversing the file changes nothing."""
+    rows = [{"prompt": f"row {i}", "id": i, "seed": i % 2} for i in range(3)]
+    write_rows(tmp_path / "rows.jsonl", rows)
+    _, forward, _ = run_file(tmp_path, "sampling.temperature=0.9", name="a.jsonl")
+    write_rows(tmp_path / "rows.jsonl", rows[::-1])
+    _, backward, _ = run_file(tmp_path, "sampling.temperature=0.9", name="b.jsonl")
+    by_id = {r["id"]: r["text"] for r in backward}
+    assert [r["text"] for r in forward] == [by_id[r["id"]] for r in forward]
+    sampled = tiny_pipeline("sampling.temperature=0.9", "max_new_tokens=6").generate("row 1", seed=1)
+    assert forward[1]["text"] == sampled.text
+
+
+def test_existing_output_is_refused_without_resume(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"index": 0, "id": null, "text": "earlier"}\n', encoding="utf-8")
+    write_rows(tmp_path / "rows.jsonl")
+    cfg = to_container(compose([*ARGS, f"prompt_file={tmp_path / 'rows.jsonl'}", f"output={out}"]))
+    with pytest.raises(ConfigError, match="already holds results; add resume=true"):
+        cli.run(cfg)
+    assert out.read_text(encoding="utf-8") == '{"index": 0, "id": null, "text": "earlier"}\n'
+
+
+def test_resume_skips_finished_rows_and_repairs_a_torn_line(tmp_path, full_run):
+    reference = read_records(full_run[0] / "out.jsonl")
+    kept = [{**reference[0], "text": "KEPT FROM THE FIRST RUN"}, reference[1]]
+    torn = json.dumps(reference[2])[:25]
+    lines = "".join(json.dumps(record) + "\n" for record in kept)
+    (tmp_path / "out.jsonl").write_text(lines + torn, encoding="utf-8")
+    code, records, err = run_file(tmp_path, "resume=true")
+    assert code == 1 and err.strip().endswith("(2 resumed)") and "7 rows: 4 ok, 3 errors" in err
+    assert records[0]["text"] == "KEPT FROM THE FIRST RUN"  # skipped, not run again
+    assert [r["index"] for r in records] == list(range(7))
+    assert [r.get("text", r.get("error")) for r in records[1:]] == \
+        [r.get("text", r.get("error")) for r in reference[1:]]
+
+
+def test_resume_refuses_the_output_of_another_input(tmp_path):
+    (tmp_path / "out.jsonl").write_text('{"index": 1, "id": "not b", "text": "x"}\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match="does not match prompt_file"):
+        run_file(tmp_path, "resume=true")
+
+
+def test_ctrl_c_after_k_rows_leaves_k_valid_rows(tmp_path, monkeypatch, full_run):
+    """KeyboardInterrupt mid-generation of row 2: status 130, rows 0 and 1 on disk, resume completes."""
+    import specgen.engine
+    import specgen.jsonl
+
+    real_record, real_step = specgen.jsonl.generate_record, specgen.engine.plain_step
+    state = {"row": None, "steps": 0}
+
+    def tracking(pipe, row):
+        state["row"], state["steps"] = row.index, 0
+        return real_record(pipe, row)
+
+    def interrupting(*args, **kwargs):
+        state["steps"] += 1
+        if state["row"] == 2 and state["steps"] == 2:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(specgen.jsonl, "generate_record", tracking)
+    monkeypatch.setattr(specgen.engine, "plain_step", interrupting)
+    code, records, err = run_file(tmp_path, "speculative=false")
+    assert code == 130
+    assert err.strip() == f"specgen: cancelled; 2 of 7 rows are in {tmp_path / 'out.jsonl'} (resume=true continues)"
+    assert [r["index"] for r in records] == [0, 1]
+    assert (tmp_path / "out.jsonl").read_bytes().endswith(b"\n")
+    monkeypatch.setattr(specgen.engine, "plain_step", real_step)
+    code, records, _ = run_file(tmp_path, "speculative=false", "resume=true")
+    reference = read_records(full_run[0] / "out.jsonl")
+    assert code == 1 and [r["index"] for r in records] == list(range(7))
+    assert [r.get("text") for r in records] == [r.get("text") for r in reference]  # greedy: plain == speculative
+
+
+def test_writer_keeps_input_order_when_rows_finish_out_of_order(tmp_path):
+    """What a batched engine will rely on: records wait until every earlier row is written."""
+    path = tmp_path / "out.jsonl"
+    with open(path, "ab", buffering=0) as file:
+        writer = RecordWriter(file, done={0})
+        assert writer.put(3, {"index": 3}) == []
+        assert writer.put(1, {"index": 1}) == [{"index": 1}]
+        assert writer.put(2, {"index": 2}) == [{"index": 2}, {"index": 3}]
+    assert [r["index"] for r in read_records(path)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["resume=true"], "resume=true continues an output file; add output=PATH.jsonl"),
+    (["output={tmp}/o.jsonl", "prompt=hi"], "give that instead of prompt="),
+    (["output={tmp}/o.jsonl"], "output= needs prompt_file=PATH.jsonl"),
+    (["output={tmp}/o.jsonl", "prompt_file={tmp}/rows.txt"], "must be a .jsonl file"),
+    (["output={tmp}/o.jsonl", "prompt_file={tmp}/missing.jsonl"], "missing.jsonl does not exist"),
+    (["output={tmp}/rows.jsonl", "prompt_file={tmp}/rows.jsonl"], "is the prompt_file itself"),
+    (["output={tmp}", "prompt_file={tmp}/rows.jsonl"], "is a directory; give a file path such as"),
+    (["output={tmp}/rows.jsonl/o.jsonl", "prompt_file={tmp}/rows.jsonl"], "cannot be created"),
+    (["output=/dev/null", "prompt_file={tmp}/rows.jsonl"], "is not a regular file"),
+    (["output={tmp}/o.jsonl", "prompt_file={tmp}/rows.jsonl", "resume=maybe"], "resume must be a boolean"),
+])
+def test_bad_jsonl_settings_are_one_line_before_loading(tmp_path, extra, message):
+    write_rows(tmp_path / "rows.jsonl")
+    (tmp_path / "rows.txt").write_text("hi\n", encoding="utf-8")
+    cfg = to_container(compose([*ARGS, *(arg.format(tmp=tmp_path) for arg in extra)]))
+    with pytest.raises(ConfigError, match=message) as info:
+        check_run_config(cfg)
+    assert "\n" not in str(info.value)
