@@ -1,0 +1,221 @@
+"""The ASGI app (Starlette): OpenAI-compatible routes over a scheduler of engine events.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
+server-sent events ending with ``data: [DONE]``, or one JSON response),
+``GET /v1/models``, ``GET /metrics`` (Prometheus text), ``GET /health``.
+
+A request is parsed and checked on the event loop (:mod:`specgen.serve.protocol`),
+then handed to the scheduler as a :class:`~specgen.serve.worker.Job`; its events
+come back through an asyncio queue. The response waits for the first item, so
+an error the engine raises before generating (a schema that does not compile, a
+prompt longer than the context) is still a 4xx. A client that goes away, while
+its request waits, runs or streams, cancels its job: a queued job is skipped, a
+running one has its stream closed, and the worker takes the next request.
+Like the CLI and the chat UI the app only reads events: it never reaches into rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from specgen.engine import Pipeline
+from specgen.events import FinishEvent, TokenEvent
+from specgen.serve import protocol
+from specgen.serve.metrics import CONTENT_TYPE, Metrics
+from specgen.serve.protocol import APIError, GenRequest
+from specgen.serve.worker import Failure, Job, Scheduler, SerialWorker, Stopped
+from specgen.tui.session import uses_template
+
+#: Seconds between checks that a streaming client is still connected while it waits for tokens.
+DISCONNECT_POLL_S = 0.2
+
+
+def served_model_name(pipe: Pipeline) -> str:
+    """The ``model`` clients must ask for: the target's name in the config."""
+    return str(((pipe.config or {}).get("target") or {}).get("name") or "specgen")
+
+
+def _error(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def _read_json(request: Request) -> object:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+class _Disconnected(Exception):
+    pass
+
+
+class Server:
+    """Routes, the scheduler that owns the pipeline, and the metrics."""
+
+    def __init__(self, pipe: Pipeline, *, model: str | None = None, scheduler: Scheduler | None = None):
+        self.model = model or served_model_name(pipe)
+        self.scheduler = scheduler or SerialWorker(pipe)
+        self.metrics = Metrics(self.model, pipe.guarantee)
+        self.use_template = uses_template(pipe)
+
+    def submit(self, req: GenRequest) -> tuple[Job, asyncio.Queue]:
+        """Queue ``req``; its events arrive on the returned asyncio queue."""
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
+
+        def deliver(item: object) -> None:  # on the worker thread
+            if isinstance(item, Stopped):
+                self.metrics.stopped(item.new_tokens)
+            try:
+                loop.call_soon_threadsafe(items.put_nowait, item)
+            except RuntimeError:  # the loop has closed (server shutting down): nobody is listening
+                pass
+
+        job = Job(req, deliver)
+        self.scheduler.submit(job)
+        return job, items
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        endpoint = request.url.path
+        try:
+            body = await _read_json(request)
+            if kind == "chat":
+                req = protocol.parse_chat(body, self.model, use_template=self.use_template)
+            else:
+                req = protocol.parse_completion(body, self.model)
+        except APIError as exc:
+            self.metrics.request(endpoint, "invalid")
+            return _error(exc)
+        job, items = self.submit(req)
+        done = False
+        try:
+            first = await self._next(request, items)
+            if isinstance(first, Failure):
+                done = True
+                self.metrics.request(endpoint, "invalid" if first.error.status < 500 else "error")
+                return _error(first.error)
+            if req.stream:
+                done = True  # the stream's own cleanup cancels from here on
+                return StreamingResponse(self._events(request, req, job, items, first), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            item = first
+            while not isinstance(item, (FinishEvent, Failure)):
+                item = await self._next(request, items)
+            done = True
+            if isinstance(item, Failure):
+                self.metrics.request(endpoint, "error")
+                return _error(item.error)
+            self.metrics.generation(item.generation)
+            self.metrics.request(endpoint, "ok")
+            return JSONResponse(protocol.response(req, self.model, item.generation))
+        except _Disconnected:
+            return Response(status_code=499)  # nobody reads it: the client has gone
+        finally:
+            if not done:
+                job.cancel()
+                self.metrics.request(endpoint, "cancelled")
+
+    async def _next(self, request: Request, items: asyncio.Queue) -> object:
+        while True:
+            try:
+                return await asyncio.wait_for(items.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise _Disconnected from None
+
+    async def _events(self, request: Request, req: GenRequest, job: Job, items: asyncio.Queue,
+                      item: object) -> AsyncIterator[str]:
+        """The SSE body: text chunks, a last chunk with the finish reason and ``specgen``, [DONE]."""
+        endpoint, outcome = request.url.path, "cancelled"
+        try:
+            if req.kind == "chat":
+                yield _sse(protocol.chunk(req, self.model, None, first=True))
+            while True:
+                if isinstance(item, TokenEvent) and item.text:
+                    yield _sse(protocol.chunk(req, self.model, item.text))
+                elif isinstance(item, FinishEvent):
+                    gen = item.generation
+                    self.metrics.generation(gen)  # finished, whether or not the client reads the rest
+                    if item.text:
+                        yield _sse(protocol.chunk(req, self.model, item.text))
+                    yield _sse(protocol.chunk(req, self.model, None, gen=gen))
+                    if req.include_usage:
+                        yield _sse(protocol.usage_chunk(req, self.model, gen))
+                    yield _sse("[DONE]")
+                    outcome = "ok"
+                    return
+                elif isinstance(item, Failure):
+                    yield _sse(item.error.body())
+                    yield _sse("[DONE]")
+                    outcome = "error"
+                    return
+                item = await self._next(request, items)
+        except _Disconnected:
+            return
+        finally:
+            if outcome == "cancelled":
+                job.cancel()
+            self.metrics.request(endpoint, outcome)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
+                                                         "owned_by": "specgen"}]})
+
+    async def prometheus(self, request: Request) -> Response:
+        return PlainTextResponse(self.metrics.render(getattr(self.scheduler, "pending", 0)), media_type=CONTENT_TYPE)
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": self.model})
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return _error(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind=kind))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return _error(APIError(500, "internal server error"))
+
+
+def create_app(pipe: Pipeline, *, model: str | None = None, scheduler: Scheduler | None = None) -> Starlette:
+    """The ASGI app serving ``pipe``; the scheduler (one worker thread by default) starts and stops with it."""
+    server = Server(pipe, model=model, scheduler=scheduler)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        server.scheduler.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(server.scheduler.close)
+
+    routes = [Route("/v1/completions", server.completions, methods=["POST"]),
+              Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+              Route("/v1/models", server.models, methods=["GET"]),
+              Route("/metrics", server.prometheus, methods=["GET"]),
+              Route("/health", server.health, methods=["GET"])]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error, Exception: _server_error})
+    app.state.server = server
+    return app

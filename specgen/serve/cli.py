@@ -1,0 +1,100 @@
+"""The ``specgen-serve`` command: Hydra overrides in, uvicorn serving the app out.
+
+``specgen-serve target=... drafter=... port=8000`` composes ``conf/serve.yaml``
+(specgen's config plus ``host`` and ``port``), checks every value before any
+model is loaded (a bad one: one ``specgen-serve: error: ...`` line, status 2),
+builds the pipeline and serves it on ``host:port`` (127.0.0.1 by default).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import sys
+from collections.abc import Mapping
+
+import hydra
+from omegaconf import DictConfig
+
+from specgen.checks import check_run_config
+from specgen.config import conf_dir, exits_on_error, run_console, to_container
+from specgen.errors import ConfigError
+from specgen.options import parse_int
+
+#: Keys of the shared config that only a one-shot run uses.
+_ONE_SHOT_KEYS = ("prompt", "prompt_file", "output", "resume")
+
+
+def check_server_config(cfg: Mapping) -> dict:
+    """``cfg`` with its run values checked (:func:`check_run_config`) and ``host`` / ``port`` too:
+    host a non-empty name or address without spaces, port an int in [1, 65535]. The one-shot keys
+    (prompt, prompt_file, output, resume) are refused rather than ignored."""
+    cfg = check_run_config(cfg)
+    for key in _ONE_SHOT_KEYS:
+        if cfg.get(key) not in (None, False):
+            raise ConfigError(f"{key}= is for the specgen command; specgen-serve takes its prompts from requests")
+    host = cfg.get("host", "127.0.0.1")
+    if not isinstance(host, str) or not host.strip() or any(ch.isspace() for ch in host):
+        raise ConfigError(f"host must be a host name or IP address such as 127.0.0.1, got {host!r}")
+    cfg["host"] = host
+    cfg["port"] = parse_int(cfg.get("port", 8000), "port", minimum=1, maximum=65535)
+    return cfg
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(cfg: Mapping, err=None) -> None:
+    """Check ``cfg``, build its pipeline and serve it until interrupted."""
+    import uvicorn
+
+    from specgen.build import build_pipeline
+    from specgen.serve.app import create_app, served_model_name
+
+    err = sys.stderr if err is None else err
+    cfg = check_server_config(cfg)
+    host, port = cfg["host"], cfg["port"]
+    sock = bind(host, port)
+    pipe = build_pipeline(cfg)
+    if not _is_loopback(host):
+        err.write(f"specgen-serve: warning: listening on {host}, reachable from other machines; "
+                  "there is no authentication\n")
+    err.write(f"specgen-serve: model {served_model_name(pipe)!r} [{pipe.guarantee}] on http://{host}:{port}/v1 "
+              "(one request at a time)\n")
+    server = uvicorn.Server(uvicorn.Config(create_app(pipe), log_level="warning"))
+    server.run(sockets=[sock])
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``, bound before the model loads; ConfigError when it cannot be."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"host={host} cannot be resolved: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+@hydra.main(config_path=str(conf_dir()), config_name="serve", version_base=None)
+def _hydra_main(cfg: DictConfig) -> None:
+    with exits_on_error("specgen-serve"):
+        serve(to_container(cfg))
+
+
+def main() -> None:
+    """Console entry point: check the overrides (one line, status 2), quote free text, hand over to Hydra."""
+    run_console(_hydra_main, "specgen-serve", "serve")

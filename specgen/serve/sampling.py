@@ -1,0 +1,79 @@
+"""Per-request temperature / top_p: the served pipeline with another processor stack.
+
+A request's ``temperature`` and ``top_p`` replace the values of the config's
+``temperature`` and ``top_p`` processor entries; the stack is then rebuilt by
+the same code the build uses (:func:`specgen.processors.build_stack`, the
+config's grammar in front), so p and q both come from the new stack and the
+drafter sees it through the request's draft context. The guarantee follows:
+an ``exact`` or ``greedy`` pipeline becomes ``greedy`` at temperature 0 and
+``exact`` otherwise (with any CUDA condition kept); ``approximate`` and ``off``
+are unchanged, since the stack does not decide them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from specgen.engine import Pipeline
+from specgen.errors import ConfigError
+from specgen.serve.protocol import Sampling
+
+_EXACT_KINDS = ("exact", "greedy")
+
+
+def configured(pipe: Pipeline) -> Sampling:
+    """The sampling values the pipeline was built with (from its processor entries)."""
+    values = {}
+    for entry in (pipe.config or {}).get("processors") or []:
+        if entry.get("name") == "temperature":
+            values["temperature"] = float(entry.get("temperature") or 0.0)
+        if entry.get("name") == "top_p":
+            values["top_p"] = float(1.0 if entry.get("top_p") is None else entry["top_p"])
+    return Sampling(values.get("temperature"), values.get("top_p"))
+
+
+def differs(pipe: Pipeline, sampling: Sampling) -> bool:
+    """Whether ``sampling`` asks for anything other than the pipeline's own values."""
+    base = configured(pipe)
+    return any(value is not None and value != getattr(base, name)
+               for name, value in (("temperature", sampling.temperature), ("top_p", sampling.top_p)))
+
+
+def with_sampling(pipe: Pipeline, sampling: Sampling) -> Pipeline:
+    """A pipeline sharing ``pipe``'s models and drafter, with ``sampling`` in its processor stack.
+
+    ConfigError when the config's processor list has no entry for a value the
+    request sets (a custom stack), or the grammar in the config cannot be rebuilt.
+    """
+    from specgen.build import processor_entries
+    from specgen.grammar import grammar_processor
+    from specgen.processors import build_stack
+
+    cfg = pipe.config or {}
+    entries = [dict(entry) for entry in cfg.get("processors") or []]
+    for name, value in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
+        if value is None:
+            continue
+        matching = [entry for entry in entries if entry.get("name") == name]
+        if not matching:
+            raise ConfigError(f"{name} cannot be set per request: this server's processor stack has no {name} entry")
+        for entry in matching:
+            entry[name] = value
+    greedy = pipe.stack.greedy if sampling.temperature is None else sampling.temperature == 0.0
+    tokenizer = pipe.tokenizer
+    stack = build_stack(processor_entries({"processors": entries}, tokenizer), greedy=greedy,
+                        eos_ids=tokenizer.eos_ids, vocab_size=tokenizer.vocab_size)
+    grammar = grammar_processor(cfg.get("grammar") or {"kind": "none"}, tokenizer)
+    if grammar is not None:
+        stack = stack.with_grammar(grammar)
+    variant = copy.copy(pipe)
+    variant.stack = stack
+    variant.guarantee = _guarantee(pipe.guarantee, stack.greedy)
+    return variant
+
+
+def _guarantee(guarantee: str, greedy: bool) -> str:
+    for kind in _EXACT_KINDS:
+        if guarantee.startswith(kind):
+            return ("greedy" if greedy else "exact") + guarantee[len(kind):]
+    return guarantee
