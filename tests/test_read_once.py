@@ -10,7 +10,6 @@ the host-read count.
 
 from __future__ import annotations
 
-import random
 import re
 from collections import Counter
 
@@ -24,31 +23,14 @@ from specgen.bench.host_reads import counting_reads
 from specgen.heads import HeadConfig, build_head, save_head, target_fingerprint
 from specgen.processors import CommittedCounts, History, PathHistory
 from specgen.sampling import tree as tree_module
-from specgen.sampling import tree_paths, verify_chain, verify_tree
-from test_tree_sampling import EXACT, LENGTH, _generator, draft_row, draft_tree, mismatched_row, target_row
+from specgen.sampling import verify_chain, verify_tree
+from test_tree_sampling import EXACT, _generator, draft_row, mismatched_row, sample_sequences
 
 PROMPT = [1, 2, 3]
 
 
-def all_rows(prefix, tokens, parents) -> torch.Tensor:
-    """[num_nodes + 1, VOCAB]: the target row at the root, then after each node's path."""
-    paths = tree_paths(parents)
-    rows = [target_row(tuple(prefix))]
-    rows += [target_row((*prefix, *(tokens[i] for i in path))) for path in paths]
-    return torch.stack(rows)
-
-
-def sample_prefetched(mode: str, q_fn, seed: int, num: int = 4000) -> Counter:
-    draft_rng, verify_gen = random.Random(seed), _generator(seed + 1000)
-    counts: Counter = Counter()
-    for n in range(num):
-        emitted: list[int] = []
-        while len(emitted) < LENGTH:
-            tokens, parents, draft = draft_tree(emitted, mode, q_fn, draft_rng, bfs=n % 2 == 0)
-            verdict = verify_tree(tokens, parents, draft, all_rows(emitted, tokens, parents), verify_gen)
-            emitted.extend(verdict.emitted)
-        counts[tuple(emitted[:LENGTH])] += 1
-    return counts
+def sample_prefetched(mode: str, q_fn, seed: int) -> Counter:
+    return sample_sequences(mode, q_fn, seed, num=4000, prefetched=True)
 
 
 @pytest.mark.parametrize("mode,q_fn,seed", [("onehot_dup", None, 31), ("wor", mismatched_row, 32)])

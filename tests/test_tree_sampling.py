@@ -169,14 +169,24 @@ def target_fn(prefix, tokens, parents):
     return target_probs
 
 
-def sample_sequences(mode: str, q_fn, seed: int, num: int = NUM_SAMPLES) -> Counter:
+def all_rows(prefix, tokens, parents) -> torch.Tensor:
+    """[num_nodes + 1, VOCAB]: the target row at the root, then after each node's path
+    (verify_tree's prefetched form of :func:`target_fn`)."""
+    rows = [target_row(tuple(prefix))]
+    rows += [target_row((*prefix, *(tokens[i] for i in path))) for path in tree_paths(parents)]
+    return torch.stack(rows)
+
+
+def sample_sequences(mode: str, q_fn, seed: int, num: int = NUM_SAMPLES, prefetched: bool = False) -> Counter:
+    """prefetched: hand verify_tree every row at once (:func:`all_rows`) instead of the lazy callable."""
     draft_rng, verify_gen = random.Random(seed), _generator(seed + 1000)
+    target = all_rows if prefetched else target_fn
     counts: Counter = Counter()
     for n in range(num):
         emitted: list[int] = []
         while len(emitted) < LENGTH:
             tokens, parents, draft = draft_tree(emitted, mode, q_fn, draft_rng, bfs=n % 2 == 0)
-            verdict = verify_tree(tokens, parents, draft, target_fn(emitted, tokens, parents), verify_gen)
+            verdict = verify_tree(tokens, parents, draft, target(emitted, tokens, parents), verify_gen)
             assert verdict.tokens == [tokens[i] for i in verdict.path]
             emitted.extend(verdict.emitted)
         counts[tuple(emitted[:LENGTH])] += 1
