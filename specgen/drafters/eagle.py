@@ -9,9 +9,11 @@ and parents are created first, so the kept set contains every kept node's
 ancestors.
 
 The tree is deterministic (q one-hot per node), so tree verification is exact
-for any choice of nodes. Children are ranked by the head's raw logits: masks and
-penalties of the processor stack are enforced at verification, where a masked
-candidate simply has p = 0.
+for any choice of nodes. Children are ranked by the head's draft distribution;
+under a grammar, by the *masked* draft distribution of the node's path (see
+:mod:`specgen.drafters.tree_grammar`), so every drafted node is a token the
+grammar allows there. Penalties and the other processors are enforced at
+verification, where a forbidden candidate simply has p = 0.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from specgen.drafters.base import EMPTY, Proposal
 from specgen.drafters.learned import LearnedDrafter, LearnedSession, load_for_target
+from specgen.drafters.tree_grammar import masked_log_softmax
 from specgen.errors import ConfigError
 
 
@@ -29,11 +32,14 @@ class EagleSession(LearnedSession):
     @torch.inference_mode()
     def propose(self, budget: int) -> Proposal:
         """The tree is built on the head's device (scores, parents and frontiers are
-        tensors) and read back once, after the rerank."""
+        tensors) and read back once, after the rerank; under a grammar also once per
+        expanded level (the grammar walks the chosen tokens on the host)."""
         root = self.root(budget)
         if root is None:
             return EMPTY
         feature, token = root
+        grammar_root = self.grammar.root(self.ctx.committed) if self.grammar is not None else None
+        states = None if grammar_root is None else [grammar_root]  # grammar state per frontier node
         d, device = self.drafter, feature.device
         level_tokens: list[torch.Tensor] = []  # per level [F * k] target ids
         level_parents: list[torch.Tensor] = []  # per level [F * k] global node index of the parent (-1 = root)
@@ -43,7 +49,11 @@ class EagleSession(LearnedSession):
         offset = 0
         state, logits = self.head.step(feature, torch.tensor([token], device=device))  # [1, d], [1, Vd]
         for depth in range(1, budget + 1):
-            logp, index = torch.log_softmax(logits.float(), dim=-1).topk(d.top_k, dim=-1)  # [F, k]
+            if states is None:
+                logp = torch.log_softmax(logits.float(), dim=-1)  # [F, Vd]
+            else:
+                logp = masked_log_softmax(logits, self.grammar.allowed(states, depth))  # [F, Vd]
+            logp, index = logp.topk(d.top_k, dim=-1)  # [F, k]
             width = logp.numel()
             ids = self.head.vocab_ids[index].reshape(-1)  # [F * k]
             scores = (frontier_scores.unsqueeze(-1) + logp.double()).reshape(-1)  # [F * k]
@@ -53,17 +63,36 @@ class EagleSession(LearnedSession):
             if depth == budget:
                 break
             chosen = torch.sort(scores, descending=True, stable=True).indices[: d.expand]  # [E] within the level
+            if states is not None:
+                states = self._walk(states, chosen, ids, scores)
+                if states is None:
+                    break
             frontier, frontier_scores = offset + chosen, scores[chosen]
             offset += width
             state, logits = self.head.step(state[chosen // d.top_k], ids[chosen])  # [E, d], [E, Vd]
-        tokens, parents, scores = torch.cat(level_tokens), torch.cat(level_parents), torch.cat(level_scores)
-        keep = torch.sort(torch.sort(scores, descending=True, stable=True).indices[: d.nodes]).values  # [N]
+        return self._rerank(torch.cat(level_tokens), torch.cat(level_parents), torch.cat(level_scores))
+
+    def _walk(self, states: list, chosen: torch.Tensor, ids: torch.Tensor, scores: torch.Tensor) -> list | None:
+        """Grammar states of the chosen nodes (one host read); None when none of them has a
+        finite score, i.e. the grammar allows nothing below this level."""
+        picked, tokens, finite = torch.stack([chosen.double(), ids[chosen].double(), scores[chosen]]).tolist()
+        if all(math.isinf(s) for s in finite):
+            return None
+        k = self.drafter.top_k
+        return [self.grammar.advance(states[int(c) // k], int(t)) for c, t in zip(picked, tokens, strict=True)]
+
+    def _rerank(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> Proposal:
+        """Keep the ``nodes`` best of all drafted nodes [M] (and never one with score -inf:
+        a token the grammar forbids); the one read of the round's draft."""
+        keep = torch.sort(torch.sort(scores, descending=True, stable=True).indices[: self.drafter.nodes]).values  # [N]
         rows = torch.stack([tokens[keep].double(), parents[keep].double(), scores[keep], keep.double()])
-        kept_tokens, kept_parents, kept_scores, kept_index = rows.tolist()  # the one read of the round's draft
-        new_index = {int(old): new for new, old in enumerate(kept_index)}
-        return Proposal([int(t) for t in kept_tokens], None,
-                        [-1 if p < 0 else new_index[int(p)] for p in kept_parents],
-                        confidence=[math.exp(s) for s in kept_scores])  # cumulative draft probability
+        kept = [row for row in zip(*rows.tolist(), strict=True) if not math.isinf(row[2])]
+        if not kept:
+            return EMPTY  # the grammar allows no draft-vocabulary token here
+        new_index = {int(old): new for new, (_, _, _, old) in enumerate(kept)}
+        return Proposal([int(t) for t, _, _, _ in kept], None,
+                        [-1 if p < 0 else new_index[int(p)] for _, p, _, _ in kept],
+                        confidence=[math.exp(s) for _, _, s, _ in kept])  # cumulative draft probability
 
 
 class EagleDrafter(LearnedDrafter):

@@ -7,7 +7,8 @@ not been fed yet) and the newest token itself. The round hands the feature over
 after every commit; it is part of the session's mark, so a rolled-back round
 restores it. Without a current feature (the first round, or after a stop string
 cut the committed tokens) a session proposes nothing and the round's target
-forward supplies one.
+forward supplies one. Under a grammar, a session's ``grammar`` (see
+:mod:`specgen.drafters.tree_grammar`) masks the draft distribution of every node.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pathlib
 import torch
 
 from specgen.drafters.base import DraftContext, Drafter, DraftSession
+from specgen.drafters.tree_grammar import tree_grammar
 from specgen.errors import ConfigError
 from specgen.heads import DraftHead, load_head
 from specgen.models import resolve_drafter_dtype
@@ -38,6 +40,7 @@ class LearnedSession(DraftSession):
         self.ctx = ctx
         self.position = -1
         self.feature: torch.Tensor | None = None  # [F]
+        self.grammar = tree_grammar(ctx, self.head.vocab_ids)  # None without a grammar in the stack
 
     def observe_features(self, position: int, feature: torch.Tensor) -> None:
         self.position, self.feature = position, feature
