@@ -14,25 +14,33 @@ all over ``step_s`` (the 1-token forward), each the minimum of ``repeats``
 interleaved rounds after a warm-up round (noise only adds time); the tables are
 then made non-decreasing. It takes a few seconds on a 135M model on one CPU
 thread. :func:`cost_table` serves it from ``<cache_root>/costs/<key>.json``,
-keyed by :func:`facts`; ``refresh=True`` measures again.
+keyed by :func:`facts`; ``refresh=True`` measures again. With
+``$SPECGEN_COST_TABLE`` naming a JSON file in the cache's format (see
+:func:`to_dict`), every pipeline plans with that fixed table instead: nothing
+is measured or cached (reproducible plans, e.g. for tests that run the CLI).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import pathlib
 import platform
 import time
 from collections.abc import Callable
 
 import torch
 
+from specgen.errors import ConfigError
 from specgen.planner import CostTable
 from specgen.sampling import ancestor_matrix, tree_depths
 
 #: Verified-token counts measured; the rest are interpolated.
 SIZES = (1, 2, 3, 4, 6, 8, 12, 17)
 CONTEXT_TOKENS = 192
+#: Names a JSON cost table that replaces measurement for every pipeline (unset or empty: measure).
+FIXED_TABLE_ENV = "SPECGEN_COST_TABLE"
 _MEMO: dict[str, CostTable] = {}
 
 
@@ -153,8 +161,13 @@ class _DraftTimer:
 
 
 def cost_table(pipe, *, refresh: bool = False, clock: Callable[[], float] | None = None) -> CostTable:
-    """The pipeline's cost table: from memory, else from the disk cache, else measured (and cached)."""
+    """The pipeline's cost table: ``$SPECGEN_COST_TABLE``'s if set (ConfigError if unreadable), else
+    from memory, else from the disk cache, else measured (and cached)."""
     from specgen.models.loading import cache_root
+
+    fixed = os.environ.get(FIXED_TABLE_ENV)
+    if fixed:
+        return fixed_table(fixed)
 
     fact = facts(pipe)
     key = cache_key(fact)
@@ -176,6 +189,16 @@ def cost_table(pipe, *, refresh: bool = False, clock: Callable[[], float] | None
             pass  # an unwritable cache only costs a re-measurement next time
     _MEMO[key] = table
     return table
+
+
+def fixed_table(path: str) -> CostTable:
+    """The cost table stored at ``path`` (the cache's JSON format); ConfigError naming it if unusable."""
+    try:
+        return from_dict(json.loads(pathlib.Path(path).expanduser().read_text()))
+    except OSError as error:
+        raise ConfigError(f"{FIXED_TABLE_ENV}={path}: cannot read it ({error.strerror or error})") from None
+    except (ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f"{FIXED_TABLE_ENV}={path}: not a cost table ({type(error).__name__}: {error})") from None
 
 
 def to_dict(table: CostTable) -> dict:

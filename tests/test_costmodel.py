@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
 import specgen.costmodel as costmodel
 from conftest import TEST_COSTS, tiny_pipeline
+from specgen.errors import ConfigError
 
 
 class FakeTimer:
@@ -63,6 +65,25 @@ def test_cache_is_keyed_and_refreshable(real_cost_table, monkeypatch):
     assert "v(n) chain" in costmodel.describe(first)
     compiled = tiny_pipeline("compile=true", drafter="tiny")  # compiled forwards cost differently: another key
     assert costmodel.cache_key(costmodel.facts(compiled)) != costmodel.cache_key(costmodel.facts(pipe))
+
+
+def test_fixed_table_from_the_environment_replaces_measuring(real_cost_table, monkeypatch):
+    """$SPECGEN_COST_TABLE: that table for every pipeline, nothing measured or cached; bad files are one line."""
+    monkeypatch.setattr(costmodel, "measure", lambda pipe, clock=None: pytest.fail("measured despite a fixed table"))
+    path = real_cost_table / "fixed.json"
+    path.write_text(json.dumps(costmodel.to_dict(TEST_COSTS)))
+    monkeypatch.setenv(costmodel.FIXED_TABLE_ENV, str(path))
+    pipe = tiny_pipeline(drafter="tiny")
+    assert costmodel.cost_table(pipe) == TEST_COSTS
+    assert costmodel.cost_table(pipe, refresh=True) == TEST_COSTS
+    assert not (real_cost_table / "costs").exists()
+    for content, message in ((None, "cannot read"), ("{}", "not a cost table"), ('{"chain": [1', "not a cost table")):
+        if content is not None:
+            path.write_text(content)
+        monkeypatch.setenv(costmodel.FIXED_TABLE_ENV, str(path) if content else str(real_cost_table / "missing"))
+        with pytest.raises(ConfigError, match=message) as caught:
+            costmodel.cost_table(pipe)
+        assert "SPECGEN_COST_TABLE" in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_corrupt_cache_file_is_remeasured(real_cost_table, monkeypatch):

