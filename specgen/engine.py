@@ -20,8 +20,8 @@ from specgen.drafters import DraftContext, Drafter
 from specgen.errors import ConfigError, DeadEndError, PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.models import CausalLM, TokenizerInfo
-from specgen.options import (check_option_names, check_prompt, check_prompt_ids, parse_chat, parse_optional_text,
-                             parse_seed, parse_stop, request_options)
+from specgen.options import (RequestOptions, check_option_names, check_prompt, check_prompt_ids, parse_chat,
+                             parse_optional_text, parse_seed, parse_stop, request_options)
 from specgen.planner import AUTO, CostTable
 from specgen.processors import ProcessorStack
 from specgen.round import RoundContext, plain_step, speculative_round
@@ -37,6 +37,22 @@ class Defaults:
     stop: tuple[str, ...] = ()
     chat: bool | str = "auto"
     system: str | None = None
+
+
+@dataclass
+class RequestPlan:
+    """One checked request: the prompt's ids, its token limit (``context_bound``: the
+    context, not max_new_tokens, sets it), its options, whether it speculates, its
+    guarantee, processor stack and γ."""
+
+    ids: list[int]
+    max_new: int
+    context_bound: bool
+    options: RequestOptions
+    use_spec: bool
+    guarantee: str
+    stack: ProcessorStack
+    gamma: int | str
 
 
 class Pipeline:
@@ -93,6 +109,17 @@ class Pipeline:
                 return event.generation
         raise RuntimeError("stream ended without a finish event")
 
+    def generate_batch(self, prompts: Sequence, *, batch_size: int = 8, **kwargs) -> list[Generation]:
+        """Generate every prompt with continuous batching (see :mod:`specgen.batch`); -> Generations in input order.
+
+        prompts: each a str, chat messages, or a dict of per-row options (prompt or
+        prompt_ids, max_new_tokens, seed, stop, schema, regex, speculative, ...);
+        kwargs: options shared by every row. Each row's output law equals :meth:`generate`'s.
+        """
+        from specgen.batch import generate_batch
+
+        return generate_batch(self, prompts, batch_size=batch_size, **kwargs)
+
     def stream(self, prompt: str | Sequence[dict] | None = None, *, prompt_ids: Sequence[int] | None = None,
                max_new_tokens: int | None = None, seed: int | None = None, stop: str | Sequence[str] | None = None,
                speculative: bool | None = None, chat=None, system=None,
@@ -117,6 +144,13 @@ class Pipeline:
         options = request_options(self.defaults, max_new_tokens=max_new_tokens, seed=seed, stop=stop,
                                   speculative=speculative, chat=chat, system=system, schema=schema,
                                   regex=regex, num_tokens=num_tokens, stats=stats)
+        plan = self.plan_request(prompt, prompt_ids, options)
+        return self._run(plan.ids, plan.max_new, plan.context_bound, options.seed, options.stop, plan.use_spec,
+                         plan.guarantee, plan.stack, options.stats, plan.gamma)
+
+    def plan_request(self, prompt, prompt_ids, options: RequestOptions) -> RequestPlan:
+        """Encode and check one request's prompt against the context, and derive what runs it
+        (shared by :meth:`stream` and :func:`specgen.batch.generate_batch`)."""
         ids = self._prompt_ids(prompt, prompt_ids, options.chat, options.system)
         max_new = options.max_new_tokens
         room = self.target.context_length - len(ids)
@@ -125,12 +159,11 @@ class Pipeline:
                               f"{self.target.context_length}; shorten the prompt")
         use_spec = self.speculative and options.speculative
         guarantee = self.guarantee if use_spec or not self.speculative else "off: speculative=false"
-        stack = self._stack_for(options.schema, options.regex)
         gamma = 0
         if use_spec:
             gamma = self.drafter.num_tokens if options.num_tokens is None else options.num_tokens
-        return self._run(ids, min(max_new, room), max_new > room, options.seed, options.stop, use_spec, guarantee,
-                         stack, options.stats, gamma)
+        return RequestPlan(ids, min(max_new, room), max_new > room, options, use_spec, guarantee,
+                           self._stack_for(options.schema, options.regex), gamma)
 
     def _stack_for(self, schema, regex) -> ProcessorStack:
         if schema is None and regex is None:

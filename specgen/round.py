@@ -78,25 +78,41 @@ def speculative_round(request: Request, ctx: RoundContext, num_tokens: int | str
     num_tokens: γ, or "auto" for the planner (plan before drafting from past
     rounds, truncate after drafting from the drafter's own confidence).
     """
-    clock, auto = ctx.clock, num_tokens == AUTO
-    if auto and ctx.costs is None:
-        ctx.costs = ctx.load_costs()
-    clock.take_laps()
+    ctx.clock.take_laps()
     with request.transaction():
-        with clock.stage("draft"):
-            limit = min(ctx.max_tokens, ctx.costs.max_tokens) if auto else num_tokens
-            budget = draft_budget(request, limit, ctx.target.context_length)
-            if auto:
-                budget = plan_budget(ctx.costs, ctx.history, budget, tree_width=ctx.tree_width)
-            proposal: Proposal = request.draft.propose(budget) if request.draft is not None and budget else EMPTY
-            predicted = 0.0
-            if auto and len(proposal):
-                proposal, predicted = _truncate(proposal, ctx, budget)
+        proposal, predicted = plan_and_draft(request, ctx, num_tokens)
         if proposal.parents is None and ctx.feature_layers is None:
             verdict, kept, depth = _chain(request, ctx, proposal)
         else:
             verdict, kept, depth = _tree(request, ctx, proposal)
-    result = RoundResult(len(proposal), verdict.num_accepted, depth, auto, True, clock.take_laps())
+    return round_events(ctx, proposal, predicted, num_tokens == AUTO, verdict, kept, depth)
+
+
+def plan_and_draft(request: Request, ctx: RoundContext, num_tokens: int | str) -> tuple[Proposal, float]:
+    """The plan + draft stages -> (proposal, predicted accepted tokens of a planned tree).
+
+    Looks only at the drafter's output and past rounds, never at the target's p for
+    the tokens it drafts. Call inside the round's transaction.
+    """
+    auto = num_tokens == AUTO
+    if auto and ctx.costs is None:
+        ctx.costs = ctx.load_costs()
+    with ctx.clock.stage("draft"):
+        limit = min(ctx.max_tokens, ctx.costs.max_tokens) if auto else num_tokens
+        budget = draft_budget(request, limit, ctx.target.context_length)
+        if auto:
+            budget = plan_budget(ctx.costs, ctx.history, budget, tree_width=ctx.tree_width)
+        proposal: Proposal = request.draft.propose(budget) if request.draft is not None and budget else EMPTY
+        predicted = 0.0
+        if auto and len(proposal):
+            proposal, predicted = _truncate(proposal, ctx, budget)
+    return proposal, predicted
+
+
+def round_events(ctx: RoundContext, proposal: Proposal, predicted: float, auto: bool, verdict: Verdict,
+                 kept: list[tuple[int, str]], depth: int) -> list[TokenEvent]:
+    """After a committed round: record its stats, teach the planner, and emit an event per kept token."""
+    result = RoundResult(len(proposal), verdict.num_accepted, depth, auto, True, ctx.clock.take_laps())
     ctx.stats.record(result)
     if auto:
         if proposal.parents is None:
@@ -138,12 +154,24 @@ def _truncate(proposal: Proposal, ctx: RoundContext, budget: int) -> tuple[Propo
 
 def _chain(request: Request, ctx: RoundContext, proposal: Proposal):
     """Verify + process + accept + commit a chain; -> (verdict, kept, depth)."""
-    clock = ctx.clock
-    with clock.stage("verify"):  # one target forward over the uncached committed tokens + candidates
-        committed = request.committed
-        feed = request.target_cache.uncached(committed.tokens) + proposal.tokens
-        raw = ctx.target.forward(request.target_cache, feed, keep=len(proposal) + 1,
+    with ctx.clock.stage("verify"):  # one target forward over the uncached committed tokens + candidates
+        raw = ctx.target.forward(request.target_cache, chain_feed(request, proposal), keep=len(proposal) + 1,
                                  check=not ctx.read_once)  # [num_draft + 1, vocab]; NaN refused by verification
+    return accept_chain(request, ctx, proposal, raw)
+
+
+def chain_feed(request: Request, proposal: Proposal) -> list[int]:
+    """What a chain's verify forward feeds: the uncached committed tokens, then the candidates."""
+    return request.target_cache.uncached(request.committed.tokens) + proposal.tokens
+
+
+def accept_chain(request: Request, ctx: RoundContext, proposal: Proposal, raw):
+    """Process + accept + commit a chain from its verify rows.
+
+    raw: [num_draft + 1, vocab] raw target logits of the last fed committed token and
+    each candidate. -> (verdict, kept, depth).
+    """
+    clock, committed = ctx.clock, request.committed
     with clock.stage("process"):  # process + accept
         history = History(committed, proposal.tokens, num_positions=len(proposal) + 1)
         if ctx.stack.greedy:
@@ -244,16 +272,28 @@ def plain_step(request: Request, ctx: RoundContext) -> list[TokenEvent]:
     clock = ctx.clock
     clock.take_laps()
     with request.transaction():
-        committed = request.committed
         with clock.stage("verify"):
-            raw = ctx.target.forward(request.target_cache, request.target_cache.uncached(committed.tokens), keep=1)
-        with clock.stage("process"):
-            history = History(committed, [], num_positions=1)
-            if ctx.stack.greedy:
-                token = ctx.stack.argmax(raw, history)[0]
-            else:
-                token = sample_token(ctx.stack.probs(raw, history)[0], request.target_rng)
-        with clock.stage("commit"):
-            kept = request.commit([token], 0)
-    ctx.stats.record(RoundResult(speculative=False, timings=clock.take_laps()))
+            raw = ctx.target.forward(request.target_cache, request.target_cache.uncached(request.committed.tokens),
+                                     keep=1)
+        kept = accept_plain(request, ctx, raw)
+    return plain_events(ctx, kept)
+
+
+def accept_plain(request: Request, ctx: RoundContext, raw) -> list[tuple[int, str]]:
+    """Process + commit a plain step from its verify row (raw: [1, vocab] raw logits) -> kept (token, text).
+    Call inside the step's transaction."""
+    clock = ctx.clock
+    with clock.stage("process"):
+        history = History(request.committed, [], num_positions=1)
+        if ctx.stack.greedy:
+            token = ctx.stack.argmax(raw, history)[0]
+        else:
+            token = sample_token(ctx.stack.probs(raw, history)[0], request.target_rng)
+    with clock.stage("commit"):
+        return request.commit([token], 0)
+
+
+def plain_events(ctx: RoundContext, kept: list[tuple[int, str]]) -> list[TokenEvent]:
+    """After a committed plain step: record its stats and emit its event."""
+    ctx.stats.record(RoundResult(speculative=False, timings=ctx.clock.take_laps()))
     return [TokenEvent(token, text, "plain", None, None, ctx.stats.rounds) for token, text in kept]

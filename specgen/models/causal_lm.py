@@ -316,3 +316,36 @@ class CausalLM:
         if feature_layers is not None:
             features = select_features(out.hidden_states, feature_layers)[0, -(n + 1):].float()  # [n + 1, F]
         return TreeOutput(self, start + m - 1, hidden, full, features)
+
+    @torch.inference_mode()
+    def forward_batch(self, cache: DynamicCache, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+                      rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """One forward of B rows sharing a batch-B DynamicCache (see :mod:`specgen.batch`).
+
+        ids: [B, w] token ids; positions: [B, w] each row's own positions;
+        allowed: [B, w, S + w] bool, which of the S cached slots and w new slots each
+        new token sees (every query must see at least one key). rows, cols: [K] the
+        (row, column) outputs wanted. Returns raw logits [K, vocab_size] (float32),
+        refusing NaN (NumericalError). Appends w slots to every row of ``cache``; on
+        any exception the cache is cut back to S slots before re-raising.
+        """
+        device = self.device
+        dtype = next(self.model.parameters()).dtype
+        start = int(allowed.shape[-1] - ids.shape[1])
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)  # [B, w, S + w], additive
+        mask.masked_fill_(~allowed.to(device), torch.finfo(dtype).min)
+        inputs = dict(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask[:, None],
+                      use_cache=True, **{self._cache_kwarg: cache})
+        try:
+            if self._plain_lm_head:
+                hidden = self.model.get_decoder()(**inputs).last_hidden_state  # [B, w, d]
+                logits = self._head(hidden[rows.to(device), cols.to(device)])  # [K, vocab]
+            else:
+                logits = self.model(**inputs).logits[rows.to(device), cols.to(device), : self.vocab_size]  # [K, vocab]
+            return self._checked(logits, start)
+        except BaseException:
+            for layer in cache.layers:
+                if getattr(layer, "keys", None) is not None and layer.keys.dim() == 4 and layer.keys.shape[-2] > start:
+                    layer.keys = layer.keys[..., :start, :]  # [B, heads, S, head_dim]
+                    layer.values = layer.values[..., :start, :]
+            raise

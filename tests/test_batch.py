@@ -1,0 +1,156 @@
+"""The batched engine (specgen.batch): per-row equivalence with single-request runs.
+
+Greedy rows must equal single-request greedy output token for token (float32,
+ragged prompts, refills); sampled rows must follow the exact law of their own
+request (chi-square against exact_distribution) while sharing forwards with rows
+that use other processors, grammars, seeds and lengths; a failed step must roll
+every row back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+from conftest import TINY, tiny_pipeline
+from exact import exact_distribution, goodness_of_fit
+
+import specgen
+import specgen.grammar
+from specgen.batch import BatchKV, admit, prepare, step
+from specgen.errors import ConfigError, PromptError
+from specgen.grammar import backend as grammar_backend
+
+TINY_REGEX = "(at|ta)[en]{0,3}"  # over the tiny alphabet: ids a=4, t=3, e=2, n=7
+NUM_SAMPLES = 500  # per row kind; rows share forwards, so each kind costs one drafting run per seed
+MIN_P_VALUE = 1e-3
+
+
+@pytest.fixture(autouse=True)
+def grammar_cache(tmp_path, monkeypatch):
+    """Compiled grammars go to a per-test directory; the in-memory cache starts empty."""
+    monkeypatch.setattr(grammar_backend, "cache_dir", lambda: tmp_path / "grammars")
+    specgen.grammar._compiled.clear()
+
+
+def _ragged_prompts(count: int) -> list[dict]:
+    """Prompts of 1..6 tokens with 2..12 new tokens each (different lengths in every batch)."""
+    return [dict(prompt_ids=[1 + (3 * i + j) % 15 for j in range(1 + i % 6)], max_new_tokens=2 + (5 * i) % 11)
+            for i in range(count)]
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "tiny"])
+def test_greedy_rows_equal_single_requests(drafter):
+    pipe = tiny_pipeline("drafter.num_tokens=3", drafter=drafter) if drafter != "none" else \
+        tiny_pipeline(drafter="none")
+    prompts = _ragged_prompts(9)
+    prompts[4]["speculative"] = False  # a plain row among speculating ones
+    single = [pipe.generate(**p) for p in prompts]
+    batch = pipe.generate_batch(prompts, batch_size=4)  # 9 prompts through 4 rows: refills
+    assert [g.token_ids for g in batch] == [g.token_ids for g in single]
+    assert [g.finish_reason for g in batch] == [g.finish_reason for g in single]
+    assert [g.prompt_ids for g in batch] == [p["prompt_ids"] for p in prompts]
+    assert [len(g.token_ids) for g in batch] != [len(batch[0].token_ids)] * len(batch), "ragged lengths"
+    if drafter != "none":
+        assert sum(g.stats.drafted for g in batch) > 0, "rows must actually speculate"
+        assert batch[4].stats.drafted == 0 and batch[4].guarantee == "off: speculative=false"
+
+
+def test_rows_with_different_grammars_and_seeds_follow_their_own_law():
+    """Row kinds interleave in one batch: a regex-constrained speculative row, an
+    unconstrained speculative row and a plain row, each over many seeds."""
+    pipe = tiny_pipeline("sampling.temperature=1.0", "drafter.num_tokens=3")
+    prompt = [1, 2, 3]
+    kinds = [dict(regex=TINY_REGEX, max_new_tokens=6), dict(max_new_tokens=3), dict(max_new_tokens=4, speculative=False)]
+    prompts = [dict(prompt_ids=prompt, seed=seed, **kind) for seed in range(NUM_SAMPLES) for kind in kinds]
+    gens = pipe.generate_batch(prompts, batch_size=6)
+    constrained, free = gens[0::3], gens[1::3]
+    for gen in constrained:
+        assert gen.token_ids[-1] == 0 and re.fullmatch(TINY_REGEX, pipe.tokenizer.decode(gen.token_ids))
+    assert sum(g.stats.drafted for g in constrained) > 0 and sum(g.stats.drafted for g in free) > 0
+    for seed in range(0, NUM_SAMPLES, 25):  # same seed, same RNG draws: a row reproduces its single-request run
+        for offset, kind in enumerate(kinds):
+            single = pipe.generate(prompt_ids=prompt, seed=seed, **kind)
+            assert gens[3 * seed + offset].token_ids == single.token_ids
+    cases = [(constrained, 6, pipe._stack_for(None, TINY_REGEX)), (free, 3, pipe.stack)]
+    for rows, length, stack in cases:
+        expected = exact_distribution(pipe, prompt, length, stack=stack)
+        counts = Counter(tuple(gen.token_ids) for gen in rows)
+        p_value, tv = goodness_of_fit(counts, expected)
+        assert p_value > MIN_P_VALUE, f"length {length}: chi-square p={p_value:.2e}, TV={tv:.3f}"
+
+
+def _state(row):
+    request = row.request
+    return (list(request.committed.tokens), list(request.target_cache.tokens), list(request.target_cache.slots),
+            request.target_rng.get_state().clone(), request.text.text, request.finish_reason)
+
+
+def test_failed_step_rolls_every_row_back_and_the_batch_continues(monkeypatch):
+    pipe = tiny_pipeline("sampling.temperature=1.0", "drafter.num_tokens=3")
+    prompts = [dict(prompt_ids=[1, 2, 3][: 1 + i], max_new_tokens=8, seed=i) for i in range(3)]
+    expected = [g.token_ids for g in pipe.generate_batch(prompts, batch_size=3)]
+
+    kv = BatchKV(pipe.target, 3)
+    rows = [admit(pipe, kv, r, prepare(pipe, p, {}, r)) for r, p in enumerate(prompts)]
+    step(kv, list(enumerate(rows)))
+    before = [_state(row) for row in rows]
+    width = kv.width
+    last_layer = pipe.target.model.model.layers[-1]
+
+    def fail(module, args):
+        raise RuntimeError("injected failure in the batched forward")
+
+    handle = last_layer.register_forward_pre_hook(fail)  # earlier layers have already written the cache
+    with pytest.raises(RuntimeError, match="injected"):
+        step(kv, list(enumerate(rows)))
+    handle.remove()
+    for row, old in zip(rows, before, strict=True):
+        new = _state(row)
+        assert new[:3] == old[:3] and new[4:] == old[4:]
+        assert torch.equal(new[3], old[3]), "the RNG is restored"
+    assert kv.width == width
+    assert all(layer.keys.shape[-2] == width for layer in kv.cache.layers), "partly written slots are cut"
+    while any(row.request.finish_reason is None for row in rows):
+        step(kv, [(r, row) for r, row in enumerate(rows) if row.request.finish_reason is None])
+    assert [list(row.request.generated) for row in rows] == expected
+
+
+def test_compaction_keeps_outputs():
+    """Compacting at every step (slots gathered left-aligned) changes nothing."""
+    pipe = tiny_pipeline("drafter.num_tokens=3", drafter="ngram")
+    prompts = _ragged_prompts(5)
+    expected = [g.token_ids for g in pipe.generate_batch(prompts, batch_size=3)]
+    kv = BatchKV(pipe.target, 3)
+    rows = [admit(pipe, kv, r, prepare(pipe, p, {}, r)) for r, p in enumerate(prompts[:3])]
+    compacted = 0
+    while any(row.request.finish_reason is None for row in rows):
+        kv.compact()
+        compacted += 1
+        assert kv.width == max(len(row) for row in kv.rows)
+        step(kv, [(r, row) for r, row in enumerate(rows) if row.request.finish_reason is None])
+    assert compacted > 1
+    assert [list(row.request.generated) for row in rows] == expected[:3]
+
+
+def test_tree_drafter_is_refused(tiny_eagle_head):
+    pipe = specgen.pipeline(*TINY, "target.source.vocab_size=8", "drafter=eagle",
+                            f"drafter.head_file={tiny_eagle_head}", progress=False)
+    with pytest.raises(ConfigError, match="tree drafters .* are not batched yet"):
+        pipe.generate_batch([dict(prompt_ids=[1, 2])])
+    plain = pipe.generate_batch([dict(prompt_ids=[1, 2], max_new_tokens=3)], speculative=False)
+    assert len(plain[0].token_ids) == 3 and plain[0].guarantee == "off: speculative=false"
+
+
+def test_bad_batch_input_names_the_prompt():
+    pipe = tiny_pipeline(drafter="none")
+    with pytest.raises(ConfigError, match="prompt 1: .*max_new_tokens"):
+        pipe.generate_batch([dict(prompt_ids=[1]), dict(prompt_ids=[1], max_new_tokens=0)])
+    with pytest.raises(ConfigError, match="prompt 0: .*unknown argument 'sed'"):
+        pipe.generate_batch([dict(prompt_ids=[1], sed=3)])
+    with pytest.raises(ConfigError, match="batch_size"):
+        pipe.generate_batch([dict(prompt_ids=[1])], batch_size=0)
+    with pytest.raises(PromptError, match="list of prompts"):
+        pipe.generate_batch("one prompt")
