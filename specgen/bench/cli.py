@@ -22,6 +22,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from specgen.bench.batching import batch_markdown, summarise_batches
 from specgen.bench.plots import write_plots
 from specgen.bench.report import LEGEND, header, markdown, run_config, write_jsonl
 from specgen.bench.runner import Settings, run_matrix
@@ -73,8 +74,10 @@ def run_bench(cfg: DictConfig, names: Mapping[str, str] | None = None, *, out=No
     if bench.get("out_dir"):
         check_output_dir(Path(str(bench["out_dir"])), "bench.out_dir")
     run = run_matrix(cfg, settings, progress=bool(bench.get("progress", True)))
-    if run.interrupted and not run.samples:
+    if run.interrupted and not (run.samples or run.batch_samples):
         raise KeyboardInterrupt
+    if settings.batch_sizes:
+        return _batch_result(run, resolved, names, bench, out, err)
     if run.interrupted:
         run.notes.append("interrupted by Ctrl-C: the rows cover only the prompts measured before it")
     config = run_config(resolved, names or {})
@@ -101,6 +104,31 @@ def run_bench(cfg: DictConfig, names: Mapping[str, str] | None = None, *, out=No
         if not run.interrupted:
             err.write(f"specgen-bench: results in {out_dir}\n")
     return BenchResult(rows, run.samples, table, run.notes, out_dir, run.interrupted)
+
+
+def _batch_result(run, resolved: Mapping, names, bench: Mapping, out, err) -> BenchResult:
+    """Print and write the batch section's table (``bench.batch_sizes``)."""
+    config = run_config(resolved, names or {})
+    rows = summarise_batches(run.batch_samples)
+    for row in rows:
+        row.update(target=config["target"], drafter=config["drafter"], config=config, environment=run.environment)
+    title = header(config, run.environment, None)
+    table = batch_markdown(rows)
+    out.write(f"{title}\n\n{table}")
+    out.flush()
+    if run.interrupted:
+        run.notes.append("interrupted by Ctrl-C: the rows cover only the repeats measured before it")
+    for note in run.notes:
+        err.write(f"specgen-bench: {note}\n")
+    out_dir = None
+    if bench.get("out_dir"):
+        out_dir = _new_run_dir(Path(str(bench["out_dir"])), config)
+        write_jsonl(out_dir / "results.jsonl", rows)
+        write_jsonl(out_dir / "samples.jsonl", run.batch_samples)
+        (out_dir / "table.md").write_text(f"{title}\n\n{table}" + "".join(f"\n- {n}" for n in run.notes))
+        if not run.interrupted:
+            err.write(f"specgen-bench: results in {out_dir}\n")
+    return BenchResult(rows, run.batch_samples, table, run.notes, out_dir, run.interrupted)
 
 
 def _show_costs(cfg: DictConfig, settings: Settings, out) -> BenchResult:

@@ -92,11 +92,12 @@ def _model_caption(calibration: Mapping | None) -> str:
     return text
 
 
-def header(config: Mapping, env: Mapping, num_prompts: int) -> str:
-    """One line naming the models, machine and run size."""
+def header(config: Mapping, env: Mapping, num_prompts: int | None) -> str:
+    """One line naming the models, machine and run size (``num_prompts`` None: left out)."""
+    size = "" if num_prompts is None else f"{num_prompts} prompt(s), "
     return (f"target={config['target']} drafter={config['drafter']} | {env['device']} ({env['device_name']}), "
             f"{env['dtype']}, {env['threads']} thread(s) | torch {env['torch']}, transformers "
-            f"{env['transformers']} | {num_prompts} prompt(s), {config['bench']['max_new_tokens']} new tokens each")
+            f"{env['transformers']} | {size}{config['bench']['max_new_tokens']} new tokens each")
 
 
 def markdown(rows: Sequence[Mapping]) -> str:

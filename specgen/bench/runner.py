@@ -25,6 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specgen.bench.baselines import HF_METHODS, generate_kwargs, run_hf, unsupported_sampling
+from specgen.bench.batching import BATCH_METHODS, batch_methods, run_hf_batches, run_specgen
 from specgen.bench.calibrate import from_cost_table
 from specgen.bench.prompts import BenchPrompt, load_prompt_sets
 from specgen.errors import ConfigError
@@ -63,12 +64,18 @@ class Settings:
     seed: int = 0
     calibration_repeats: int = 3
     remeasure_costs: bool = False
+    batch_sizes: list[int] = field(default_factory=list)
+    batch_repeats: int = 2
 
     @classmethod
     def from_config(cls, bench: Mapping) -> Settings:
         names = ("prompts", "num_prompts", "max_prompt_tokens", "max_new_tokens", "gammas", "temperatures",
-                 "baselines", "warmup", "ignore_eos", "seed", "calibration_repeats", "remeasure_costs")
+                 "baselines", "warmup", "ignore_eos", "seed", "calibration_repeats", "remeasure_costs",
+                 "batch_sizes", "batch_repeats")
         settings = cls(**{name: bench[name] for name in names if name in bench})
+        settings.batch_sizes = sorted({parse_int(b, "bench.batch_sizes", minimum=1)
+                                       for b in _as_list(settings.batch_sizes or [])})
+        settings.batch_repeats = parse_int(settings.batch_repeats, "bench.batch_repeats", minimum=1)
         settings.gammas = [AUTO if str(g).strip().lower() == AUTO else parse_int(g, "bench.gammas", minimum=1)
                            for g in _as_list(settings.gammas)]
         settings.temperatures = [_temperature(t) for t in _as_list(settings.temperatures)]
@@ -107,6 +114,7 @@ class BenchRun:
     hf_spec_method: str | None = None
     environment: dict = field(default_factory=dict)
     calibration: dict | None = None
+    batch_samples: list[dict] = field(default_factory=list)
 
 
 def _as_list(value) -> list:
@@ -247,9 +255,16 @@ def run_matrix(cfg: DictConfig, settings: Settings, *, progress: bool = True) ->
                 run.notes += notes
                 run.hf_spec_method = hf_spec_method(pipe) if pipe.speculative else None
                 run.environment = environment(pipe)
-                bar.total = len(settings.temperatures) * len(arms) * (settings.warmup + len(encoded))
+                bar.total = len(settings.temperatures) * (
+                    len(settings.batch_sizes) * len(BATCH_METHODS) * (settings.batch_repeats + settings.warmup)
+                    if settings.batch_sizes else len(arms) * (settings.warmup + len(encoded)))
                 bar.refresh()
             clock = Clock(pipe.device)
+            if settings.batch_sizes:  # the batch dimension replaces the per-prompt arms
+                _measure_batches(pipe, encoded, temperature, settings, clock, run, bar)
+                del pipe
+                gc.collect()
+                continue
             if pipe.speculative:  # the planner's and the speed model's costs: measured once, before warm-up
                 bar.set_postfix_str("cost table")
                 costs = pipe.cost_table(refresh=settings.remeasure_costs and run.calibration is None)
@@ -299,6 +314,49 @@ def _measure(pipe, arms: list[Arm], encoded: list[tuple], temperature: float, se
         plain_ids = results[Arm("plain")]["token_ids"] if Arm("plain") in results and temperature == 0 else None
         for arm, result in results.items():
             samples.append(_sample(arm, result, prompt, index, ids, temperature, plain_ids))
+
+
+def _measure_batches(pipe, encoded: list[tuple], temperature: float, settings: Settings, clock, run: BenchRun,
+                     bar) -> None:
+    """The batch section for one temperature: every batch size × method over the whole prompt
+    list, ``bench.batch_repeats`` times with the method order rotating (after ``bench.warmup``
+    untimed passes at the smallest size)."""
+    methods, notes = batch_methods(pipe, settings.baselines)
+    if temperature == settings.temperatures[0]:
+        run.notes += notes
+    prompts = [ids for _, ids in encoded]
+    hf_kwargs = _hf_kwargs(pipe, temperature, settings, settings.max_new_tokens)
+    pad_id = (pipe.tokenizer.eos_ids or [0])[0]
+
+    def once(method: str, size: int) -> dict:
+        bar.set_postfix_str(f"T={temperature:g} batch {size} {method}")
+        if method == "hf_generate":
+            return run_hf_batches(pipe.target.model, prompts, size, hf_kwargs, pad_id=pad_id, seed=settings.seed,
+                                  clock=clock)
+        return run_specgen(pipe, prompts, size, speculative=method == "specgen", max_new=settings.max_new_tokens,
+                           seed=settings.seed, clock=clock)
+
+    for _ in range(settings.warmup):
+        for method in methods:
+            once(method, settings.batch_sizes[0])
+            bar.update(len(settings.batch_sizes))
+    for repeat in range(settings.batch_repeats):
+        single = None
+        for size in settings.batch_sizes:
+            shift = (repeat + size) % len(methods)
+            results = {}
+            for method in methods[shift:] + methods[:shift]:
+                results[method] = once(method, size)
+                bar.update()
+            if size == 1 and temperature == 0:
+                single = results["plain"]["outputs"]
+            for method, result in results.items():
+                tokens = sum(len(o) for o in result["outputs"])
+                matches = None if single is None or temperature != 0 else result["outputs"] == single
+                run.batch_samples.append({"temperature": temperature, "method": method, "batch_size": size,
+                                          "repeat": repeat, "tokens": tokens, "wall": result["wall"],
+                                          "tok_s": tokens / result["wall"], "latency": result["latency"],
+                                          "matches_single": matches})
 
 
 def _sample(arm: Arm, result: dict, prompt: BenchPrompt, index: int, ids: list[int], temperature: float,

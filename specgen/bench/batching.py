@@ -1,0 +1,125 @@
+"""The bench's batch dimension (``bench.batch_sizes=[1,4,8]``): many prompts at once.
+
+For each temperature and batch size B the same prompt list runs through three
+methods, in an order that rotates each repeat so none always runs first:
+
+``plain``        specgen's ``generate_batch(..., speculative=False)`` (continuous batching);
+``specgen``      ``generate_batch`` with the pipeline's drafter and γ (chain drafters only);
+``hf_generate``  HF ``generate()`` on the same weights, the prompts in padded batches of B
+                 (left padding, attention mask), chunk after chunk.
+
+A sample is one method over the whole list: its tokens/s (all new tokens over the
+wall time) and every prompt's latency (from the start of the list to that prompt's
+last token: the wait for a free row included, as a server's queue would see it).
+Greedy batched outputs are compared with the plain B = 1 outputs of the same repeat.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from specgen.events import FinishEvent
+
+BATCH_METHODS = ("plain", "specgen", "hf_generate")
+
+
+def batch_methods(pipe, baselines: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The methods this pipeline can batch, and a note for each it cannot."""
+    methods, notes = ["plain"], []
+    if pipe.speculative and pipe.drafter.feature_layers is None and pipe.drafter.tree_width == 1:
+        methods.append("specgen")
+    elif pipe.speculative:
+        notes.append(f"batched specgen skipped: {pipe.drafter.name} is a tree drafter (not batched yet)")
+    if "hf_generate" in baselines:
+        methods.append("hf_generate")
+    return methods, notes
+
+
+def run_specgen(pipe, prompts: list[list[int]], batch_size: int, *, speculative: bool, max_new: int, seed: int,
+                clock: Callable[[], float]) -> dict:
+    """All ``prompts`` (token ids) through ``stream_batch``; prompt i uses seed + i."""
+    from specgen.batch import stream_batch
+
+    rows = [{"prompt_ids": ids, "seed": seed + i} for i, ids in enumerate(prompts)]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    latency = [0.0] * len(prompts)
+    start = clock()
+    for index, event in stream_batch(pipe, rows, batch_size=batch_size, max_new_tokens=max_new,
+                                     speculative=speculative):
+        if isinstance(event, FinishEvent):
+            outputs[index] = list(event.generation.token_ids)
+            latency[index] = clock() - start
+    return {"outputs": outputs, "wall": clock() - start, "latency": latency}
+
+
+def run_hf_batches(model: torch.nn.Module, prompts: list[list[int]], batch_size: int, kwargs: Mapping, *,
+                   pad_id: int, seed: int, clock: Callable[[], float]) -> dict:
+    """All ``prompts`` through HF ``generate()`` in left-padded chunks of ``batch_size``."""
+    device = next(model.parameters()).device
+    outputs: list[list[int]] = []
+    latency: list[float] = []
+    torch.manual_seed(seed)
+    start = clock()
+    for first in range(0, len(prompts), batch_size):
+        chunk = prompts[first: first + batch_size]
+        width = max(len(ids) for ids in chunk)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in chunk], device=device)  # [b, width]
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)  # [b, width]
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)  # [b, width + new]
+        done = clock() - start
+        outputs += [row[width:].tolist() for row in out]
+        latency += [done] * len(chunk)
+    return {"outputs": outputs, "wall": clock() - start, "latency": latency}
+
+
+def summarise_batches(samples: Sequence[Mapping]) -> list[dict]:
+    """One row per (temperature, method, batch size): median tok/s over repeats, ×(the same
+    method at batch size 1), ×(plain at the same batch size), latency p50/p99 over every
+    prompt of every repeat, and whether greedy outputs equalled plain B = 1."""
+    keys = sorted({(s["temperature"], s["method"], s["batch_size"]) for s in samples},
+                  key=lambda k: (k[0], BATCH_METHODS.index(k[1]), k[2]))
+    rate = {}
+    for key in keys:
+        rate[key] = statistics.median(s["tok_s"] for s in samples if _key(s) == key)
+    rows = []
+    for key in keys:
+        temperature, method, size = key
+        latencies = sorted(x for s in samples if _key(s) == key for x in s["latency"])
+        same = [s["matches_single"] for s in samples if _key(s) == key and s["matches_single"] is not None]
+        one, plain = rate.get((temperature, method, 1)), rate.get((temperature, "plain", size))
+        rows.append({"temperature": temperature, "method": method, "batch_size": size, "tok_s": rate[key],
+                     "x_batch1": rate[key] / one if one else None, "x_plain": rate[key] / plain if plain else None,
+                     "latency_p50": _quantile(latencies, 0.5), "latency_p99": _quantile(latencies, 0.99),
+                     "matches_single": all(same) if same else None, "repeats": sum(_key(s) == key for s in samples)})
+    return rows
+
+
+def batch_markdown(rows: Sequence[Mapping]) -> str:
+    lines = ["| T | method | batch | tok/s | ×batch 1 | ×plain (same batch) | latency p50 s | p99 s | = single |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        same = "" if r["matches_single"] is None else ("yes" if r["matches_single"] else "no")
+        lines.append(f"| {r['temperature']:g} | {r['method']} | {r['batch_size']} | {r['tok_s']:.1f} | "
+                     f"{_x(r['x_batch1'])} | {_x(r['x_plain'])} | {r['latency_p50']:.2f} | {r['latency_p99']:.2f} | "
+                     f"{same} |")
+    return "\n".join(lines) + "\n"
+
+
+def _key(sample: Mapping) -> tuple:
+    return sample["temperature"], sample["method"], sample["batch_size"]
+
+
+def _x(value) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank quantile of sorted ``values`` (0.0 when empty)."""
+    if not values:
+        return 0.0
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]

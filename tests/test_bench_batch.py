@@ -1,0 +1,46 @@
+"""specgen-bench's batch dimension (bench.batch_sizes, specgen/bench/batching.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from conftest import TINY
+from specgen.bench.batching import _quantile, summarise_batches
+from specgen.bench.cli import compose_bench, run_bench
+from specgen.errors import ConfigError
+
+
+def test_batch_section_runs_every_method_and_size(tmp_path):
+    cfg = compose_bench([*TINY, "drafter=ngram", "bench.batch_sizes=[2,1]", "bench.temperatures=[0]",
+                         "bench.num_prompts=2", "bench.max_new_tokens=6", "bench.warmup=0", "bench.batch_repeats=1",
+                         f"bench.out_dir={tmp_path}"])
+    out, err = io.StringIO(), io.StringIO()
+    result = run_bench(cfg, {"target": "tiny", "drafter": "ngram"}, out=out, err=err)
+    cells = {(r["method"], r["batch_size"]) for r in result.rows}
+    assert cells == {(m, b) for m in ("plain", "specgen", "hf_generate") for b in (1, 2)}
+    for row in result.rows:
+        assert row["tok_s"] > 0 and 0 < row["latency_p50"] <= row["latency_p99"]
+        if row["method"] != "hf_generate":  # specgen's batched greedy rows equal plain batch-1 rows
+            assert row["matches_single"] is True, row
+    assert all(s["tokens"] == 4 * 6 for s in result.samples)  # 2 prompts x 2 tasks, EOS masked
+    assert "| T | method | batch |" in out.getvalue()
+    rows = [json.loads(line) for line in (result.out_dir / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and rows[0]["environment"]["threads"] == 1
+
+
+def test_batch_summary_ratios_and_quantiles():
+    samples = [{"temperature": 0.0, "method": m, "batch_size": b, "tok_s": t, "latency": [1.0, 2.0, 3.0, 4.0],
+                "matches_single": None} for m, b, t in (("plain", 1, 10.0), ("plain", 4, 30.0), ("specgen", 4, 15.0))]
+    rows = {(r["method"], r["batch_size"]): r for r in summarise_batches(samples)}
+    assert rows["plain", 4]["x_batch1"] == 3.0 and rows["specgen", 4]["x_plain"] == 0.5
+    assert rows["specgen", 4]["x_batch1"] is None  # no batch-1 specgen sample
+    assert _quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0 and _quantile([1.0, 2.0, 3.0, 4.0], 0.99) == 4.0
+
+
+def test_bad_batch_sizes_are_refused():
+    cfg = compose_bench([*TINY, "drafter=ngram", "bench.batch_sizes=[0]"])
+    with pytest.raises(ConfigError, match="bench.batch_sizes"):
+        run_bench(cfg, out=io.StringIO(), err=io.StringIO())
