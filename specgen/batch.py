@@ -22,20 +22,27 @@ forward included) restores every row to its state before the step. A grammar
 dead end in one row ends that row only, as in the single-request engine.
 Tree drafters (eagle, medusa, mtp) and compiled targets are not batched yet and
 are refused with a ConfigError.
+
+One step loop (:class:`Batch`), two clients: :func:`stream_batch` admits a list
+given up front; :class:`BatchScheduler` is online (a thread admits requests as
+they are submitted and slots free up, and drops cancelled ones between steps).
 """
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
-from specgen.errors import ConfigError, DeadEndError, PromptError, SpecgenError
 from specgen.engine import RequestPlan
+from specgen.errors import ConfigError, DeadEndError, PromptError, SpecgenError, first_line
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.models import CausalLM, KVCache
 from specgen.options import check_option_names, request_options
@@ -44,6 +51,7 @@ from specgen.round import (RoundContext, accept_chain, accept_plain, chain_feed,
                            round_events)
 from specgen.state import Request
 
+log = logging.getLogger("specgen.batch")
 #: Compact once the shared cache holds this many slots more than twice the longest row.
 COMPACT_SLACK = 16
 
@@ -74,6 +82,28 @@ class BatchKV:
         self.cache = DynamicCache(config=lm.config)
         self.width = 0  # slots per row in the shared tensors
         self.rows = [RowCache(self) for _ in range(size)]
+        self.live: list[int] = []  # the rows the shared tensors hold, in order (their batch dimension)
+
+    def _hold(self, wanted: list[int]) -> None:
+        """Make the shared tensors' batch dimension hold exactly the rows ``wanted`` (increasing),
+        so idle rows cost no compute. A row that leaves is forgotten (its view emptied: only
+        rows with nothing to feed leave); a row that joins has no slots yet, so whatever its
+        new batch entry holds is never attended to. Copies happen only when the set changes."""
+        if wanted == self.live:
+            return
+        position = {r: i for i, r in enumerate(self.live)}
+        for r in self.live:
+            if r not in wanted:
+                self.rows[r].crop(0)
+        source = [position.get(r, 0) for r in wanted]
+        for layer in self.cache.layers:
+            keys = getattr(layer, "keys", None)
+            if keys is None or keys.dim() != 4 or not self.live:
+                continue
+            index = torch.tensor(source, dtype=torch.long, device=keys.device)  # [B']
+            layer.keys = keys.index_select(0, index)  # [B', heads, S, head_dim]
+            layer.values = layer.values.index_select(0, index)
+        self.live = list(wanted)
 
     def clear_row(self, row: int) -> RowCache:
         """Forget row ``row``'s tokens (a refill); its old slots become dead."""
@@ -84,23 +114,25 @@ class BatchKV:
         """One forward over every row's feed (empty: the row idles); -> per row its last
         ``keeps[r]`` raw logit rows [keeps[r], vocab] (None where keeps[r] == 0).
         On success each row's cache view gains its feed; on failure nothing changes."""
-        size, w, start = len(self.rows), max(len(f) for f in feeds), self.width
-        ids = torch.zeros(size, w, dtype=torch.long)  # [B, w], pads are id 0 and masked out
-        positions = torch.zeros(size, w, dtype=torch.long)  # [B, w]
-        allowed = torch.zeros(size, w, start + w, dtype=torch.bool)  # [B, w, S + w]
+        self._hold([r for r, feed in enumerate(feeds) if feed])
+        size, w, start = len(self.live), max(len(f) for f in feeds), self.width
+        ids = torch.zeros(size, w, dtype=torch.long)  # [B', w], pads are id 0 and masked out
+        positions = torch.zeros(size, w, dtype=torch.long)  # [B', w]
+        allowed = torch.zeros(size, w, start + w, dtype=torch.bool)  # [B', w, S + w]
         causal = torch.ones(w, w, dtype=torch.bool).tril()  # [w, w]
         diagonal = torch.eye(w, dtype=torch.bool)  # [w, w]: a pad query sees itself only
         picks: list[tuple[int, int]] = []
         limit = self.lm.context_length - 1
-        for r, (row, feed, keep) in enumerate(zip(self.rows, feeds, keeps, strict=True)):
+        for j, r in enumerate(self.live):  # batch entry j holds row r
+            row, feed, keep = self.rows[r], feeds[r], keeps[r]
             n = len(feed)
-            ids[r, :n] = torch.tensor(feed, dtype=torch.long)
-            positions[r] = torch.arange(len(row), len(row) + w).clamp(max=limit)
+            ids[j, :n] = torch.tensor(feed, dtype=torch.long)
+            positions[j] = torch.arange(len(row), len(row) + w).clamp(max=limit)
             if row.slots:
-                allowed[r, :n, torch.tensor(row.slots)] = True
-            allowed[r, :n, start : start + n] = causal[:n, :n]
-            allowed[r, n:, start:] = diagonal[n:]
-            picks.extend((r, c) for c in range(n - keep, n))
+                allowed[j, :n, torch.tensor(row.slots)] = True
+            allowed[j, :n, start : start + n] = causal[:n, :n]
+            allowed[j, n:, start:] = diagonal[n:]
+            picks.extend((j, c) for c in range(n - keep, n))
         rows = torch.tensor([p[0] for p in picks], dtype=torch.long)  # [K]
         cols = torch.tensor([p[1] for p in picks], dtype=torch.long)  # [K]
         logits = self.lm.forward_batch(self.cache, ids, positions, allowed, rows, cols)  # [K, vocab]
@@ -116,16 +148,17 @@ class BatchKV:
 
     def maybe_compact(self) -> None:
         """Compact when the shared cache is more than twice the longest row (plus slack)."""
-        longest = max(len(row) for row in self.rows)
+        longest = max((len(self.rows[r]) for r in self.live), default=0)
         if self.width > 2 * longest + COMPACT_SLACK:
             self.compact()
 
     def compact(self) -> None:
-        """Gather each row's slots, left-aligned, into fresh tensors (width = the longest row)."""
-        longest = max(len(row) for row in self.rows)
-        index = torch.zeros(len(self.rows), longest, dtype=torch.long)  # [B, L]; pads point at slot 0, never seen
-        for r, row in enumerate(self.rows):
-            index[r, : len(row)] = torch.tensor(row.slots, dtype=torch.long)
+        """Gather each held row's slots, left-aligned, into fresh tensors (width = the longest row)."""
+        longest = max((len(self.rows[r]) for r in self.live), default=0)
+        index = torch.zeros(len(self.live), longest, dtype=torch.long)  # [B', L]; pads point at slot 0, never seen
+        for j, r in enumerate(self.live):
+            row = self.rows[r]
+            index[j, : len(row)] = torch.tensor(row.slots, dtype=torch.long)
             row.slots = list(range(len(row)))
         for layer in self.cache.layers:
             keys = getattr(layer, "keys", None)
@@ -141,37 +174,109 @@ class BatchKV:
 class RowSpec(RequestPlan):
     """One prompt's checked request (:meth:`specgen.engine.Pipeline.plan_request`) and its index."""
 
-    index: int
+    index: int | None
 
 
-@dataclass
+@dataclass(eq=False)
 class Row:
     spec: RowSpec
     request: Request
     ctx: RoundContext
     start: float
+    owner: object = None  # who receives this row's events (a BatchScheduler's Handle)
 
 
-def prepare(pipe, prompt, common: dict, index: int) -> RowSpec:
+def batchable(pipe) -> bool:
+    """Whether ``pipe``'s speculative rows can run batched: no tree drafter, no compiled target."""
+    drafter = pipe.drafter
+    chain = not pipe.speculative or (drafter.feature_layers is None and drafter.tree_width <= 1)
+    return chain and pipe.target.compiled is None
+
+
+def prepare(pipe, prompt, common: dict, index: int | None, *, caller: str = "generate_batch()") -> RowSpec:
     """Validate one prompt (a str, chat messages, or a dict of per-row options with
-    ``prompt`` or ``prompt_ids``); a SpecgenError names the prompt's index."""
+    ``prompt`` or ``prompt_ids``); a SpecgenError names the prompt's index (when not None)."""
     try:
         options_in = dict(common)
         prompt_ids = None
         if isinstance(prompt, Mapping):
             own = dict(prompt)
             prompt, prompt_ids = own.pop("prompt", None), own.pop("prompt_ids", None)
-            check_option_names(own, "generate_batch()")
+            check_option_names(own, caller)
             if "stats" in own:
-                raise ConfigError("stats is not a per-row option of generate_batch(); read each Generation's stats")
+                raise ConfigError(f"stats is not a per-row option of {caller}; read each Generation's stats")
             options_in.update(own)
         plan = pipe.plan_request(prompt, prompt_ids, request_options(pipe.defaults, **options_in))
         if plan.use_spec and (pipe.drafter.feature_layers is not None or pipe.drafter.tree_width > 1):
             raise ConfigError(f"tree drafters (eagle, medusa, mtp) are not batched yet; {pipe.drafter.name!r} "
-                              f"cannot run in generate_batch (pass speculative=False or use generate())")
+                              f"cannot run in {caller} (pass speculative=False or use generate())")
         return RowSpec(**vars(plan), index=index)
     except SpecgenError as exc:
-        raise type(exc)(f"generate_batch() prompt {index}: {exc}") from None
+        if index is None:
+            raise
+        raise type(exc)(f"{caller} prompt {index}: {exc}") from None
+
+
+def _check_batch_size(batch_size) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+    return batch_size
+
+
+class Batch:
+    """The step loop's state, shared by :func:`stream_batch` and :class:`BatchScheduler`:
+    ``size`` slots over one :class:`BatchKV`. Rows are added and removed only between
+    steps, so a removed row is always at its last commit."""
+
+    def __init__(self, pipe, size: int):
+        self.pipe = pipe
+        self.kv = BatchKV(pipe.target, size)
+        self.slots: list[Row | None] = [None] * size
+
+    @property
+    def active(self) -> int:
+        """Rows running."""
+        return sum(row is not None for row in self.slots)
+
+    @property
+    def full(self) -> bool:
+        return all(row is not None for row in self.slots)
+
+    def add(self, spec: RowSpec, owner: object = None) -> Row:
+        """Admit ``spec`` (planned by this pipeline or a variant sharing its models: the row
+        runs ``spec.stack``) into a free slot; ValueError when the batch is full."""
+        r = self.slots.index(None)
+        self.slots[r] = row = admit(self.pipe, self.kv, r, spec)
+        row.owner = owner
+        return row
+
+    def remove(self, row: Row) -> None:
+        """Free ``row``'s slot (its cached slots become dead and are compacted away later)."""
+        r = self.slots.index(row)
+        self.slots[r] = None
+        self.kv.clear_row(r)
+
+    def rows(self) -> list[Row]:
+        return [row for row in self.slots if row is not None]
+
+    def step(self) -> Iterator[tuple[Row, TokenEvent | FinishEvent]]:
+        """One step over every active row (a transaction: on an exception nothing is yielded and
+        every row is as before); then each row's events, a finished row's FinishEvent last (its
+        slot is free by then)."""
+        self.kv.maybe_compact()
+        live = [(r, row) for r, row in enumerate(self.slots) if row is not None]
+        for r, events in step(self.kv, live):
+            row = self.slots[r]
+            stats = row.ctx.stats
+            if stats.ttft is None:
+                stats.ttft = time.perf_counter() - row.start
+            stats.new_tokens += len(events)
+            stats.wall = time.perf_counter() - row.start
+            for event in events:
+                yield row, event
+            if row.request.finish_reason is not None:
+                self.remove(row)
+                yield row, _finish(row)
 
 
 def stream_batch(pipe, prompts: Sequence, *, batch_size: int = 8,
@@ -182,8 +287,7 @@ def stream_batch(pipe, prompts: Sequence, *, batch_size: int = 8,
     admitted in input order as rows free up. Every prompt and option is checked
     before the first forward. common: options shared by all rows (a row's dict overrides them).
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+    _check_batch_size(batch_size)
     if isinstance(prompts, (str, Mapping)) or not isinstance(prompts, Sequence):
         raise PromptError("generate_batch() takes a list of prompts")
     if "stats" in common:
@@ -192,27 +296,12 @@ def stream_batch(pipe, prompts: Sequence, *, batch_size: int = 8,
         raise ConfigError("generate_batch() does not run compiled targets yet; set compile=false")
     specs = [prepare(pipe, prompt, common, i) for i, prompt in enumerate(prompts)]
     queue = list(reversed(specs))
-    kv = BatchKV(pipe.target, min(batch_size, max(1, len(specs))))
-    slots: list[Row | None] = [None] * len(kv.rows)
-    while queue or any(slots):
-        for r, row in enumerate(slots):
-            if row is None and queue:
-                slots[r] = admit(pipe, kv, r, queue.pop())
-        kv.maybe_compact()
-        live = [(r, row) for r, row in enumerate(slots) if row is not None]
-        for r, events in step(kv, live):
-            row = slots[r]
-            stats = row.ctx.stats
-            if stats.ttft is None:
-                stats.ttft = time.perf_counter() - row.start
-            stats.new_tokens += len(events)
-            stats.wall = time.perf_counter() - row.start
-            for event in events:
-                yield row.spec.index, event
-            if row.request.finish_reason is not None:
-                slots[r] = None
-                kv.clear_row(r)
-                yield row.spec.index, _finish(row)
+    batch = Batch(pipe, min(batch_size, max(1, len(specs))))
+    while queue or batch.active:
+        while queue and not batch.full:
+            batch.add(queue.pop())
+        for row, event in batch.step():
+            yield row.spec.index, event
 
 
 def generate_batch(pipe, prompts: Sequence, *, batch_size: int = 8, **common) -> list[Generation]:
@@ -291,3 +380,194 @@ def step(kv: BatchKV, live: list[tuple[int, Row]]) -> list[tuple[int, list[Token
         else:
             out.append((r, plain_events(row.ctx, result)))
     return out
+
+
+class StepError(SpecgenError):
+    """A batched step failed (rolled back); the rows it ran were removed. ``__cause__``: the error."""
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """A handle's last item when it was cancelled (or its scheduler closed) before finishing:
+    ``new_tokens`` TokenEvents had been delivered."""
+
+    new_tokens: int
+
+
+class Handle:
+    """One request submitted to a :class:`BatchScheduler`.
+
+    Its items, in order: TokenEvents, then exactly one of FinishEvent, :class:`Cancelled`
+    or a SpecgenError (the request was refused when admitted, before any event; a
+    :class:`StepError` when a step it ran in failed). With a ``callback`` each item is
+    passed to it on the scheduler's thread (it must not block for long or raise); without
+    one, iterate the handle (on any thread): it yields the events and Cancelled, and
+    raises the error.
+    """
+
+    def __init__(self, prompt: object, variant: Hashable | None, callback: Callable[[object], None] | None,
+                 cancelled: threading.Event | None = None):
+        self.prompt, self.variant = prompt, variant
+        self.cancelled = cancelled or threading.Event()
+        self.delivered = 0  # TokenEvents delivered so far
+        self._items: queue.SimpleQueue | None = None if callback else queue.SimpleQueue()
+        self._callback = callback
+
+    def deliver(self, item: object) -> None:
+        if isinstance(item, TokenEvent):
+            self.delivered += 1
+        if self._callback is not None:
+            self._callback(item)
+        else:
+            self._items.put(item)
+
+    def __iter__(self) -> Iterator[TokenEvent | FinishEvent | Cancelled]:
+        if self._items is None:
+            raise ConfigError("a handle with a callback receives its events there; it cannot be iterated")
+        while True:
+            item = self._items.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if isinstance(item, (FinishEvent, Cancelled)):
+                return
+
+
+class BatchScheduler:
+    """An online batch: requests join while it runs and leave when they finish or are cancelled.
+
+    One thread (started by :meth:`start`, or by the first :meth:`submit`) owns the pipeline:
+    it admits queued requests, in submission order, whenever a slot is free (at most
+    ``batch_size`` rows), checks each on admission (:func:`prepare`), and runs
+    :meth:`Batch.step` while any row is active. :meth:`cancel` is honoured between steps:
+    the row, at its last commit, is removed and its slot reused; other rows are untouched.
+    A step that raises fails every row it ran (each handle gets a :class:`StepError`);
+    the scheduler goes on with the next requests.
+
+    variants: maps a request's ``variant`` key to a pipeline sharing ``pipe``'s models
+    (its processor stack and guarantee then plan the row); called on the scheduler thread.
+    """
+
+    def __init__(self, pipe, batch_size: int = 8, *, variants: Callable[[Hashable], object] | None = None):
+        if not batchable(pipe):
+            raise ConfigError("the batch scheduler needs a chain drafter (or none) and compile=false")
+        self.pipe, self.variants = pipe, variants
+        self.batch = Batch(pipe, _check_batch_size(batch_size))
+        self._waiting: queue.SimpleQueue[Handle | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting for a slot."""
+        return self._waiting.qsize()
+
+    @property
+    def active(self) -> int:
+        """Rows running."""
+        return self.batch.active
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has been called."""
+        return self._closing.is_set()
+
+    def start(self) -> None:
+        with self._lock:
+            if self.closed:
+                raise ConfigError("this BatchScheduler is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="specgen-batch", daemon=True)
+                self._thread.start()
+
+    def submit(self, prompt=None, *, prompt_ids=None, variant: Hashable | None = None,
+               callback: Callable[[object], None] | None = None, cancelled: threading.Event | None = None,
+               **options) -> Handle:
+        """Queue one request (the options of :meth:`specgen.engine.Pipeline.stream`); -> its handle.
+        It is checked when admitted: a bad one's handle gets the SpecgenError. cancelled: an
+        Event that cancels the request when set (default: a new one; :meth:`cancel` sets it)."""
+        if variant is not None and self.variants is None:
+            raise ConfigError("this BatchScheduler has no variants; submit without variant=")
+        handle = Handle(dict(options, prompt=prompt, prompt_ids=prompt_ids), variant, callback, cancelled)
+        self.start()
+        self._waiting.put(handle)
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        """Stop ``handle`` at its last commit (between steps); it then gets Cancelled."""
+        handle.cancelled.set()
+
+    def close(self) -> None:
+        """Stop after the running step; active and queued requests get Cancelled."""
+        with self._lock:
+            self._closing.set()
+            thread = self._thread
+        if thread is not None:
+            self._waiting.put(None)
+            thread.join()
+
+    def generate(self, prompt=None, **options) -> Generation:
+        """Submit and wait (any thread); -> the Generation. Raises the request's SpecgenError."""
+        for item in self.submit(prompt, **options):
+            if isinstance(item, FinishEvent):
+                return item.generation
+        raise SpecgenError("the request was cancelled")
+
+    def _loop(self) -> None:
+        while not self.closed:
+            for row in self.batch.rows():
+                if row.owner.cancelled.is_set():
+                    self.batch.remove(row)
+                    row.owner.deliver(Cancelled(row.owner.delivered))
+            while not self.closed and not self.batch.full:
+                try:
+                    handle = self._waiting.get(block=not self.batch.active)
+                except queue.Empty:
+                    break
+                if handle is not None:
+                    self._admit(handle)
+            if not self.closed and self.batch.active:
+                self._step()
+        for row in self.batch.rows():
+            self.batch.remove(row)
+            row.owner.deliver(Cancelled(row.owner.delivered))
+        while True:
+            try:
+                handle = self._waiting.get_nowait()
+            except queue.Empty:
+                return
+            if handle is not None:
+                handle.deliver(Cancelled(0))
+
+    def _admit(self, handle: Handle) -> None:
+        if handle.cancelled.is_set():
+            handle.deliver(Cancelled(0))
+            return
+        try:
+            pipe = self.pipe if handle.variant is None else self.variants(handle.variant)
+            self.batch.add(prepare(pipe, handle.prompt, {}, None, caller="a request"), handle)
+        except SpecgenError as exc:
+            handle.deliver(exc)
+        except Exception as exc:  # a bug must not take the scheduler (and every later request) down
+            log.exception("admitting a request failed")
+            failure = StepError(f"internal error: {first_line(exc)}")
+            failure.__cause__ = exc
+            handle.deliver(failure)
+
+    def _step(self) -> None:
+        rows = self.batch.rows()
+        try:
+            for row, event in self.batch.step():
+                if not row.owner.cancelled.is_set():
+                    row.owner.deliver(event)
+                elif isinstance(event, FinishEvent):  # finished in the step its cancel arrived in
+                    row.owner.deliver(Cancelled(row.owner.delivered))
+        except Exception as exc:  # the step rolled back: fail its rows, keep serving the others
+            log.exception("a batched step failed")
+            failure = StepError(f"generation failed: {first_line(exc)}")
+            failure.__cause__ = exc
+            for row in rows:
+                if row in self.batch.slots:
+                    self.batch.remove(row)
+                    row.owner.deliver(failure)

@@ -48,7 +48,8 @@ def check_run_config(cfg: Mapping) -> dict:
     ``seed`` (ints), ``stop`` (list of non-empty strings), ``threads`` ("auto" or a
     positive int), the ``sampling`` numbers and ``ui`` switches, and where the config
     has them ``output`` (None or a path) and ``resume`` (bool), whose files are checked
-    by :func:`check_jsonl_paths`. Raises :class:`ConfigError` naming the first bad key.
+    by :func:`check_jsonl_paths`, and ``batch_size`` (a positive int, checked against the
+    drafter and ``compile`` by :func:`check_batch_size`). Raises :class:`ConfigError` naming the first bad key.
     """
     cfg = dict(cfg)
     cfg["speculative"] = parse_bool(cfg.get("speculative", True), "speculative")
@@ -74,7 +75,28 @@ def check_run_config(cfg: Mapping) -> dict:
         cfg["output"] = parse_optional_text(cfg.get("output"), "output")
         cfg["resume"] = parse_bool(cfg.get("resume", False), "resume")
         check_jsonl_paths(cfg)
+    if "batch_size" in cfg:
+        cfg["batch_size"] = check_batch_size(cfg)
     return cfg
+
+
+#: Drafter kinds the batched engine refuses (trees, or feature-level heads): see specgen.batch.
+UNBATCHED_DRAFTERS = ("eagle", "medusa", "mtp")
+
+
+def check_batch_size(cfg: Mapping) -> int:
+    """``batch_size`` as a positive int; ConfigError when it is above 1 with a setting the batched
+    engine refuses (a tree drafter while ``speculative`` is on, or ``compile=true``)."""
+    size = parse_int(cfg.get("batch_size"), "batch_size", minimum=1)
+    if size > 1:
+        kind = (cfg.get("drafter") or {}).get("kind")
+        if kind in UNBATCHED_DRAFTERS and cfg.get("speculative", True):
+            raise ConfigError(f"batch_size={size}: tree drafters (eagle, medusa, mtp) are not batched yet; "
+                              f"drafter={kind} needs batch_size=1 (or speculative=false)")
+        if cfg.get("compile", False):
+            raise ConfigError(f"batch_size={size}: compiled targets are not batched yet; "
+                              "use compile=false or batch_size=1")
+    return size
 
 
 #: Suffixes ``prompt_file`` may have when ``output=`` asks for one result per JSONL row.

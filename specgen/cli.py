@@ -7,7 +7,8 @@ line; Ctrl-C stops the stream cleanly (status 130).
 
 With ``output=out.jsonl`` the command runs every row of ``prompt_file=PATH.jsonl``
 instead (see :mod:`specgen.jsonl`): stdout stays empty, a progress bar (on a
-terminal) and one summary line go to stderr. Status 0: every row ran; 1: the
+terminal) and one summary line go to stderr; ``batch_size=N`` runs N rows at a time on
+the batched engine (same records, in the same order). Status 0: every row ran; 1: the
 output is complete but some rows hold error records; 2: nothing ran (bad config,
 unreadable input, an output that already holds results without ``resume=true``);
 130: Ctrl-C, with the output valid up to the last finished row.
@@ -148,7 +149,7 @@ def run_jsonl(cfg: dict, err) -> Summary:
     show = hasattr(err, "isatty") and err.isatty()
     bar = tqdm(total=job.summary.rows, initial=job.summary.finished, unit="row", file=err, disable=not show)
     try:
-        summary = job.run(pipe, on_row=bar.update)
+        summary = job.run(pipe, on_row=bar.update, batch_size=cfg.get("batch_size", 1))
     except KeyboardInterrupt:
         bar.close()
         s = job.summary

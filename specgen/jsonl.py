@@ -21,9 +21,13 @@ row and every row before it have finished, so an interrupted run leaves valid
 JSONL up to the last finished row; a resume keeps those records, drops a torn
 last line and runs only the rows that have none.
 
-Consumers see rows only through :class:`JsonlJob`; a batched engine may finish
-rows out of order and hand them to :class:`RecordWriter`, which keeps the file
-in input order.
+With ``batch_size`` above 1 the rows run together on the batched engine
+(:func:`specgen.batch.stream_batch`): each row is first checked alone by
+:func:`specgen.batch.prepare` (a row it refuses gets its error record and stays
+out of the batch), rows finish out of order and :class:`RecordWriter` keeps the
+file in input order. A row's output law (greedy: its text) is the same either way.
+
+Consumers see rows only through :class:`JsonlJob`.
 """
 
 from __future__ import annotations
@@ -271,23 +275,70 @@ class JsonlJob:
             self.summary.count(record)
         self._done = set(records)
 
-    def run(self, pipe, on_row: Callable[[], None] | None = None) -> Summary:
+    def run(self, pipe, on_row: Callable[[], None] | None = None, *, batch_size: int = 1) -> Summary:
         """Run every row not yet in the output on ``pipe``, appending records in input order.
 
-        on_row: called after each row ran (a progress bar). KeyboardInterrupt propagates with
-        the file valid up to the last finished row (``summary`` counts what is in it).
+        on_row: called after each row finished (a progress bar). batch_size: rows generated
+        together (1 = one after another on ``pipe.stream``). KeyboardInterrupt propagates with
+        the file valid up to the last record whose earlier rows had all finished (``summary``
+        counts what is in it).
         """
+        todo = [row for row in self.rows if row.index not in self._done]
         with open(self.output, "ab", buffering=0) as file:
             file.truncate(self._kept)
             writer = RecordWriter(file, self._done)
-            for row in self.rows:
-                if row.index in self._done:
-                    continue
-                for record in writer.put(row.index, generate_record(pipe, row)):
-                    self.summary.count(record)
+
+            def put(row: Row, record: dict) -> None:
+                for written in writer.put(row.index, record):
+                    self.summary.count(written)
                 if on_row is not None:
                     on_row()
+
+            if batch_size > 1:
+                todo = _run_batched(pipe, todo, batch_size, put)
+            for row in todo:
+                put(row, generate_record(pipe, row))
         return self.summary
+
+
+def _run_batched(pipe, rows: list[Row], batch_size: int, put: Callable[[Row, dict], None]) -> list[Row]:
+    """Give every row in ``rows`` its record via ``put`` as it finishes, ``batch_size`` rows at a time.
+
+    A row that fails its own check (:func:`specgen.batch.prepare`) gets its error record
+    first. Returns the rows left without a record when the batch itself stopped on a
+    SpecgenError (the caller runs those one at a time, so one bad row cannot sink the rest).
+    """
+    from specgen.batch import prepare, stream_batch
+
+    runnable: list[Row] = []
+    for row in rows:
+        if row.error is not None:
+            put(row, error_record(row, row.error))
+            continue
+        try:
+            prepare(pipe, _batch_prompt(row), {}, None)  # None: the message names no batch index
+        except SpecgenError as exc:
+            put(row, error_record(row, f"line {row.line}: {first_line(exc)}"))
+            continue
+        runnable.append(row)
+    left = {row.index: row for row in runnable}
+    if not runnable:
+        return []
+    events = stream_batch(pipe, [_batch_prompt(row) for row in runnable], batch_size=batch_size)
+    try:
+        with closing(events):
+            for position, event in events:
+                if isinstance(event, FinishEvent):
+                    row = left.pop(runnable[position].index)
+                    put(row, result_record(row, event.generation))
+    except SpecgenError:
+        return list(left.values())
+    return []
+
+
+def _batch_prompt(row: Row) -> dict:
+    """The row as one prompt of :func:`specgen.batch.stream_batch` (its options ride along)."""
+    return {"prompt": row.prompt, **row.options}
 
 
 def job_from_config(cfg: Mapping) -> JsonlJob:

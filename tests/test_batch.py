@@ -4,12 +4,14 @@ Greedy rows must equal single-request greedy output token for token (float32,
 ragged prompts, refills); sampled rows must follow the exact law of their own
 request (chi-square against exact_distribution) while sharing forwards with rows
 that use other processors, grammars, seeds and lengths; a failed step must roll
-every row back.
+every row back. The online scheduler (BatchScheduler) admits rows while others
+run and cancels rows between steps, leaving the other rows' outputs unchanged.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from collections import Counter
 
 import pytest
@@ -19,8 +21,9 @@ from exact import exact_distribution, goodness_of_fit
 
 import specgen
 import specgen.grammar
-from specgen.batch import BatchKV, admit, prepare, step
+from specgen.batch import BatchKV, BatchScheduler, Cancelled, StepError, admit, prepare, step
 from specgen.errors import ConfigError, PromptError
+from specgen.events import FinishEvent, TokenEvent
 from specgen.grammar import backend as grammar_backend
 
 TINY_REGEX = "(at|ta)[en]{0,3}"  # over the tiny alphabet: ids a=4, t=3, e=2, n=7
@@ -154,3 +157,160 @@ def test_bad_batch_input_names_the_prompt():
         pipe.generate_batch([dict(prompt_ids=[1])], batch_size=0)
     with pytest.raises(PromptError, match="list of prompts"):
         pipe.generate_batch("one prompt")
+
+
+class _Recorder:
+    """Per-request item lists filled by BatchScheduler callbacks (on its thread); ``on_token``
+    (index, count) runs after each TokenEvent, once every handle is known (``ready``)."""
+
+    def __init__(self, count: int, on_token=None):
+        self.items = [[] for _ in range(count)]
+        self.done = [threading.Event() for _ in range(count)]
+        self.ready = threading.Event()
+        self.on_token = on_token
+
+    def callback(self, index: int):
+        def deliver(item):
+            self.ready.wait(30)
+            self.items[index].append(item)
+            if isinstance(item, TokenEvent) and self.on_token is not None:
+                self.on_token(index, sum(isinstance(i, TokenEvent) for i in self.items[index]))
+            if not isinstance(item, TokenEvent):
+                self.done[index].set()
+        return deliver
+
+    def wait(self, index: int):
+        assert self.done[index].wait(120), f"request {index} did not end"
+        return self.items[index][-1]
+
+
+def _long_prompts(pipe, count: int) -> list[dict]:
+    """Prompts whose greedy and seed-0..2 runs at temperature 1 all reach 16 tokens (no early EOS)."""
+    prompts = [dict(prompt_ids=ids, max_new_tokens=16) for ids in ([3, 13], [5, 1], [8, 2], [11, 1])[:count]]
+    for p in prompts:
+        assert len(pipe.generate(**p).token_ids) == 16, "each reference run must be long enough to interleave"
+    return prompts
+
+
+def test_scheduler_admits_a_request_submitted_while_others_run():
+    pipe = tiny_pipeline("drafter.num_tokens=3")
+    prompts = _long_prompts(pipe, 3)
+    expected = [pipe.generate(**p).token_ids for p in prompts]
+    scheduler = BatchScheduler(pipe, batch_size=4)
+    late: dict = {}
+
+    def on_token(index, count):
+        if index == 0 and count == 1:  # the first row has started: submit the third request now
+            late["handle"] = scheduler.submit(**prompts[2], callback=recorder.callback(2))
+        if index == 2 and count == 1:  # the late row's first token: the first row (16 tokens) still runs
+            late["together"] = scheduler.active
+
+    recorder = _Recorder(3, on_token)
+    handles = [scheduler.submit(**p, callback=recorder.callback(i)) for i, p in enumerate(prompts[:2])]
+    recorder.ready.set()
+    try:
+        finals = [recorder.wait(i) for i in range(3)]
+    finally:
+        scheduler.close()
+    assert late["together"] >= 2 and len(handles) == 2
+    assert all(isinstance(f, FinishEvent) for f in finals)
+    assert [f.generation.token_ids for f in finals] == expected
+    assert sum(f.generation.stats.drafted for f in finals) > 0
+    assert scheduler.active == 0 and scheduler.pending == 0
+
+
+def test_scheduler_cancel_frees_the_slot_and_leaves_other_rows_unchanged():
+    pipe = tiny_pipeline("drafter.num_tokens=3", "sampling.temperature=1.0")
+    prompts = [dict(p, seed=i) for i, p in enumerate(_long_prompts(pipe, 3))]
+    expected = [pipe.generate(**p).token_ids for p in prompts]
+    scheduler = BatchScheduler(pipe, batch_size=2)
+    seen: dict = {}
+    handles: list = []
+
+    def on_token(index, count):
+        if index == 0 and count >= 2 and scheduler.active == 2 and "slot" not in seen:
+            # cancel the first row mid-generation, beside the second; the third takes its slot
+            seen["slot"] = next(r for r, row in enumerate(scheduler.batch.slots) if row and row.owner is handles[0])
+            scheduler.cancel(handles[0])
+            handles.append(scheduler.submit(**prompts[2], callback=recorder.callback(2)))
+        if index == 2 and count == 1:
+            seen["reused"] = next(r for r, row in enumerate(scheduler.batch.slots)
+                                  if row and row.owner is handles[2])
+
+    recorder = _Recorder(3, on_token)
+    handles.extend(scheduler.submit(**p, callback=recorder.callback(i)) for i, p in enumerate(prompts[:2]))
+    recorder.ready.set()
+    try:
+        finals = [recorder.wait(i) for i in range(3)]
+    finally:
+        scheduler.close()
+    cancelled_after = len(recorder.items[0]) - 1
+    assert 2 <= cancelled_after < 16 and all(isinstance(i, TokenEvent) for i in recorder.items[0][:-1])
+    assert finals[0] == Cancelled(cancelled_after), "events after the cancel are dropped: it stops at its last commit"
+    assert finals[1].generation.token_ids == expected[1]
+    assert finals[2].generation.token_ids == expected[2]
+    assert seen["reused"] == seen["slot"]
+    assert scheduler.active == 0
+
+
+def test_scheduler_handles_iterate_and_bad_requests_get_their_error():
+    pipe = tiny_pipeline(drafter="ngram")
+    scheduler = BatchScheduler(pipe, batch_size=2)
+    try:
+        expected = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=5)
+        events = list(scheduler.submit(prompt_ids=[1, 2, 3], max_new_tokens=5))
+        assert [e.token_id for e in events[:-1]] == expected.token_ids
+        assert events[-1].generation.token_ids == expected.token_ids
+        with pytest.raises(ConfigError, match="max_new_tokens"):
+            scheduler.generate(prompt_ids=[1], max_new_tokens=0)
+        with pytest.raises(ConfigError, match="unknown argument 'sed'"):
+            scheduler.generate(prompt_ids=[1], sed=3)
+        assert scheduler.generate(prompt_ids=[1, 2, 3], max_new_tokens=5).token_ids == expected.token_ids
+    finally:
+        scheduler.close()
+    with pytest.raises(ConfigError, match="batch_size"):
+        BatchScheduler(pipe, batch_size=0)
+
+
+def test_scheduler_close_cancels_running_and_queued_requests():
+    pipe = tiny_pipeline("drafter.num_tokens=3")
+    prompts = _long_prompts(pipe, 2)
+    scheduler = BatchScheduler(pipe, batch_size=1)
+    closer = threading.Thread(target=scheduler.close)
+
+    def on_token(index, count):
+        if index == 0 and count == 1:  # close from another thread; wait until it has begun
+            closer.start()
+            while not scheduler.closed:
+                closer.join(0.01)
+
+    recorder = _Recorder(2, on_token)
+    for i, p in enumerate(prompts):
+        scheduler.submit(**p, callback=recorder.callback(i))
+    recorder.ready.set()
+    first, second = recorder.wait(0), recorder.wait(1)
+    closer.join()
+    assert first == Cancelled(sum(isinstance(i, TokenEvent) for i in recorder.items[0])) and first.new_tokens >= 1
+    assert second == Cancelled(0) and recorder.items[1] == [second]
+    with pytest.raises(ConfigError, match="closed"):
+        scheduler.submit(prompt_ids=[1])
+
+
+def test_scheduler_step_failure_fails_its_rows_and_serving_goes_on():
+    pipe = tiny_pipeline(drafter="ngram")
+    expected = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=4).token_ids
+    scheduler = BatchScheduler(pipe, batch_size=2)
+
+    def fail(module, args):
+        raise RuntimeError("injected failure in the batched forward")
+
+    hook = pipe.target.model.model.layers[-1].register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(StepError, match="generation failed: injected"):
+            scheduler.generate(prompt_ids=[1, 2, 3], max_new_tokens=4)
+        hook.remove()
+        assert scheduler.active == 0
+        assert scheduler.generate(prompt_ids=[1, 2, 3], max_new_tokens=4).token_ids == expected
+    finally:
+        hook.remove()
+        scheduler.close()

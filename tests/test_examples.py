@@ -47,7 +47,9 @@ def json_tiny(monkeypatch):
     return patch
 
 
-def test_extract_records_writes_valid_jsonl(tmp_path, json_tiny):
+@pytest.mark.parametrize("batch_size", ["1", "4"])
+def test_extract_records_writes_valid_jsonl(tmp_path, json_tiny, batch_size):
+    """One line per note, in input order: sequential (1) or batched (4: every note at once; then 2: a refill)."""
     module = load_example("extract_records")
     json_tiny(module)
     schema = {"title": "Rec", "type": "object", "properties": {"a": {"enum": [1, 2]},
@@ -56,13 +58,16 @@ def test_extract_records_writes_valid_jsonl(tmp_path, json_tiny):
     (tmp_path / "notes.txt").write_text("first note\n\nsecond note\nstill second\n\n\nthird note\n")
     out = tmp_path / "records.jsonl"
     argv = ["--schema", str(tmp_path / "s.json"), "--input", str(tmp_path / "notes.txt"), "--output", str(out),
-            "--max-new-tokens", "60"]
+            "--max-new-tokens", "60", "--batch-size", batch_size]
     assert module.main(argv) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["source"] for r in rows] == ["notes.txt#1", "notes.txt#2", "notes.txt#3"]
     for row in rows:
         assert row["finish_reason"] == "eos"
         assert row["record"]["a"] in (1, 2) and set(row["record"]["b"]) <= {"x", "y"}
+    assert module.main([*argv[:-1], "2"]) == 0  # 3 notes through 2 rows: a refill; order still kept
+    assert [json.loads(line)["source"] for line in out.read_text().splitlines()] == [r["source"] for r in rows]
+    assert module.main([*argv[:-1], "0"]) == 2
 
 
 def test_tool_call_runs_the_called_tool(json_tiny, monkeypatch):

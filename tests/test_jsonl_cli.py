@@ -175,6 +175,109 @@ def test_writer_keeps_input_order_when_rows_finish_out_of_order(tmp_path):
     assert [r["index"] for r in read_records(path)] == [1, 2, 3]
 
 
+def test_batched_rows_equal_sequential_rows(tmp_path, full_run):
+    """batch_size=3: the same file (greedy texts, stats counts, error records in the middle of a
+    batch, with the same messages), though rows finish out of order."""
+    code, records, err = run_file(tmp_path, "batch_size=3")
+    reference = read_records(full_run[0] / "out.jsonl")
+    assert code == 1 and err.strip() == "7 rows: 4 ok, 3 errors -> " + str(tmp_path / "out.jsonl")
+    assert [r["index"] for r in records] == list(range(7))
+    for got, want in zip(records, reference):
+        assert {k: v for k, v in got.items() if k != "stats"} == {k: v for k, v in want.items() if k != "stats"}
+        if "stats" in want:
+            assert got["stats"]["new_tokens"] == want["stats"]["new_tokens"]
+    assert records[1]["stats"]["new_tokens"] < records[0]["stats"]["new_tokens"]  # ragged: rows end apart
+
+
+def test_batched_resume_runs_only_the_missing_rows(tmp_path, full_run):
+    reference = read_records(full_run[0] / "out.jsonl")
+    kept = [{**reference[0], "text": "KEPT FROM THE FIRST RUN"}, *reference[1:4]]
+    lines = "".join(json.dumps(record) + "\n" for record in kept)
+    (tmp_path / "out.jsonl").write_text(lines + json.dumps(reference[4])[:10], encoding="utf-8")
+    code, records, err = run_file(tmp_path, "resume=true", "batch_size=4")
+    assert code == 1 and err.strip().endswith("(4 resumed)") and "7 rows: 4 ok, 3 errors" in err
+    assert records[0]["text"] == "KEPT FROM THE FIRST RUN"
+    assert [r.get("text", r.get("error")) for r in records[1:]] == \
+        [r.get("text", r.get("error")) for r in reference[1:]]
+
+
+def test_ctrl_c_mid_batch_leaves_valid_jsonl(tmp_path, monkeypatch, full_run):
+    """KeyboardInterrupt in the first batched step after rows 0 and 1 finished (rows 2 and 6 are
+    mid-generation, error rows 3-5 wait for row 2): rows 0 and 1 on disk, whole lines; resume completes."""
+    import specgen.batch
+
+    real_step = specgen.batch.step
+    finished: set[int] = set()
+
+    def interrupting(kv, live):
+        if finished >= {0, 1}:
+            raise KeyboardInterrupt
+        out = real_step(kv, live)
+        finished.update(row.spec.index for _, row in live if row.request.finish_reason is not None)
+        return out
+
+    monkeypatch.setattr(specgen.batch, "step", interrupting)
+    code, records, err = run_file(tmp_path, "batch_size=2")
+    assert code == 130
+    assert err.strip() == f"specgen: cancelled; 2 of 7 rows are in {tmp_path / 'out.jsonl'} (resume=true continues)"
+    assert [r["index"] for r in records] == [0, 1]
+    assert (tmp_path / "out.jsonl").read_bytes().endswith(b"\n")
+    monkeypatch.setattr(specgen.batch, "step", real_step)
+    code, records, _ = run_file(tmp_path, "batch_size=2", "resume=true")
+    reference = read_records(full_run[0] / "out.jsonl")
+    assert code == 1 and [r.get("text", r.get("error")) for r in records] == \
+        [r.get("text", r.get("error")) for r in reference]
+
+
+def test_a_failed_batch_step_sends_the_unfinished_rows_one_at_a_time(tmp_path, monkeypatch, full_run):
+    """A SpecgenError out of a batched step cannot be pinned on one row: the rows without a record
+    run alone on pipe.stream, so each gets its own result (or error) record and the file is complete."""
+    import specgen.batch
+    import specgen.jsonl
+    from specgen.errors import SpecgenError
+
+    real_step, real_record = specgen.batch.step, specgen.jsonl.generate_record
+    calls, alone = [], []
+
+    def failing(kv, live):
+        calls.append(len(live))
+        if len(calls) == 3:
+            raise SpecgenError("a step failed")
+        return real_step(kv, live)
+
+    def tracking(pipe, row):
+        alone.append(row.index)
+        return real_record(pipe, row)
+
+    monkeypatch.setattr(specgen.batch, "step", failing)
+    monkeypatch.setattr(specgen.jsonl, "generate_record", tracking)
+    code, records, _ = run_file(tmp_path, "batch_size=4")
+    reference = read_records(full_run[0] / "out.jsonl")
+    assert code == 1 and [r.get("text", r.get("error")) for r in records] == \
+        [r.get("text", r.get("error")) for r in reference]
+    assert len(calls) == 3 and alone and set(alone) <= set(OK_INDICES)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["batch_size=0"], "batch_size must be"),
+    (["batch_size=abc"], "batch_size must be an integer"),
+    (["batch_size=4", "drafter=eagle"], "batch_size=4: tree drafters .* drafter=eagle needs batch_size=1"),
+    (["batch_size=2", "drafter=medusa"], "drafter=medusa needs batch_size=1"),
+    (["batch_size=2", "compile=true"], "compiled targets are not batched yet"),
+])
+def test_bad_batch_size_is_one_line_before_loading(tmp_path, extra, message):
+    write_rows(tmp_path / "rows.jsonl")
+    args = [*TINY, f"prompt_file={tmp_path / 'rows.jsonl'}", f"output={tmp_path / 'o.jsonl'}", *extra]
+    with pytest.raises(ConfigError, match=message) as info:
+        check_run_config(to_container(compose(args)))
+    assert "\n" not in str(info.value)
+
+
+def test_tree_drafter_batches_with_speculation_off(tmp_path):
+    cfg = to_container(compose([*TINY, "drafter=eagle", "batch_size=4", "speculative=false"]))
+    assert check_run_config(cfg)["batch_size"] == 4
+
+
 @pytest.mark.parametrize("extra, message", [
     (["resume=true"], "resume=true continues an output file; add output=PATH.jsonl"),
     (["output={tmp}/o.jsonl", "prompt=hi"], "give that instead of prompt="),

@@ -4,8 +4,8 @@ The server runs the tiny models in-process (uvicorn in a thread, a free port).
 Its tokenizer is swapped for a character tokenizer over JSON characters (as in
 test_grammar) so JSON-schema output is possible. Reference outputs come from a
 second, identically built pipeline driven directly: greedy requests must equal
-``pipe.generate`` token for token, seeded sampled ones too (one request runs at
-a time, each with its own seeded generator).
+``pipe.generate`` token for token, seeded sampled ones too (requests share the
+batched scheduler's forwards, each row with its own stack and seeded generator).
 """
 
 from __future__ import annotations
@@ -15,15 +15,17 @@ import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
-from conftest import tiny_pipeline
+from conftest import TINY, tiny_pipeline
 from grammar_helpers import char_info
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
+import specgen  # noqa: E402
 from specgen.config import compose, to_container  # noqa: E402
 from specgen.errors import ConfigError  # noqa: E402
 from specgen.serve import create_app  # noqa: E402
@@ -31,6 +33,7 @@ from specgen.serve.cli import check_server_config  # noqa: E402
 from specgen.serve.metrics import CONTENT_TYPE  # noqa: E402
 from specgen.serve.protocol import Sampling  # noqa: E402
 from specgen.serve.sampling import with_sampling  # noqa: E402
+from specgen.serve.worker import BatchWorker, SerialWorker, make_scheduler  # noqa: E402
 
 JSON_CHARS = '{}":,[] ab0123-'  # 15 characters + EOS = the tiny models' 16 ids
 SCHEMA = {"type": "object", "properties": {"a": {"enum": [1, 2, 3]},
@@ -187,7 +190,10 @@ def test_malformed_json_and_unknown_routes(served, client):
     missing = httpx.get(base + "/v1/nothing")
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     assert httpx.get(base + "/v1/completions").status_code == 405
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert models[0].model_extra["specgen"]["scheduler"] == "batched"
+    assert models[0].model_extra["specgen"]["batch_size"] == 8
 
 
 def test_metrics_are_prometheus_text_with_the_guarantee(served, client):
@@ -212,44 +218,59 @@ def _wait_for(condition, what: str) -> None:
     raise AssertionError(f"gave up waiting for {what}")
 
 
-def test_clients_that_disconnect_free_the_worker(served, client, reference, monkeypatch):
-    pipe, app, base = served
-    metrics = app.state.server.metrics
-    assert len(reference["greedy"].generate(LONG_PROMPT, chat=False, max_new_tokens=200).token_ids) == 200
-    gate, original = threading.Event(), pipe.stream
+@contextmanager
+def _released(gate: threading.Event):
+    """Set ``gate`` on the way out, whatever happened (a failed assertion must not leave the scheduler held)."""
+    try:
+        yield
+    finally:
+        gate.set()
 
-    def gated(*args, **kwargs):
-        """The engine's stream, held after its first event until the test has seen the disconnect."""
-        inner = original(*args, **kwargs)
 
-        def events():
-            try:
-                for index, event in enumerate(inner):
-                    if index == 1:
-                        gate.wait(60)
-                    yield event
-            finally:
-                inner.close()
-        return events()
+def test_a_client_that_disconnects_mid_stream_frees_its_row(served, client, reference, monkeypatch):
+    """A streamed request is held (the scheduler's step waits) after its first token until the server
+    has seen its client go; it is then cancelled at its last commit and its row freed, while a request
+    that was running beside it and one that arrives meanwhile complete with their single-request output."""
+    _, app, base = served
+    metrics, worker = app.state.server.metrics, app.state.server.scheduler
+    assert isinstance(worker, BatchWorker)
+    greedy = reference["greedy"]
+    assert len(greedy.generate(LONG_PROMPT, chat=False, max_new_tokens=200).token_ids) == 200
+    core = worker.batch.batch
+    gate, held, original = threading.Event(), threading.Event(), core.step
 
-    monkeypatch.setattr(pipe, "stream", gated)
+    def gated():
+        """The batch's step, holding the scheduler thread once the long row has delivered its first token."""
+        for row, event in original():
+            yield row, event
+            if row.spec.max_new == 200 and row.owner.delivered == 1 and not held.is_set():
+                held.set()
+                gate.wait(60)
+
+    monkeypatch.setattr(core, "step", gated)
     before = metrics.count("/v1/completions", "cancelled")
     stopped, stopped_tokens = metrics.total("stopped_generations"), metrics.total("stopped_tokens")
-    body = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 200, "stream": True}
-    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as resp:
-        assert resp.status_code == 200
-        lines = (line for line in resp.iter_lines() if line.startswith("data: "))
-        assert json.loads(next(lines)[6:])["choices"][0]["text"]
-    _wait_for(lambda: metrics.count("/v1/completions", "cancelled") == before + 1, "the server to see the disconnect")
-    with pytest.raises(httpx.TimeoutException):  # a non-streaming request that gives up while it waits in the queue
-        httpx.post(base + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
-    _wait_for(lambda: metrics.count("/v1/completions", "cancelled") == before + 2, "the server to see the second one")
-    gate.set()
-    _wait_for(lambda: metrics.total("stopped_generations") == stopped + 2, "the worker to stop and skip them")
-    assert metrics.total("stopped_tokens") == stopped_tokens + 1  # the one event before the gate; the queued one: 0
-    monkeypatch.setattr(pipe, "stream", original)
-    expected = reference["greedy"].generate(PROMPT, chat=False, max_new_tokens=6).text
-    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6).choices[0].text == expected
+    with ThreadPoolExecutor(max_workers=2) as pool, _released(gate):
+        beside = pool.submit(client.completions.create, model="tiny", prompt=LONG_PROMPT, max_tokens=40)
+        body = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            lines = (line for line in resp.iter_lines() if line.startswith("data: "))
+            assert json.loads(next(lines)[6:])["choices"][0]["text"]
+        assert held.wait(60), "the scheduler holds after the long row's first token"
+        _wait_for(lambda: metrics.count("/v1/completions", "cancelled") == before + 1,
+                  "the server to see the disconnect")
+        meanwhile = pool.submit(client.completions.create, model="tiny", prompt=PROMPT, max_tokens=6)
+        with pytest.raises(httpx.TimeoutException):  # a request that gives up while it waits in the queue
+            httpx.post(base + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
+        _wait_for(lambda: metrics.count("/v1/completions", "cancelled") == before + 2,
+                  "the server to see the second one")
+        gate.set()
+        assert beside.result().choices[0].text == greedy.generate(LONG_PROMPT, chat=False, max_new_tokens=40).text
+        assert meanwhile.result().choices[0].text == greedy.generate(PROMPT, chat=False, max_new_tokens=6).text
+    _wait_for(lambda: metrics.total("stopped_generations") == stopped + 2, "the scheduler to stop and skip them")
+    assert metrics.total("stopped_tokens") == stopped_tokens + 1  # the one token before the hold; the queued one: 0
+    _wait_for(lambda: worker.active == 0 and worker.pending == 0, "every row to be freed")
 
 
 def _load_request(client, index: int) -> tuple[str, object]:
@@ -297,14 +318,18 @@ def test_64_concurrent_mixed_requests(client, reference, record_property):
     p50 = statistics.median(latencies)
     record_property("latency_p50_s", p50)
     record_property("latency_p99_s", p99)
-    print(f"\nspecgen-serve load: 64 concurrent mixed requests, served one at a time: "
+    print(f"\nspecgen-serve load: 64 concurrent mixed requests, batched scheduler (batch_size 8): "
           f"p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms")
 
 
 def test_serve_config_binds_loopback_and_checks_host_and_port():
     cfg = check_server_config(to_container(compose(["target=tiny"], "serve")))
-    assert (cfg["host"], cfg["port"]) == ("127.0.0.1", 8000)
+    assert (cfg["host"], cfg["port"], cfg["batch_size"]) == ("127.0.0.1", 8000, 8)
+    tree = check_server_config(to_container(compose(["target=tiny", "drafter=eagle", "batch_size=4"], "serve")))
+    assert tree["batch_size"] == 4  # a tree drafter serves one request at a time instead (make_scheduler)
     for override, message in (("port=0", "port must be at least 1"), ("port=70000", "port must be at most 65535"),
+                              ("batch_size=0", "batch_size must be at least 1"),
+                              ("batch_size=many", "batch_size must be an integer"),
                               ("port=abc", "port must be an integer"), ("host=''", "host must be"),
                               ("prompt=hi", "specgen-serve takes its prompts from requests")):
         with pytest.raises(ConfigError, match=message):
@@ -320,3 +345,12 @@ def test_per_request_sampling_keeps_a_guarantee_the_stack_does_not_decide():
     spec = _pipe()
     assert with_sampling(spec, Sampling(temperature=0.7)).guarantee == "exact"
     assert with_sampling(spec, Sampling(temperature=0.0, top_p=0.9)).guarantee == "greedy"
+
+
+def test_tree_drafters_are_served_one_request_at_a_time(tiny_eagle_head):
+    tree = specgen.pipeline(*TINY, "target.source.vocab_size=8", "drafter=eagle",
+                            f"drafter.head_file={tiny_eagle_head}", progress=False)
+    serial = make_scheduler(tree, 8)
+    assert isinstance(serial, SerialWorker) and serial.info["scheduler"] == "serial"
+    assert "one request at a time" in serial.info["note"] and "eagle" in serial.info["note"]
+    assert isinstance(make_scheduler(tiny_pipeline(drafter="ngram"), 4), BatchWorker)

@@ -10,7 +10,8 @@ come back through an asyncio queue. The response waits for the first item, so
 an error the engine raises before generating (a schema that does not compile, a
 prompt longer than the context) is still a 4xx. A client that goes away, while
 its request waits, runs or streams, cancels its job: a queued job is skipped, a
-running one has its stream closed, and the worker takes the next request.
+running one stops at its last commit and frees its row (:mod:`specgen.serve.worker`).
+``GET /v1/models`` says how requests are scheduled (``specgen``: batched or serial).
 Like the CLI and the chat UI the app only reads events: it never reaches into rounds.
 """
 
@@ -32,7 +33,7 @@ from specgen.events import FinishEvent, TokenEvent
 from specgen.serve import protocol
 from specgen.serve.metrics import CONTENT_TYPE, Metrics
 from specgen.serve.protocol import APIError, GenRequest
-from specgen.serve.worker import Failure, Job, Scheduler, SerialWorker, Stopped
+from specgen.serve.worker import Failure, Job, Scheduler, Stopped, make_scheduler
 from specgen.tui.session import uses_template
 
 #: Seconds between checks that a streaming client is still connected while it waits for tokens.
@@ -67,9 +68,10 @@ class _Disconnected(Exception):
 class Server:
     """Routes, the scheduler that owns the pipeline, and the metrics."""
 
-    def __init__(self, pipe: Pipeline, *, model: str | None = None, scheduler: Scheduler | None = None):
+    def __init__(self, pipe: Pipeline, *, model: str | None = None, scheduler: Scheduler | None = None,
+                 batch_size: int = 8):
         self.model = model or served_model_name(pipe)
-        self.scheduler = scheduler or SerialWorker(pipe)
+        self.scheduler = scheduler or make_scheduler(pipe, batch_size)
         self.metrics = Metrics(self.model, pipe.guarantee)
         self.use_template = uses_template(pipe)
 
@@ -179,8 +181,9 @@ class Server:
             self.metrics.request(endpoint, outcome)
 
     async def models(self, request: Request) -> Response:
+        info = dict(getattr(self.scheduler, "info", {}))
         return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
-                                                         "owned_by": "specgen"}]})
+                                                         "owned_by": "specgen", "specgen": info}]})
 
     async def prometheus(self, request: Request) -> Response:
         return PlainTextResponse(self.metrics.render(getattr(self.scheduler, "pending", 0)), media_type=CONTENT_TYPE)
@@ -198,9 +201,11 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return _error(APIError(500, "internal server error"))
 
 
-def create_app(pipe: Pipeline, *, model: str | None = None, scheduler: Scheduler | None = None) -> Starlette:
-    """The ASGI app serving ``pipe``; the scheduler (one worker thread by default) starts and stops with it."""
-    server = Server(pipe, model=model, scheduler=scheduler)
+def create_app(pipe: Pipeline, *, model: str | None = None, scheduler: Scheduler | None = None,
+               batch_size: int = 8) -> Starlette:
+    """The ASGI app serving ``pipe``; the scheduler (by default :func:`make_scheduler` with
+    ``batch_size``) starts and stops with it."""
+    server = Server(pipe, model=model, scheduler=scheduler, batch_size=batch_size)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):

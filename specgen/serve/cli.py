@@ -1,7 +1,7 @@
 """The ``specgen-serve`` command: Hydra overrides in, uvicorn serving the app out.
 
 ``specgen-serve target=... drafter=... port=8000`` composes ``conf/serve.yaml``
-(specgen's config plus ``host`` and ``port``), checks every value before any
+(specgen's config plus ``host``, ``port`` and ``batch_size``), checks every value before any
 model is loaded (a bad one: one ``specgen-serve: error: ...`` line, status 2),
 builds the pipeline and serves it on ``host:port`` (127.0.0.1 by default).
 """
@@ -23,13 +23,17 @@ from specgen.options import parse_int
 
 #: Keys of the shared config that only a one-shot run uses.
 _ONE_SHOT_KEYS = ("prompt", "prompt_file", "output", "resume")
+#: The most requests one batch may run together.
+MAX_BATCH_SIZE = 256
 
 
 def check_server_config(cfg: Mapping) -> dict:
-    """``cfg`` with its run values checked (:func:`check_run_config`) and ``host`` / ``port`` too:
-    host a non-empty name or address without spaces, port an int in [1, 65535]. The one-shot keys
+    """``cfg`` with its run values checked (:func:`check_run_config`) and ``host`` / ``port`` /
+    ``batch_size`` too: host a non-empty name or address without spaces, port an int in
+    [1, 65535], batch_size an int in [1, MAX_BATCH_SIZE]. The one-shot keys
     (prompt, prompt_file, output, resume) are refused rather than ignored."""
-    cfg = check_run_config(cfg)
+    size = cfg.get("batch_size", 8)  # checked here: a tree drafter makes the server serial, not an error
+    cfg = check_run_config({key: value for key, value in cfg.items() if key != "batch_size"})
     for key in _ONE_SHOT_KEYS:
         if cfg.get(key) not in (None, False):
             raise ConfigError(f"{key}= is for the specgen command; specgen-serve takes its prompts from requests")
@@ -38,6 +42,7 @@ def check_server_config(cfg: Mapping) -> dict:
         raise ConfigError(f"host must be a host name or IP address such as 127.0.0.1, got {host!r}")
     cfg["host"] = host
     cfg["port"] = parse_int(cfg.get("port", 8000), "port", minimum=1, maximum=65535)
+    cfg["batch_size"] = parse_int(size, "batch_size", minimum=1, maximum=MAX_BATCH_SIZE)
     return cfg
 
 
@@ -56,6 +61,7 @@ def serve(cfg: Mapping, err=None) -> None:
 
     from specgen.build import build_pipeline
     from specgen.serve.app import create_app, served_model_name
+    from specgen.serve.worker import make_scheduler
 
     err = sys.stderr if err is None else err
     cfg = check_server_config(cfg)
@@ -65,9 +71,10 @@ def serve(cfg: Mapping, err=None) -> None:
     if not _is_loopback(host):
         err.write(f"specgen-serve: warning: listening on {host}, reachable from other machines; "
                   "there is no authentication\n")
+    scheduler = make_scheduler(pipe, cfg["batch_size"])
     err.write(f"specgen-serve: model {served_model_name(pipe)!r} [{pipe.guarantee}] on http://{host}:{port}/v1 "
-              "(one request at a time)\n")
-    server = uvicorn.Server(uvicorn.Config(create_app(pipe), log_level="warning"))
+              f"({scheduler.info['note']})\n")
+    server = uvicorn.Server(uvicorn.Config(create_app(pipe, scheduler=scheduler), log_level="warning"))
     server.run(sockets=[sock])
 
 

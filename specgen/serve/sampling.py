@@ -8,6 +8,10 @@ drafter sees it through the request's draft context. The guarantee follows:
 an ``exact`` or ``greedy`` pipeline becomes ``greedy`` at temperature 0 and
 ``exact`` otherwise (with any CUDA condition kept); ``approximate`` and ``off``
 are unchanged, since the stack does not decide them.
+
+Both schedulers get a request's pipeline from :class:`Variants`: the serial worker
+runs it, the batched one plans the request's row with it (the row then carries
+that stack and guarantee while sharing forwards with rows of other stacks).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from specgen.errors import ConfigError
 from specgen.serve.protocol import Sampling
 
 _EXACT_KINDS = ("exact", "greedy")
+#: Sampling variants of the pipeline kept (least recently used dropped): each holds a rebuilt stack.
+MAX_VARIANTS = 16
 
 
 def configured(pipe: Pipeline) -> Sampling:
@@ -77,3 +83,22 @@ def _guarantee(guarantee: str, greedy: bool) -> str:
         if guarantee.startswith(kind):
             return ("greedy" if greedy else "exact") + guarantee[len(kind):]
     return guarantee
+
+
+class Variants:
+    """``pipe`` as each request's sampling asks (:func:`with_sampling`), the last ``size`` variants
+    kept. Used from one thread (the scheduler's)."""
+
+    def __init__(self, pipe: Pipeline, size: int = MAX_VARIANTS):
+        self.pipe, self.size = pipe, size
+        self._kept: dict[Sampling, Pipeline] = {}
+
+    def get(self, sampling: Sampling) -> Pipeline:
+        """``pipe`` itself when ``sampling`` changes nothing; else a variant (ConfigError as with_sampling)."""
+        if not differs(self.pipe, sampling):
+            return self.pipe
+        variant = self._kept.pop(sampling, None) or with_sampling(self.pipe, sampling)
+        self._kept[sampling] = variant  # most recently used last
+        while len(self._kept) > self.size:
+            self._kept.pop(next(iter(self._kept)))
+        return variant

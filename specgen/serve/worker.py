@@ -1,16 +1,20 @@
-"""The scheduler: the one thread that owns the pipeline and runs requests.
+"""The schedulers: the one thread that owns the pipeline and runs requests.
 
-The pipeline is not thread-safe, so one worker thread takes :class:`Job`\\ s
-from a queue and runs them **one at a time**, handing each engine event to the
-job's ``deliver`` callback (called on the worker thread; the app forwards it to
-its event loop). Anything with :class:`Scheduler`'s three methods can replace
-:class:`SerialWorker`: a batched scheduler that advances many jobs together
-keeps the same ``Job`` / ``deliver`` contract.
+The pipeline is not thread-safe, so one thread runs every request, handing each
+engine event to the job's ``deliver`` callback (called on that thread; the app
+forwards it to its event loop). :func:`make_scheduler` picks one of two:
 
-Cancelling a job (a client that went away) is a flag the worker reads between
-events: a queued job is skipped, a running one has its stream closed, which
-ends the request on a committed round (the engine rolls an interrupted round
-back), and the worker moves on to the next job.
+* :class:`BatchWorker` (whenever the pipeline batches: no drafter, ngram, a small
+  model): jobs join a :class:`specgen.batch.BatchScheduler` as they arrive and
+  advance together, up to ``batch_size`` at a time, each row with its own
+  processor stack (per-request temperature / top_p), grammar, seed and RNG;
+* :class:`SerialWorker` (tree drafters -- eagle, medusa, mtp -- and compiled
+  targets, which are not batched yet): jobs run **one at a time**.
+
+Cancelling a job (a client that went away) is a flag read between steps: a
+queued job is skipped; a running one stops at its last committed round (the
+batched row is removed and its slot reused; the serial stream is closed) and
+the others go on.
 """
 
 from __future__ import annotations
@@ -22,15 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from specgen.batch import BatchScheduler, Cancelled, StepError, batchable
 from specgen.engine import Pipeline
 from specgen.errors import SpecgenError, first_line
 from specgen.events import FinishEvent
-from specgen.serve.protocol import APIError, GenRequest, Sampling
-from specgen.serve.sampling import differs, with_sampling
+from specgen.serve.protocol import APIError, GenRequest
+from specgen.serve.sampling import Variants, differs
 
 log = logging.getLogger("specgen.serve")
-#: Sampling variants of the pipeline kept (least recently used dropped): each holds a rebuilt stack.
-MAX_VARIANTS = 16
 
 
 @dataclass(frozen=True)
@@ -64,10 +67,14 @@ class Job:
 
 
 class Scheduler(Protocol):
-    """What the app needs from a scheduler: start/close with the app, take jobs, say how many wait."""
+    """What the app needs from a scheduler: start/close with the app, take jobs, say how many wait
+    and how it runs them (``info``: shown by /v1/models)."""
 
     @property
     def pending(self) -> int: ...
+
+    @property
+    def info(self) -> dict: ...
 
     def start(self) -> None: ...
 
@@ -79,11 +86,12 @@ class Scheduler(Protocol):
 class SerialWorker:
     """Runs jobs one at a time on its own thread; the only code that touches ``pipe``."""
 
-    def __init__(self, pipe: Pipeline):
+    def __init__(self, pipe: Pipeline, reason: str = "one request at a time"):
         self.pipe = pipe
+        self.info = {"scheduler": "serial", "batch_size": 1, "note": reason}
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._variants: dict[Sampling, Pipeline] = {}
+        self._variants = Variants(pipe)
 
     @property
     def pending(self) -> int:
@@ -113,22 +121,13 @@ class SerialWorker:
                 log.exception("request %s failed", job.request.id)
                 job.deliver(Failure(APIError(500, f"internal error: {first_line(exc)}")))
 
-    def _pipeline(self, sampling: Sampling) -> Pipeline:
-        if not differs(self.pipe, sampling):
-            return self.pipe
-        variant = self._variants.pop(sampling, None) or with_sampling(self.pipe, sampling)
-        self._variants[sampling] = variant  # most recently used last
-        while len(self._variants) > MAX_VARIANTS:
-            self._variants.pop(next(iter(self._variants)))
-        return variant
-
     def _run(self, job: Job) -> None:
         if job.cancelled.is_set():
             job.deliver(Stopped(0))
             return
         req = job.request
         try:
-            stream = self._pipeline(req.sampling).stream(req.prompt, prompt_ids=req.prompt_ids, **req.options)
+            stream = self._variants.get(req.sampling).stream(req.prompt, prompt_ids=req.prompt_ids, **req.options)
         except SpecgenError as exc:
             job.deliver(Failure(APIError(400, first_line(exc))))
             return
@@ -146,3 +145,55 @@ class SerialWorker:
             job.deliver(Failure(APIError(500, f"generation failed: {first_line(exc)}")))
         finally:
             stream.close()
+
+
+class BatchWorker:
+    """Runs jobs together on a :class:`~specgen.batch.BatchScheduler` (its thread owns ``pipe``)."""
+
+    def __init__(self, pipe: Pipeline, batch_size: int = 8):
+        self.pipe = pipe
+        self.info = {"scheduler": "batched", "batch_size": batch_size,
+                     "note": f"up to {batch_size} requests advance together"}
+        self.batch = BatchScheduler(pipe, batch_size, variants=Variants(pipe).get)
+
+    @property
+    def pending(self) -> int:
+        """Jobs waiting for a row (not counting the rows running)."""
+        return self.batch.pending
+
+    @property
+    def active(self) -> int:
+        """Jobs running."""
+        return self.batch.active
+
+    def start(self) -> None:
+        self.batch.start()
+
+    def submit(self, job: Job) -> None:
+        req = job.request
+        variant = req.sampling if differs(self.pipe, req.sampling) else None
+        self.batch.submit(req.prompt, prompt_ids=req.prompt_ids, variant=variant, cancelled=job.cancelled,
+                          callback=lambda item: job.deliver(_served(item)), **req.options)
+
+    def close(self) -> None:
+        """Stop after the running step; running and queued jobs get Stopped."""
+        self.batch.close()
+
+
+def _served(item: object) -> object:
+    """A batch handle's item as the app's: events as they are, Cancelled -> Stopped, errors -> Failure."""
+    if isinstance(item, Cancelled):
+        return Stopped(item.new_tokens)
+    if isinstance(item, StepError):  # logged with its traceback by the batch scheduler
+        return Failure(APIError(500, first_line(item)))
+    if isinstance(item, SpecgenError):
+        return Failure(APIError(400, first_line(item)))
+    return item
+
+
+def make_scheduler(pipe: Pipeline, batch_size: int = 8) -> Scheduler:
+    """A :class:`BatchWorker` when ``pipe`` batches, else a :class:`SerialWorker` saying why not."""
+    if batchable(pipe):
+        return BatchWorker(pipe, batch_size)
+    why = "a compiled target" if pipe.target.compiled is not None else f"the tree drafter {pipe.drafter.name!r}"
+    return SerialWorker(pipe, f"one request at a time: {why} is not batched yet")
