@@ -105,6 +105,32 @@ class BatchKV:
             layer.values = layer.values.index_select(0, index)
         self.live = list(wanted)
 
+    def prefill(self, r: int, tokens: list[int]) -> bool:
+        """Feed a fresh row's ``tokens`` (its prompt but the last token) in a forward of its
+        own, then append their keys/values as new slots of the shared tensors (the other
+        rows' entries there stay dead), so batched steps never pad the other rows to a
+        prompt's length. -> False, doing nothing, while the shared tensors are empty (the
+        first step prefills every row together) or when the row already has slots."""
+        row = self.rows[r]
+        layers = self.cache.layers
+        ready = layers and all(getattr(layer, "keys", None) is not None and layer.keys.dim() == 4 for layer in layers)
+        if row.slots or not tokens or not ready:
+            return False
+        self._hold(sorted({*self.live, r}))
+        own = self.lm.new_cache()
+        self.lm.forward(own, tokens, keep=1, check=False)  # its keys/values; the logits are not used
+        j, start, n = self.live.index(r), self.width, len(tokens)
+        for layer, mine in zip(layers, own.cache.layers, strict=True):
+            for name in ("keys", "values"):
+                shared, added = getattr(layer, name), getattr(mine, name)  # [B', heads, S, hd], [1, heads, n, hd]
+                grown = torch.cat([shared, shared.new_zeros(*shared.shape[:2], n, shared.shape[3])], dim=-2)
+                grown[j, :, start:] = added[0]
+                setattr(layer, name, grown)  # [B', heads, S + n, head_dim]
+        self.width = start + n
+        row.tokens.extend(tokens)
+        row.slots.extend(range(start, start + n))
+        return True
+
     def clear_row(self, row: int) -> RowCache:
         """Forget row ``row``'s tokens (a refill); its old slots become dead."""
         self.rows[row].crop(0)
@@ -346,6 +372,8 @@ def step(kv: BatchKV, live: list[tuple[int, Row]]) -> list[tuple[int, list[Token
         for r, row in live:
             transaction.enter_context(row.request.transaction())
             row.ctx.clock.take_laps()
+            if not row.request.target_cache.slots:  # a fresh row: its prompt in a forward of its own
+                kv.prefill(r, row.request.committed.tokens[:-1])
         for r, row in live:  # plan + draft, per row
             request = row.request
             if request.draft is None:
