@@ -108,19 +108,24 @@ class BatchKV:
     def prefill(self, r: int, tokens: list[int]) -> bool:
         """Feed a fresh row's ``tokens`` (its prompt but the last token) in a forward of its
         own, then append their keys/values as new slots of the shared tensors (the other
-        rows' entries there stay dead), so batched steps never pad the other rows to a
-        prompt's length. -> False, doing nothing, while the shared tensors are empty (the
-        first step prefills every row together) or when the row already has slots."""
+        rows' entries there stay dead; empty shared tensors are created), so batched steps
+        never pad the other rows to a prompt's length. -> False, doing nothing, when the row
+        already has slots or the cache's layers are not plain 4D key/value tensors."""
         row = self.rows[r]
         layers = self.cache.layers
-        ready = layers and all(getattr(layer, "keys", None) is not None and layer.keys.dim() == 4 for layer in layers)
-        if row.slots or not tokens or not ready:
+        if row.slots or not tokens or not all(hasattr(layer, "lazy_initialization") for layer in layers):
+            return False
+        if any(layer.is_initialized and (layer.keys is None or layer.keys.dim() != 4) for layer in layers):
             return False
         self._hold(sorted({*self.live, r}))
         own = self.lm.new_cache()
         self.lm.forward(own, tokens, keep=1, check=False)  # its keys/values; the logits are not used
         j, start, n = self.live.index(r), self.width, len(tokens)
         for layer, mine in zip(layers, own.cache.layers, strict=True):
+            if not layer.is_initialized:
+                layer.lazy_initialization(mine.keys, mine.values)
+                empty = mine.keys.new_zeros(len(self.live), mine.keys.shape[1], start, mine.keys.shape[3])
+                layer.keys, layer.values = empty, empty.clone()  # [B', heads, S, head_dim], S = self.width
             for name in ("keys", "values"):
                 shared, added = getattr(layer, name), getattr(mine, name)  # [B', heads, S, hd], [1, heads, n, hd]
                 grown = torch.cat([shared, shared.new_zeros(*shared.shape[:2], n, shared.shape[3])], dim=-2)
