@@ -204,9 +204,9 @@ def test_batched_resume_runs_only_the_missing_rows(tmp_path, full_run):
 def test_ctrl_c_mid_batch_leaves_valid_jsonl(tmp_path, monkeypatch, full_run):
     """KeyboardInterrupt in the first batched step after rows 0 and 1 finished (rows 2 and 6 are
     mid-generation, error rows 3-5 wait for row 2): rows 0 and 1 on disk, whole lines; resume completes."""
-    import specgen.batch
+    import specgen.batch.steps
 
-    real_step = specgen.batch.step
+    real_step = specgen.batch.steps.step
     finished: set[int] = set()
 
     def interrupting(kv, live):
@@ -216,13 +216,13 @@ def test_ctrl_c_mid_batch_leaves_valid_jsonl(tmp_path, monkeypatch, full_run):
         finished.update(row.spec.index for _, row in live if row.request.finish_reason is not None)
         return out
 
-    monkeypatch.setattr(specgen.batch, "step", interrupting)
+    monkeypatch.setattr(specgen.batch.steps, "step", interrupting)
     code, records, err = run_file(tmp_path, "batch_size=2")
     assert code == 130
     assert err.strip() == f"specgen: cancelled; 2 of 7 rows are in {tmp_path / 'out.jsonl'} (resume=true continues)"
     assert [r["index"] for r in records] == [0, 1]
     assert (tmp_path / "out.jsonl").read_bytes().endswith(b"\n")
-    monkeypatch.setattr(specgen.batch, "step", real_step)
+    monkeypatch.setattr(specgen.batch.steps, "step", real_step)
     code, records, _ = run_file(tmp_path, "batch_size=2", "resume=true")
     reference = read_records(full_run[0] / "out.jsonl")
     assert code == 1 and [r.get("text", r.get("error")) for r in records] == \
@@ -232,11 +232,11 @@ def test_ctrl_c_mid_batch_leaves_valid_jsonl(tmp_path, monkeypatch, full_run):
 def test_a_failed_batch_step_sends_the_unfinished_rows_one_at_a_time(tmp_path, monkeypatch, full_run):
     """A SpecgenError out of a batched step cannot be pinned on one row: the rows without a record
     run alone on pipe.stream, so each gets its own result (or error) record and the file is complete."""
-    import specgen.batch
+    import specgen.batch.steps
     import specgen.jsonl
     from specgen.errors import SpecgenError
 
-    real_step, real_record = specgen.batch.step, specgen.jsonl.generate_record
+    real_step, real_record = specgen.batch.steps.step, specgen.jsonl.generate_record
     calls, alone = [], []
 
     def failing(kv, live):
@@ -249,7 +249,7 @@ def test_a_failed_batch_step_sends_the_unfinished_rows_one_at_a_time(tmp_path, m
         alone.append(row.index)
         return real_record(pipe, row)
 
-    monkeypatch.setattr(specgen.batch, "step", failing)
+    monkeypatch.setattr(specgen.batch.steps, "step", failing)
     monkeypatch.setattr(specgen.jsonl, "generate_record", tracking)
     code, records, _ = run_file(tmp_path, "batch_size=4")
     reference = read_records(full_run[0] / "out.jsonl")

@@ -1,0 +1,36 @@
+"""Many requests advancing together: ragged verification and continuous batching.
+
+Every active row is a :class:`specgen.state.Request` whose ``target_cache`` is a
+:class:`RowCache`, a view of one row of a shared batch-B DynamicCache
+(:class:`BatchKV`). A step runs, for every row, plan + draft (its own drafter
+session, planner and γ; a row without a drafter runs a plain step), then ONE
+target forward over every row's feed (its uncached committed tokens + its
+candidates), then each row's process / accept / commit with its own processor
+stack, grammar and RNG -- the same functions :mod:`specgen.round` uses for a
+single request, so a row's output law equals a single-request run's.
+
+The shared cache: each forward appends the same number w of slots to every row
+(w = the widest feed; shorter feeds are padded with dummies nobody attends to).
+A row lists the slots holding its tokens (``RowCache.slots``); the 4D additive
+mask lets each new token see its row's listed slots and its own feed causally;
+positions are per row (token i of a row sits at position i). Rolling a row back
+drops slots from its list (nothing is copied). :meth:`BatchKV.compact` gathers
+each row's slots left-aligned into fresh tensors when dead slots pile up.
+
+A step is a transaction over all its rows: an exception anywhere (the batched
+forward included) restores every row to its state before the step. A grammar
+dead end in one row ends that row only, as in the single-request engine.
+Tree drafters (eagle, medusa, mtp) and compiled targets are not batched yet and
+are refused with a ConfigError.
+
+One step loop (:class:`Batch`), two clients: :func:`stream_batch` admits a list
+given up front; :class:`BatchScheduler` is online (a thread admits requests as
+they are submitted and slots free up, and drops cancelled ones between steps).
+"""
+
+from specgen.batch.kv import COMPACT_SLACK, BatchKV, RowCache
+from specgen.batch.scheduler import BatchScheduler, Cancelled, Handle, StepError
+from specgen.batch.steps import Batch, Row, RowSpec, admit, batchable, generate_batch, prepare, step, stream_batch
+
+__all__ = ["COMPACT_SLACK", "Batch", "BatchKV", "BatchScheduler", "Cancelled", "Handle", "Row", "RowCache", "RowSpec",
+           "StepError", "admit", "batchable", "generate_batch", "prepare", "step", "stream_batch"]

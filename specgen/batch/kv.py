@@ -1,0 +1,159 @@
+"""The batched KV state: one DynamicCache of batch B shared by row views (see :mod:`specgen.batch`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from specgen.errors import ConfigError
+from specgen.models import CausalLM, KVCache
+
+#: Compact once the shared cache holds this many slots more than twice the longest row.
+COMPACT_SLACK = 16
+
+
+@dataclass
+class RowCache(KVCache):
+    """One row of a :class:`BatchKV` behind the single-request KVCache interface.
+
+    tokens: this row's cached ids; slots: the shared cache's slot of each, in order
+    (len(slots) == len(tokens)). ``cache`` is the owning BatchKV.
+    """
+
+    slots: list[int] = field(default_factory=list)
+
+    def crop(self, length: int) -> None:
+        del self.tokens[length:]
+        del self.slots[length:]
+
+    def keep_rows(self, prefix: int, rows: list[int]) -> None:
+        raise ConfigError("tree drafters (eagle, medusa, mtp) are not batched yet; use generate() per prompt")
+
+
+class BatchKV:
+    """A batch-``size`` DynamicCache shared by ``size`` row views (:attr:`rows`)."""
+
+    def __init__(self, lm: CausalLM, size: int):
+        self.lm = lm
+        self.cache = DynamicCache(config=lm.config)
+        self.width = 0  # slots per row in the shared tensors
+        self.rows = [RowCache(self) for _ in range(size)]
+        self.live: list[int] = []  # the rows the shared tensors hold, in order (their batch dimension)
+
+    def _hold(self, wanted: list[int]) -> None:
+        """Make the shared tensors' batch dimension hold exactly the rows ``wanted`` (increasing),
+        so idle rows cost no compute. A row that leaves is forgotten (its view emptied: only
+        rows with nothing to feed leave); a row that joins has no slots yet, so whatever its
+        new batch entry holds is never attended to. Copies happen only when the set changes."""
+        if wanted == self.live:
+            return
+        position = {r: i for i, r in enumerate(self.live)}
+        for r in self.live:
+            if r not in wanted:
+                self.rows[r].crop(0)
+        source = [position.get(r, 0) for r in wanted]
+        for layer in self.cache.layers:
+            keys = getattr(layer, "keys", None)
+            if keys is None or keys.dim() != 4 or not self.live:
+                continue
+            index = torch.tensor(source, dtype=torch.long, device=keys.device)  # [B']
+            layer.keys = keys.index_select(0, index)  # [B', heads, S, head_dim]
+            layer.values = layer.values.index_select(0, index)
+        self.live = list(wanted)
+
+    def prefill(self, r: int, tokens: list[int]) -> bool:
+        """Feed a fresh row's ``tokens`` (its prompt but the last token) in a forward of its
+        own, then append their keys/values as new slots of the shared tensors (the other
+        rows' entries there stay dead; empty shared tensors are created), so batched steps
+        never pad the other rows to a prompt's length. -> False, doing nothing, when the row
+        already has slots or the cache's layers are not plain 4D key/value tensors."""
+        row = self.rows[r]
+        layers = self.cache.layers
+        if row.slots or not tokens or not all(hasattr(layer, "lazy_initialization") for layer in layers):
+            return False
+        if any(layer.is_initialized and (layer.keys is None or layer.keys.dim() != 4) for layer in layers):
+            return False
+        self._hold(sorted({*self.live, r}))
+        own = self.lm.new_cache()
+        self.lm.forward(own, tokens, keep=1, check=False)  # its keys/values; the logits are not used
+        j, start, n = self.live.index(r), self.width, len(tokens)
+        for layer, mine in zip(layers, own.cache.layers, strict=True):
+            if not layer.is_initialized:
+                layer.lazy_initialization(mine.keys, mine.values)
+                empty = mine.keys.new_zeros(len(self.live), mine.keys.shape[1], start, mine.keys.shape[3])
+                layer.keys, layer.values = empty, empty.clone()  # [B', heads, S, head_dim], S = self.width
+            for name in ("keys", "values"):
+                shared, added = getattr(layer, name), getattr(mine, name)  # [B', heads, S, hd], [1, heads, n, hd]
+                grown = torch.cat([shared, shared.new_zeros(*shared.shape[:2], n, shared.shape[3])], dim=-2)
+                grown[j, :, start:] = added[0]
+                setattr(layer, name, grown)  # [B', heads, S + n, head_dim]
+        self.width = start + n
+        row.tokens.extend(tokens)
+        row.slots.extend(range(start, start + n))
+        return True
+
+    def clear_row(self, row: int) -> RowCache:
+        """Forget row ``row``'s tokens (a refill); its old slots become dead."""
+        self.rows[row].crop(0)
+        return self.rows[row]
+
+    def forward(self, feeds: list[list[int]], keeps: list[int]) -> list[torch.Tensor | None]:
+        """One forward over every row's feed (empty: the row idles); -> per row its last
+        ``keeps[r]`` raw logit rows [keeps[r], vocab] (None where keeps[r] == 0).
+        On success each row's cache view gains its feed; on failure nothing changes."""
+        self._hold([r for r, feed in enumerate(feeds) if feed])
+        size, w, start = len(self.live), max(len(f) for f in feeds), self.width
+        ids = torch.zeros(size, w, dtype=torch.long)  # [B', w], pads are id 0 and masked out
+        positions = torch.zeros(size, w, dtype=torch.long)  # [B', w]
+        allowed = torch.zeros(size, w, start + w, dtype=torch.bool)  # [B', w, S + w]
+        causal = torch.ones(w, w, dtype=torch.bool).tril()  # [w, w]
+        diagonal = torch.eye(w, dtype=torch.bool)  # [w, w]: a pad query sees itself only
+        picks: list[tuple[int, int]] = []
+        limit = self.lm.context_length - 1
+        for j, r in enumerate(self.live):  # batch entry j holds row r
+            row, feed, keep = self.rows[r], feeds[r], keeps[r]
+            n = len(feed)
+            ids[j, :n] = torch.tensor(feed, dtype=torch.long)
+            positions[j] = torch.arange(len(row), len(row) + w).clamp(max=limit)
+            if row.slots:
+                allowed[j, :n, torch.tensor(row.slots)] = True
+            allowed[j, :n, start : start + n] = causal[:n, :n]
+            allowed[j, n:, start:] = diagonal[n:]
+            picks.extend((j, c) for c in range(n - keep, n))
+        rows = torch.tensor([p[0] for p in picks], dtype=torch.long)  # [K]
+        cols = torch.tensor([p[1] for p in picks], dtype=torch.long)  # [K]
+        logits = self.lm.forward_batch(self.cache, ids, positions, allowed, rows, cols)  # [K, vocab]
+        self.width = start + w
+        out: list[torch.Tensor | None] = []
+        used = 0
+        for row, feed, keep in zip(self.rows, feeds, keeps, strict=True):
+            row.tokens.extend(feed)
+            row.slots.extend(range(start, start + len(feed)))
+            out.append(logits[used : used + keep] if keep else None)
+            used += keep
+        return out
+
+    def maybe_compact(self) -> None:
+        """Compact when the shared cache is more than twice the longest row (plus slack)."""
+        longest = max((len(self.rows[r]) for r in self.live), default=0)
+        if self.width > 2 * longest + COMPACT_SLACK:
+            self.compact()
+
+    def compact(self) -> None:
+        """Gather each held row's slots, left-aligned, into fresh tensors (width = the longest row)."""
+        longest = max((len(self.rows[r]) for r in self.live), default=0)
+        index = torch.zeros(len(self.live), longest, dtype=torch.long)  # [B', L]; pads point at slot 0, never seen
+        for j, r in enumerate(self.live):
+            row = self.rows[r]
+            index[j, : len(row)] = torch.tensor(row.slots, dtype=torch.long)
+            row.slots = list(range(len(row)))
+        for layer in self.cache.layers:
+            keys = getattr(layer, "keys", None)
+            if keys is None or keys.dim() != 4:
+                continue
+            where = index.to(keys.device)[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
+            layer.keys = keys.gather(2, where)  # [B, heads, L, head_dim]
+            layer.values = layer.values.gather(2, where)
+        self.width = longest

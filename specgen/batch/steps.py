@@ -1,0 +1,231 @@
+"""Rows, the batched step and its clients :func:`stream_batch` / :func:`generate_batch` (see :mod:`specgen.batch`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+from specgen.batch.kv import BatchKV
+from specgen.engine import RequestPlan
+from specgen.errors import ConfigError, DeadEndError, PromptError, SpecgenError
+from specgen.events import FinishEvent, Generation, TokenEvent
+from specgen.options import check_option_names, request_options
+from specgen.planner import AUTO
+from specgen.round import (RoundContext, accept_chain, accept_plain, chain_feed, plain_events, plan_and_draft,
+                           round_events)
+from specgen.state import Request
+
+@dataclass
+class RowSpec(RequestPlan):
+    """One prompt's checked request (:meth:`specgen.engine.Pipeline.plan_request`) and its index."""
+
+    index: int | None
+
+
+@dataclass(eq=False)
+class Row:
+    spec: RowSpec
+    request: Request
+    ctx: RoundContext
+    start: float
+    owner: object = None  # who receives this row's events (a BatchScheduler's Handle)
+
+
+def batchable(pipe) -> bool:
+    """Whether ``pipe``'s speculative rows can run batched: no tree drafter, no compiled target."""
+    drafter = pipe.drafter
+    chain = not pipe.speculative or (drafter.feature_layers is None and drafter.tree_width <= 1)
+    return chain and pipe.target.compiled is None
+
+
+def prepare(pipe, prompt, common: dict, index: int | None, *, caller: str = "generate_batch()") -> RowSpec:
+    """Validate one prompt (a str, chat messages, or a dict of per-row options with
+    ``prompt`` or ``prompt_ids``); a SpecgenError names the prompt's index (when not None)."""
+    try:
+        options_in = dict(common)
+        prompt_ids = None
+        if isinstance(prompt, Mapping):
+            own = dict(prompt)
+            prompt, prompt_ids = own.pop("prompt", None), own.pop("prompt_ids", None)
+            check_option_names(own, caller)
+            if "stats" in own:
+                raise ConfigError(f"stats is not a per-row option of {caller}; read each Generation's stats")
+            options_in.update(own)
+        plan = pipe.plan_request(prompt, prompt_ids, request_options(pipe.defaults, **options_in))
+        if plan.use_spec and (pipe.drafter.feature_layers is not None or pipe.drafter.tree_width > 1):
+            raise ConfigError(f"tree drafters (eagle, medusa, mtp) are not batched yet; {pipe.drafter.name!r} "
+                              f"cannot run in {caller} (pass speculative=False or use generate())")
+        return RowSpec(**vars(plan), index=index)
+    except SpecgenError as exc:
+        if index is None:
+            raise
+        raise type(exc)(f"{caller} prompt {index}: {exc}") from None
+
+
+def _check_batch_size(batch_size) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+    return batch_size
+
+
+class Batch:
+    """The step loop's state, shared by :func:`stream_batch` and :class:`BatchScheduler`:
+    ``size`` slots over one :class:`BatchKV`. Rows are added and removed only between
+    steps, so a removed row is always at its last commit."""
+
+    def __init__(self, pipe, size: int):
+        self.pipe = pipe
+        self.kv = BatchKV(pipe.target, size)
+        self.slots: list[Row | None] = [None] * size
+
+    @property
+    def active(self) -> int:
+        """Rows running."""
+        return sum(row is not None for row in self.slots)
+
+    @property
+    def full(self) -> bool:
+        return all(row is not None for row in self.slots)
+
+    def add(self, spec: RowSpec, owner: object = None) -> Row:
+        """Admit ``spec`` (planned by this pipeline or a variant sharing its models: the row
+        runs ``spec.stack``) into a free slot; ValueError when the batch is full."""
+        r = self.slots.index(None)
+        self.slots[r] = row = admit(self.pipe, self.kv, r, spec)
+        row.owner = owner
+        return row
+
+    def remove(self, row: Row) -> None:
+        """Free ``row``'s slot (its cached slots become dead and are compacted away later)."""
+        r = self.slots.index(row)
+        self.slots[r] = None
+        self.kv.clear_row(r)
+
+    def rows(self) -> list[Row]:
+        return [row for row in self.slots if row is not None]
+
+    def step(self) -> Iterator[tuple[Row, TokenEvent | FinishEvent]]:
+        """One step over every active row (a transaction: on an exception nothing is yielded and
+        every row is as before); then each row's events, a finished row's FinishEvent last (its
+        slot is free by then)."""
+        self.kv.maybe_compact()
+        live = [(r, row) for r, row in enumerate(self.slots) if row is not None]
+        for r, events in step(self.kv, live):
+            row = self.slots[r]
+            stats = row.ctx.stats
+            if stats.ttft is None:
+                stats.ttft = time.perf_counter() - row.start
+            stats.new_tokens += len(events)
+            stats.wall = time.perf_counter() - row.start
+            for event in events:
+                yield row, event
+            if row.request.finish_reason is not None:
+                self.remove(row)
+                yield row, _finish(row)
+
+
+def stream_batch(pipe, prompts: Sequence, *, batch_size: int = 8,
+                 **common) -> Iterator[tuple[int, TokenEvent | FinishEvent]]:
+    """Generate every prompt, at most ``batch_size`` at a time; yield (prompt index, event).
+
+    Each prompt's events come in order and end with its FinishEvent; prompts are
+    admitted in input order as rows free up. Every prompt and option is checked
+    before the first forward. common: options shared by all rows (a row's dict overrides them).
+    """
+    _check_batch_size(batch_size)
+    if isinstance(prompts, (str, Mapping)) or not isinstance(prompts, Sequence):
+        raise PromptError("generate_batch() takes a list of prompts")
+    if "stats" in common:
+        raise ConfigError("stats is not an option of generate_batch(); read each Generation's stats")
+    if pipe.target.compiled is not None:
+        raise ConfigError("generate_batch() does not run compiled targets yet; set compile=false")
+    specs = [prepare(pipe, prompt, common, i) for i, prompt in enumerate(prompts)]
+    queue = list(reversed(specs))
+    batch = Batch(pipe, min(batch_size, max(1, len(specs))))
+    while queue or batch.active:
+        while queue and not batch.full:
+            batch.add(queue.pop())
+        for row, event in batch.step():
+            yield row.spec.index, event
+
+
+def generate_batch(pipe, prompts: Sequence, *, batch_size: int = 8, **common) -> list[Generation]:
+    """Run :func:`stream_batch` to the end; -> one Generation per prompt, in input order."""
+    out: list[Generation | None] = [None] * len(prompts) if isinstance(prompts, Sequence) else []
+    for index, event in stream_batch(pipe, prompts, batch_size=batch_size, **common):
+        if isinstance(event, FinishEvent):
+            out[index] = event.generation
+    return out
+
+
+def admit(pipe, kv: BatchKV, r: int, spec: RowSpec) -> Row:
+    o = spec.options
+    request, ctx = pipe.open_request(spec.ids, max_new_tokens=spec.max_new, seed=o.seed, stop=o.stop,
+                                     use_spec=spec.use_spec, stack=spec.stack)
+    request.target_cache = kv.clear_row(r)
+    if request.draft is not None and spec.gamma == AUTO:
+        ctx.costs = pipe.cost_table()
+    return Row(spec, request, ctx, time.perf_counter())
+
+
+def _finish(row: Row) -> FinishEvent:
+    request, spec = row.request, row.spec
+    row.ctx.stats.wall = time.perf_counter() - row.start
+    reason = request.finish_reason
+    if reason == "length" and spec.context_bound:
+        reason = "context"
+    tail = request.text.flush()
+    generation = Generation(request.text.text, list(request.generated), spec.guarantee, reason, row.ctx.stats,
+                            spec.ids)
+    return FinishEvent(tail, reason, generation)
+
+
+def step(kv: BatchKV, live: list[tuple[int, Row]]) -> list[tuple[int, list[TokenEvent]]]:
+    """One batched step over the ``live`` (row index, Row) pairs, as one transaction;
+    -> (row index, events) for each live row."""
+    feeds: list[list[int]] = [[] for _ in kv.rows]
+    keeps = [0] * len(kv.rows)
+    drafted: dict[int, tuple] = {}
+    results: list[tuple[int, Row, object]] = []
+    with ExitStack() as transaction:
+        for r, row in live:
+            transaction.enter_context(row.request.transaction())
+            row.ctx.clock.take_laps()
+            if not row.request.target_cache.slots:  # a fresh row: its prompt in a forward of its own
+                kv.prefill(r, row.request.committed.tokens[:-1])
+        for r, row in live:  # plan + draft, per row
+            request = row.request
+            if request.draft is None:
+                feeds[r], keeps[r] = request.target_cache.uncached(request.committed.tokens), 1
+                continue
+            proposal, predicted = plan_and_draft(request, row.ctx, row.spec.gamma)
+            if proposal.parents is not None:
+                raise ConfigError("tree proposals are not batched yet")
+            drafted[r] = (proposal, predicted)
+            feeds[r], keeps[r] = chain_feed(request, proposal), len(proposal) + 1
+        logits = kv.forward(feeds, keeps)  # verify: one target forward over every row
+        for r, row in live:  # process + accept + commit, per row
+            try:
+                with row.request.transaction():
+                    if r in drafted:
+                        proposal, predicted = drafted[r]
+                        results.append((r, row, (proposal, predicted, *accept_chain(row.request, row.ctx,
+                                                                                    proposal, logits[r]))))
+                    else:
+                        results.append((r, row, accept_plain(row.request, row.ctx, logits[r])))
+            except DeadEndError:
+                row.request.finish_reason = "dead_end"
+                results.append((r, row, None))
+    out = []
+    for r, row, result in results:  # emit, once every row has committed
+        if result is None:
+            out.append((r, []))
+        elif r in drafted:
+            proposal, predicted, verdict, kept, depth = result
+            out.append((r, round_events(row.ctx, proposal, predicted, row.spec.gamma == AUTO, verdict, kept,
+                                        depth)))
+        else:
+            out.append((r, plain_events(row.ctx, result)))
+    return out
