@@ -88,22 +88,31 @@ def run_bench(cfg: DictConfig, names: Mapping[str, str] | None = None, *, out=No
     num_prompts = len({s["prompt_index"] for s in run.samples})
     title = header(config, run.environment, num_prompts)
     table = markdown(rows)
+    plots = (lambda out_dir: write_plots(rows, out_dir, title)) if bench.get("plots", True) else None
+    out_dir = _publish(run, bench, config, title, table, rows, run.samples, out, err, legend=LEGEND, plots=plots)
+    return BenchResult(rows, run.samples, table, run.notes, out_dir, run.interrupted)
+
+
+def _publish(run, bench: Mapping, config: Mapping, title: str, table: str, rows: list[dict], samples: list[dict],
+             out, err, legend: str = "", plots=None) -> Path | None:
+    """Print the table (stdout) and the notes (stderr); with ``bench.out_dir`` write the run's
+    folder (results.jsonl, samples.jsonl, table.md, and ``plots(folder)``) -> that folder or None."""
     out.write(f"{title}\n\n{table}")
     out.flush()
     for note in run.notes:
         err.write(f"specgen-bench: {note}\n")
-    out_dir = None
-    if bench.get("out_dir"):
-        out_dir = _new_run_dir(Path(str(bench["out_dir"])), config)
-        write_jsonl(out_dir / "results.jsonl", rows)
-        write_jsonl(out_dir / "samples.jsonl", run.samples)
-        notes = "".join(f"- {note}\n" for note in run.notes)
-        (out_dir / "table.md").write_text(f"{title}\n\n{table}\n{LEGEND}\n" + (f"\nNotes:\n{notes}" if notes else ""))
-        if bench.get("plots", True):
-            write_plots(rows, out_dir, title)
-        if not run.interrupted:
-            err.write(f"specgen-bench: results in {out_dir}\n")
-    return BenchResult(rows, run.samples, table, run.notes, out_dir, run.interrupted)
+    if not bench.get("out_dir"):
+        return None
+    out_dir = _new_run_dir(Path(str(bench["out_dir"])), config)
+    write_jsonl(out_dir / "results.jsonl", rows)
+    write_jsonl(out_dir / "samples.jsonl", samples)
+    notes = "".join(f"- {note}\n" for note in run.notes)
+    (out_dir / "table.md").write_text(f"{title}\n\n{table}\n{legend}\n" + (f"\nNotes:\n{notes}" if notes else ""))
+    if plots is not None:
+        plots(out_dir)
+    if not run.interrupted:
+        err.write(f"specgen-bench: results in {out_dir}\n")
+    return out_dir
 
 
 def _batch_result(run, resolved: Mapping, names, bench: Mapping, out, err) -> BenchResult:
@@ -114,20 +123,9 @@ def _batch_result(run, resolved: Mapping, names, bench: Mapping, out, err) -> Be
         row.update(target=config["target"], drafter=config["drafter"], config=config, environment=run.environment)
     title = header(config, run.environment, None)
     table = batch_markdown(rows)
-    out.write(f"{title}\n\n{table}")
-    out.flush()
     if run.interrupted:
         run.notes.append("interrupted by Ctrl-C: the rows cover only the repeats measured before it")
-    for note in run.notes:
-        err.write(f"specgen-bench: {note}\n")
-    out_dir = None
-    if bench.get("out_dir"):
-        out_dir = _new_run_dir(Path(str(bench["out_dir"])), config)
-        write_jsonl(out_dir / "results.jsonl", rows)
-        write_jsonl(out_dir / "samples.jsonl", run.batch_samples)
-        (out_dir / "table.md").write_text(f"{title}\n\n{table}" + "".join(f"\n- {n}" for n in run.notes))
-        if not run.interrupted:
-            err.write(f"specgen-bench: results in {out_dir}\n")
+    out_dir = _publish(run, bench, config, title, table, rows, run.batch_samples, out, err)
     return BenchResult(rows, run.batch_samples, table, run.notes, out_dir, run.interrupted)
 
 
