@@ -26,7 +26,7 @@ REGEX = "(at|ta)[en]{0,3}"
 PROMPT = [1, 2, 3]
 PROMPTS = ([1, 2, 3], [5], [4, 3, 1, 4], [1, 1, 1], [6, 2], [2])
 LENGTH = 6
-NUM_SAMPLES = 1500
+NUM_SAMPLES = 1200
 MIN_P_VALUE = 1e-3
 KINDS = ["eagle", "medusa"]
 
