@@ -139,7 +139,5 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
     guarantee = cuda_condition(guarantee, device, dtype)
     if drafter is not None and getattr(drafter, "lm", None) is not None:
         drafter.lm.vocab_size = target.tokenizer.vocab_size
-    defaults = Defaults(max_new_tokens=cfg["max_new_tokens"], seed=cfg["seed"], stop=tuple(cfg["stop"]),
-                        chat=cfg["chat"], system=cfg["system"])
     return Pipeline(target=target.lm, tokenizer=target.tokenizer, drafter=drafter, stack=stack,
-                    guarantee=guarantee, defaults=defaults, config=cfg)
+                    guarantee=guarantee, defaults=Defaults.from_config(cfg), config=cfg)

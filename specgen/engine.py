@@ -38,6 +38,12 @@ class Defaults:
     chat: bool | str = "auto"
     system: str | None = None
 
+    @classmethod
+    def from_config(cls, cfg) -> Defaults:
+        """The request defaults of a checked run config (its top-level request keys)."""
+        return cls(max_new_tokens=cfg["max_new_tokens"], seed=cfg["seed"], stop=tuple(cfg["stop"]),
+                   chat=cfg["chat"], system=cfg["system"])
+
 
 @dataclass
 class RequestPlan:

@@ -345,7 +345,6 @@ def job_from_config(cfg: Mapping) -> JsonlJob:
     """The :class:`JsonlJob` a checked run config describes (``output``, ``prompt_file``, ``resume``)."""
     from specgen.engine import Defaults
 
-    defaults = Defaults(max_new_tokens=cfg["max_new_tokens"], seed=cfg["seed"], stop=tuple(cfg["stop"]),
-                        chat=cfg["chat"], system=cfg["system"])
-    return JsonlJob(Path(cfg["prompt_file"]), Path(cfg["output"]), resume=cfg["resume"], defaults=defaults)
+    return JsonlJob(Path(cfg["prompt_file"]), Path(cfg["output"]), resume=cfg["resume"],
+                    defaults=Defaults.from_config(cfg))
 
