@@ -78,15 +78,15 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator, u: torch.Tenso
 def draw_on_device(probs: torch.Tensor, u: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse-CDF draw of :func:`sample_token` without reading anything back.
 
-    probs: [vocab]; u: one uniform. -> (token [1] long, total mass [1] float64), on
-    probs' device. The token is only meaningful when the total is finite and > 0
-    (:func:`raise_for_row`); it is always a valid id, so it can be fed on before
-    the caller reads both."""
-    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)  # [vocab]
-    total = cdf[-1:]  # [1]
-    u = torch.as_tensor(u, dtype=torch.float64, device=cdf.device).reshape(1)  # [1]
-    index = torch.searchsorted(cdf, u * total, right=True).clamp_max(probs.shape[-1] - 1)  # [1]
-    return index, total
+    probs: [vocab] with one uniform ``u`` -> (token [1] long, total mass [1] float64);
+    or rows [R, vocab] with ``u`` [R], one draw per row -> ([R], [R]); on probs' device.
+    A token is only meaningful when its total is finite and > 0 (:func:`raise_for_row`);
+    it is always a valid id, so it can be fed on before the caller reads both."""
+    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)  # [..., vocab]
+    total = cdf[..., -1:]  # [..., 1]
+    u = torch.as_tensor(u, dtype=torch.float64, device=cdf.device).reshape(total.shape)  # [..., 1]
+    index = torch.searchsorted(cdf, u * total, right=True).clamp_max(probs.shape[-1] - 1)  # [..., 1]
+    return (index, total) if probs.dim() == 1 else (index.squeeze(-1), total.squeeze(-1))
 
 
 def argmax_tokens(logits: torch.Tensor) -> list[int]:

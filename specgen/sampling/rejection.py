@@ -36,7 +36,7 @@ from typing import Literal
 import torch
 
 from specgen.errors import NumericalError
-from specgen.sampling.probs import NoAllowedToken, raise_for_row, sample_token, uniforms
+from specgen.sampling.probs import NoAllowedToken, draw_on_device, raise_for_row, sample_token, uniforms
 
 #: Residual mass below this (relative to 1) is treated as round-off, see positive_residual.
 RESIDUAL_EPS = 1e-12
@@ -64,16 +64,17 @@ class Verdict:
 
 
 def positive_residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-    """Normalised ``max(p - q, 0)`` for one position (both [vocab], float64), read nothing back.
+    """Normalised ``max(p - q, 0)`` for one position (both [vocab], float64) or row by row
+    (both [..., vocab]), read nothing back.
 
     Fallback, defined and tested: if the residual has (numerically) no mass --
     which happens only when p and q agree up to round-off, so a rejection had
     probability ~0 -- the target row itself is returned. That is the limit of the
     residual as q -> p along any path and never assigns mass where p is zero.
     """
-    residual = (target_probs - draft_probs).clamp_min(0.0)  # [vocab]
-    mass = residual.sum()
-    return torch.where(mass > RESIDUAL_EPS, residual / mass, target_probs / target_probs.sum())
+    residual = (target_probs - draft_probs).clamp_min(0.0)  # [..., vocab]
+    mass = residual.sum(dim=-1, keepdim=True)  # [..., 1]
+    return torch.where(mass > RESIDUAL_EPS, residual / mass, target_probs / target_probs.sum(dim=-1, keepdim=True))
 
 
 def row_health(probs: torch.Tensor) -> torch.Tensor:
@@ -228,15 +229,10 @@ def _draws_ahead(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, i
         q = torch.zeros_like(p[:num_draft]).scatter_(1, index.unsqueeze(1), 1.0)  # [n, vocab] one-hot
     else:
         q = draft_probs.to(p.device, torch.float64)  # [n, vocab]
-    residual = (p[:num_draft] - q).clamp_min(0.0)  # [n, vocab]
-    mass = residual.sum(dim=-1, keepdim=True)  # [n, 1]
-    fallback = p[:num_draft] / p[:num_draft].sum(dim=-1, keepdim=True)
-    rows = torch.cat([torch.where(mass > RESIDUAL_EPS, residual / mass, fallback), p[num_draft:]])  # [n + 1, vocab]
-    cdf = torch.cumsum(rows, dim=-1)  # [n + 1, vocab]
-    total = cdf[:, -1]  # [n + 1]
+    rows = torch.cat([positive_residual(p[:num_draft], q), p[num_draft:]])  # [n + 1, vocab]
     draws = torch.cat([u[1:], u[num_draft:]])  # [n + 1]: rows i < n use u[i + 1], the bonus row u[n]
-    ids = torch.searchsorted(cdf, (draws * total).unsqueeze(-1), right=True).squeeze(-1)  # [n + 1]
-    return torch.cat([ids.clamp_max(rows.shape[-1] - 1).to(torch.float64), total])
+    ids, total = draw_on_device(rows, draws)  # [n + 1], [n + 1]
+    return torch.cat([ids.to(torch.float64), total])
 
 
 def _drawn_ahead(ahead: list[float], row: int, num_draft: int) -> int:
