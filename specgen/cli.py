@@ -12,6 +12,8 @@ the batched engine (same records, in the same order). Status 0: every row ran; 1
 output is complete but some rows hold error records; 2: nothing ran (bad config,
 unreadable input, an output that already holds results without ``resume=true``);
 130: Ctrl-C, with the output valid up to the last finished row.
+
+``specgen export head=... out=DIR`` writes an eagle3 head for vLLM / SGLang (:mod:`specgen.export_cli`).
 """
 
 from __future__ import annotations
@@ -170,5 +172,12 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """Console entry point: check the overrides (one line, status 2), quote free text, hand over to Hydra."""
+    """Console entry point: check the overrides (one line, status 2), quote free text, hand over to Hydra.
+
+    ``specgen export ...`` (first argument) writes a head for vLLM/SGLang instead: :mod:`specgen.export_cli`."""
+    if sys.argv[1:2] == ["export"]:
+        from specgen.export_cli import main as export_main
+
+        export_main(sys.argv[2:])
+        return
     run_console(_hydra_main, "specgen", "config")

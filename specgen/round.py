@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from specgen.drafters import Proposal
 from specgen.drafters.base import EMPTY
 from specgen.events import TokenEvent
@@ -216,9 +218,9 @@ def _tree(request: Request, ctx: RoundContext, proposal: Proposal):
     with clock.stage("commit"):  # keep the accepted path's keys/values, then the tokens
         cache.keep_rows(prefix, tree.path)
         kept = _commit(request, tree.emitted, tree)
-        if out.features is not None and request.draft is not None:
-            last = tree.path[-1] + 1 if tree.path else 0
-            request.draft.observe_features(prefix - 1 + tree.num_accepted, out.features[last])
+        if out.features is not None and request.draft is not None:  # every newly committed position's row
+            rows = out.features[[0, *(node + 1 for node in tree.path)]]  # [1 + num_accepted, F]
+            request.draft.observe_features(prefix - 1 + tree.num_accepted, torch.cat([out.chain_features, rows]))
     return _as_chain_verdict(tree), kept, max(depths, default=0)
 
 

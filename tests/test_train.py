@@ -118,7 +118,7 @@ def test_head_settings_read_drafter_and_train_overrides():
 
 # ---- training -----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["eagle", "mtp", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp", "medusa"])
 def test_training_reduces_loss_and_saves_a_bound_head(tmp_path, kind):
     run = _run(tmp_path, kind, "train.steps=30", "train.loss=kl")
     assert run.path is not None and run.path.is_file()

@@ -84,10 +84,11 @@ class DraftSession(ABC):
         """Return to the state of ``mark`` (the committed tokens are already restored)."""
         self.sync()
 
-    def observe_features(self, position: int, feature: torch.Tensor) -> None:  # noqa: B027 (most drafters read no features)
-        """After a commit, drafters with ``feature_layers`` get the target feature
-        [F] of the committed token at ``position`` -- the last one the target has
-        processed (normally ``len(committed) - 2``; the newest token is not yet fed)."""
+    def observe_features(self, position: int, features: torch.Tensor) -> None:  # noqa: B027 (most drafters read no features)
+        """After a commit, drafters with ``feature_layers`` get the target features
+        [m, F] of the committed positions ``position - m + 1 .. position``: every
+        position the round's target forward processed and kept, ending with the last
+        one (normally ``len(committed) - 2``; the newest token is not yet fed)."""
 
 
 class Drafter(ABC):

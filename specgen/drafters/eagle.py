@@ -47,7 +47,7 @@ class EagleSession(LearnedSession):
         frontier = torch.full((1,), -1, dtype=torch.long, device=device)  # [F] global node indices
         frontier_scores = torch.zeros(1, dtype=torch.float64, device=device)  # [F]
         offset = 0
-        state, logits = self.head.step(feature, torch.tensor([token], device=device))  # [1, d], [1, Vd]
+        state, logits = self.first_step(feature, token)  # [1, d], [1, Vd]
         for depth in range(1, budget + 1):
             if states is None:
                 logp = torch.log_softmax(logits.float(), dim=-1)  # [F, Vd]
@@ -69,8 +69,18 @@ class EagleSession(LearnedSession):
                     break
             frontier, frontier_scores = offset + chosen, scores[chosen]
             offset += width
-            state, logits = self.head.step(state[chosen // d.top_k], ids[chosen])  # [E, d], [E, Vd]
+            state, logits = self.next_step(state, chosen // d.top_k, ids[chosen], depth)  # [E, d], [E, Vd]
         return self._rerank(torch.cat(level_tokens), torch.cat(level_parents), torch.cat(level_scores))
+
+    def first_step(self, feature: torch.Tensor, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The root: (target feature [1, F], newest committed token) -> (state [1, d], logits [1, Vd])."""
+        return self.head.step(feature, torch.tensor([token], device=feature.device))
+
+    def next_step(self, states: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
+                  depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expand the chosen nodes of level ``depth``: their parents are rows ``rows`` [E] of the
+        previous step's ``states``, their tokens ``tokens`` [E] -> (states [E, d], logits [E, Vd])."""
+        return self.head.step(states[rows], tokens)
 
     def _walk(self, states: list, chosen: torch.Tensor, ids: torch.Tensor, scores: torch.Tensor) -> list | None:
         """Grammar states of the chosen nodes (one host read); None when none of them has a
@@ -95,6 +105,95 @@ class EagleSession(LearnedSession):
                         confidence=[math.exp(s) for _, _, s, _ in kept])  # cumulative draft probability
 
 
+class Eagle3Session(EagleSession):
+    """An attention head's session (:mod:`specgen.heads.eagle3`): it also keeps the
+    head's keys and values of every committed context node (the draft KV cache)
+    and the target features not yet turned into context nodes. All of it is part
+    of :meth:`mark` (tensors are replaced, never written in place), so a rolled-back
+    round restores it exactly. Draft nodes' keys and values live for one proposal.
+
+    Context node j (absolute position ``base + j``) reads the target feature at that
+    position and the committed token after it; rotary positions count from ``base``.
+    """
+
+    def __init__(self, drafter, ctx):
+        super().__init__(drafter, ctx)
+        self.base = 0
+        self.keys: torch.Tensor | None = None  # [C, KV, hd]: context nodes at base .. base + C - 1
+        self.values: torch.Tensor | None = None
+        self.pending: torch.Tensor | None = None  # [m, F]: features of positions base + C .. base + C + m - 1
+        self._draft: tuple | None = None  # this proposal's draft nodes: (keys, values, ancestors [A, A], rows)
+
+    @property
+    def cached(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[0]
+
+    def observe_features(self, position: int, features: torch.Tensor) -> None:
+        super().observe_features(position, features)
+        first = position - features.shape[0] + 1
+        done = self.base + self.cached  # the first position without a context node
+        known = done + (0 if self.pending is None else self.pending.shape[0])
+        if (self.keys is None and self.pending is None) or not done <= first <= known:
+            self.base, self.keys, self.values, self.pending = first, None, None, features  # start afresh
+            return
+        self.pending = features if first == done else torch.cat([self.pending[: first - done], features])
+
+    def mark(self):
+        return super().mark(), self.base, self.keys, self.values, self.pending
+
+    def rollback(self, mark) -> None:
+        inner, self.base, self.keys, self.values, self.pending = mark
+        super().rollback(inner)
+
+    def first_step(self, feature: torch.Tensor, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Turn the pending features into context nodes (the last one is the root) in one head forward."""
+        head, tokens = self.head, self.ctx.committed.tokens
+        device, start = head.vocab_ids.device, self.cached
+        if self.pending is None:  # the root is already a context node (a second proposal): recompute its output
+            root = torch.tensor([tokens[-1]], device=device)
+            state, logits, _, _ = head.forward_nodes(feature, root, torch.tensor([start - 1], device=device),
+                                                     self.keys[:-1], self.values[:-1])
+            self._draft = None
+            return state, logits
+        count = self.pending.shape[0]
+        first = self.base + start
+        nxt = torch.tensor(tokens[first + 1: first + count + 1], device=device)  # [m] the token each node reads
+        positions = torch.arange(start, start + count, device=device)  # [m]
+        state, logits, keys, values = head.forward_nodes(self.pending.to(device), nxt, positions, self.keys,
+                                                         self.values)
+        self.keys = keys if self.keys is None else torch.cat([self.keys, keys])
+        self.values = values if self.values is None else torch.cat([self.values, values])
+        self.pending, self._draft = None, None
+        return state[-1:], logits[-1:]
+
+    def next_step(self, states: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
+                  depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft nodes at ``depth`` attend to every context node, their draft ancestors and themselves."""
+        device, count = tokens.device, tokens.shape[0]
+        if depth == 1 or self._draft is None:  # children of the root: no draft ancestors yet
+            old_k = old_v = None
+            ancestors = torch.zeros(count, 0, dtype=torch.bool, device=device)  # [E, A]
+        else:
+            old_k, old_v, old_anc, parent_index = self._draft
+            parents = parent_index[rows]  # [E] indices among earlier draft nodes
+            ancestors = old_anc[parents] | torch.nn.functional.one_hot(parents, old_anc.shape[1]).bool()
+        total = ancestors.shape[1]
+        allowed = torch.cat([torch.ones(count, self.cached, dtype=torch.bool, device=device), ancestors,
+                             torch.eye(count, dtype=torch.bool, device=device)], dim=1)  # [E, C + A + E]
+        past_k = self.keys if old_k is None else torch.cat([self.keys, old_k])
+        past_v = self.values if old_v is None else torch.cat([self.values, old_v])
+        positions = torch.full((count,), self.cached - 1 + depth, device=device)
+        state, logits, keys, values = self.head.forward_nodes(states[rows], tokens, positions, past_k, past_v, allowed)
+        grown = torch.zeros(total + count, total + count, dtype=torch.bool, device=device)
+        if total:
+            grown[:total, :total] = self._draft[2]
+        grown[total:, :total] = ancestors
+        self._draft = (keys if old_k is None else torch.cat([old_k, keys]),
+                       values if old_v is None else torch.cat([old_v, values]), grown,
+                       torch.arange(total, total + count, device=device))
+        return state, logits
+
+
 class EagleDrafter(LearnedDrafter):
     """num_tokens: the tree's maximum depth. top_k: children per expanded node.
     expand: nodes expanded per level. nodes: tree size after reranking."""
@@ -111,6 +210,8 @@ class EagleDrafter(LearnedDrafter):
             if int(value) != value or value < 1:
                 raise ConfigError(f"drafter.tree.{key} must be a positive integer, got {value}")
         self.top_k, self.expand, self.nodes = int(top_k), int(expand), int(nodes)
+        if head.cfg.kind == "eagle3":
+            self.session_class = Eagle3Session
         self.tree_width = min(self.top_k * self.expand, self.nodes)
 
 
@@ -118,5 +219,5 @@ def build(*, runtime, head_file: str, num_tokens: int = 5, tree=None, kind: str 
           dtype=None) -> EagleDrafter:
     """Hydra factory. ``tree``: {top_k, expand, nodes}; ``head`` (architecture) is read by specgen-train only;
     ``dtype``: the head's dtype (None = the target's)."""
-    loaded, path, vocab_size = load_for_target(runtime, head_file, "eagle", dtype)
+    loaded, path, vocab_size = load_for_target(runtime, head_file, ("eagle", "eagle3"), dtype)
     return EagleDrafter(loaded, vocab_size, num_tokens, path, **dict(tree or {}))

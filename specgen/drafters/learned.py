@@ -42,8 +42,8 @@ class LearnedSession(DraftSession):
         self.feature: torch.Tensor | None = None  # [F]
         self.grammar = tree_grammar(ctx, self.head.vocab_ids)  # None without a grammar in the stack
 
-    def observe_features(self, position: int, feature: torch.Tensor) -> None:
-        self.position, self.feature = position, feature
+    def observe_features(self, position: int, features: torch.Tensor) -> None:
+        self.position, self.feature = position, features[-1]
 
     def mark(self) -> tuple[int, torch.Tensor | None]:
         return self.position, self.feature
@@ -90,13 +90,16 @@ class LearnedDrafter(Drafter):
         return sum(p.numel() * p.element_size() for p in self.head.parameters())
 
 
-def load_for_target(runtime, head_file: str, kind: str, dtype=None) -> tuple[DraftHead, pathlib.Path, int]:
-    """Load the ``kind`` head at ``head_file`` for the runtime's target, in ``dtype``
-    (``drafter.dtype``, see :func:`specgen.models.resolve_drafter_dtype`); refuse a mismatch."""
+def load_for_target(runtime, head_file: str, kind: str | tuple[str, ...], dtype=None) -> tuple[DraftHead, pathlib.Path, int]:
+    """Load a head of ``kind`` (or one of several kinds; the first names the drafter) at
+    ``head_file`` for the runtime's target, in ``dtype`` (``drafter.dtype``, see
+    :func:`specgen.models.resolve_drafter_dtype`); refuse a mismatch."""
+    kinds = (kind,) if isinstance(kind, str) else tuple(kind)
+    kind = kinds[0]
     if not head_file:
         raise ConfigError(f"drafter={kind} needs drafter.head_file=<a .safetensors head from specgen-train>")
     path = resolve_head_file(str(head_file))
     lm = runtime.target.lm
     head_dtype = resolve_drafter_dtype(dtype, next(lm.model.parameters()).dtype, lm.device)
-    head, _ = load_head(path, lm.model, kind=kind, dtype=head_dtype)
+    head, _ = load_head(path, lm.model, kind=kinds if len(kinds) > 1 else kind, dtype=head_dtype)
     return head, path, lm.vocab_size

@@ -15,9 +15,11 @@ handles like any other zero of q.
 * :class:`MedusaHead` -- K residual heads on the last feature, head k predicting
   the token k steps after the next one.
 
-The decoder block has no self-attention: a target feature already summarises
-the whole prefix, and an attention-free block keeps draft state to one vector
-per node (no draft KV cache to roll back, trees cost nothing extra).
+The EAGLE and MTP decoder blocks have no self-attention: a target feature
+already summarises the whole prefix, and an attention-free block keeps draft
+state to one vector per node (no draft KV cache to roll back). The ``eagle3``
+kind (:mod:`specgen.heads.eagle3`) has one real attention layer over the
+context and the draft path, with a per-request draft KV cache.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from specgen.models.causal_lm import select_features
 
 @dataclass
 class HeadConfig:
-    """kind: eagle | mtp | medusa. hidden_size: the target's. feature_layers: target
+    """kind: eagle | eagle3 | mtp | medusa. hidden_size: the target's. feature_layers: target
     hidden-state indices concatenated into the input feature ([] = the final,
     normalised hidden state the LM head reads). num_heads: Medusa heads (K).
     intermediate_size: width of the decoder block's MLP. draft_vocab_size: len(vocab_ids)."""
@@ -45,6 +47,10 @@ class HeadConfig:
     intermediate_size: int = 1536
     num_heads: int = 4
     norm_eps: float = 1e-5
+    num_attention_heads: int = 0  # eagle3: the attention layer's heads, KV heads and head size
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    rope_theta: float = 10000.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -197,7 +203,11 @@ HEADS: dict[str, type[DraftHead]] = {"eagle": EagleHead, "mtp": MtpHead, "medusa
 
 
 def build_head(cfg: HeadConfig, vocab_ids: torch.Tensor) -> DraftHead:
+    if cfg.kind == "eagle3":
+        from specgen.heads.eagle3 import Eagle3Head
+
+        return Eagle3Head(cfg, vocab_ids)
     if cfg.kind not in HEADS:
-        raise ValueError(f"unknown head kind {cfg.kind!r}; expected one of {', '.join(HEADS)}")
+        raise ValueError(f"unknown head kind {cfg.kind!r}; expected one of eagle3, {', '.join(HEADS)}")
     return HEADS[cfg.kind](cfg, vocab_ids)
 

@@ -170,10 +170,20 @@ def read_metadata(path: str | pathlib.Path) -> dict[str, str]:
         raise ModelLoadError(f"{path} is not a readable safetensors head file: {exc}") from exc
 
 
-def load_head(path: str | pathlib.Path, target: torch.nn.Module, *, kind: str | None = None,
+def load_head(path: str | pathlib.Path, target: torch.nn.Module, *, kind: str | tuple[str, ...] | None = None,
               device: torch.device | None = None, dtype: torch.dtype = torch.float32,
               check_fingerprint: bool = True) -> tuple[DraftHead, dict[str, str]]:
-    """Load a head for ``target`` (a transformers causal LM); refuse one trained for another target."""
+    """Load a head for ``target`` (a transformers causal LM); refuse one trained for another target.
+
+    A directory is a vLLM/SGLang EAGLE-3 drafter (:func:`specgen.heads.export.load_eagle3_dir`)."""
+    kinds = (kind,) if isinstance(kind, str) else kind
+    if pathlib.Path(path).is_dir():
+        from specgen.heads.export import load_eagle3_dir
+
+        if kinds is not None and "eagle3" not in kinds:
+            raise ModelLoadError(f"{path} holds an EAGLE-3 (eagle3) head directory, but drafter={kinds[0]} needs "
+                                 f"{' or '.join(f'a {k}' for k in kinds)} head")
+        return load_eagle3_dir(path, target, device=device, dtype=dtype, check_fingerprint=check_fingerprint)
     meta = read_metadata(path)
     if "specgen.config" not in meta:
         raise ModelLoadError(f"{path} has no specgen head metadata; it was not written by specgen-train")
@@ -183,32 +193,45 @@ def load_head(path: str | pathlib.Path, target: torch.nn.Module, *, kind: str | 
     except (ValueError, TypeError) as exc:
         raise ModelLoadError(f"{path} has unreadable specgen head metadata ({exc}); write it again with "
                              "specgen-train") from exc
-    if kind is not None and cfg.kind != kind:
-        raise ModelLoadError(f"{path} holds a {cfg.kind} head, but drafter={kind} needs a {kind} head")
+    if kinds is not None and cfg.kind not in kinds:
+        raise ModelLoadError(f"{path} holds a {cfg.kind} head, but drafter={kinds[0]} needs "
+                             f"{' or '.join(f'a {k}' for k in kinds)} head")
     if check_fingerprint:
-        actual = target_fingerprint(target)
-        differing = fingerprint_mismatch(expected, actual, target)
-        if differing:
-            raise ModelLoadError(
-                f"the {cfg.kind} head {path} was trained for a different target "
-                f"({expected.get('architecture')}, weights {str(expected.get('weights_sha256'))[:12]}) than the one "
-                f"loaded ({actual['architecture']}, weights {actual['weights_sha256'][:12]}); differs in "
-                f"{', '.join(differing)}. A head only drafts well for the exact weights it was trained on: "
-                "train one for this target with specgen-train")
+        refuse_other_target(path, cfg.kind, expected, target)
     state = _read_tensors(path)
     _check_tensors(path, cfg, state, vocab_size=int(target.get_input_embeddings().weight.shape[0]))
-    head = build_head(cfg, state["vocab_ids"])
-    try:
-        missing, unexpected = head.load_state_dict(state, strict=False)
-    except RuntimeError as exc:  # a shape that does not fit the config
-        raise ModelLoadError(f"{path}: tensors do not fit its {cfg.kind} head config: "
-                             f"{str(exc).strip().splitlines()[-1].strip()}") from exc
-    if missing or unexpected:
-        raise ModelLoadError(f"{path}: tensors do not fit a {cfg.kind} head (missing {missing}, unexpected {unexpected})")
+    head = fill_head(path, build_head(cfg, state["vocab_ids"]), state, f"its {cfg.kind} head config",
+                     f"a {cfg.kind} head")
     device = device or next(target.parameters()).device
     head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)
     head.attach(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     return head, meta
+
+
+def fill_head(path, head: DraftHead, state: Mapping[str, torch.Tensor], config: str, kind: str) -> DraftHead:
+    """``head`` with ``state`` loaded; ModelLoadError (one line) when a tensor's shape does not fit
+    ``config`` or a name is missing or unexpected for ``kind``."""
+    try:
+        missing, unexpected = head.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # a shape that does not fit the config
+        raise ModelLoadError(f"{path}: tensors do not fit {config}: "
+                             f"{str(exc).strip().splitlines()[-1].strip()}") from exc
+    if missing or unexpected:
+        raise ModelLoadError(f"{path}: tensors do not fit {kind} (missing {missing}, unexpected {unexpected})")
+    return head
+
+
+def refuse_other_target(path, kind: str, expected: Mapping, target: torch.nn.Module) -> None:
+    """ModelLoadError (one line) when the stored fingerprint ``expected`` is not the loaded target's."""
+    actual = target_fingerprint(target)
+    differing = fingerprint_mismatch(expected, actual, target)
+    if differing:
+        raise ModelLoadError(
+            f"the {kind} head {path} was trained for a different target "
+            f"({expected.get('architecture')}, weights {str(expected.get('weights_sha256'))[:12]}) than the one "
+            f"loaded ({actual['architecture']}, weights {actual['weights_sha256'][:12]}); differs in "
+            f"{', '.join(differing)}. A head only drafts well for the exact weights it was trained on: "
+            "train one for this target with specgen-train")
 
 
 def _read_tensors(path) -> dict[str, torch.Tensor]:

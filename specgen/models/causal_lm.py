@@ -125,10 +125,18 @@ def _crop(cache: DynamicCache, current: int, length: int) -> None:
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
+def _split_features(features: torch.Tensor | None, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """[m + n, F] rows of a tree forward -> (root and node rows [n + 1, F], earlier chain rows [m - 1, F]), float32."""
+    if features is None:
+        return None, None
+    return features[-(n + 1):].float(), features[: features.shape[0] - n - 1].float()
+
+
 @dataclass
 class TreeOutput:
     """The rows of a tree forward: row 0 belongs to the last chain token, row
-    1 + i to tree node i. features: [n + 1, F] float32 or None.
+    1 + i to tree node i. features: [n + 1, F] float32 or None; chain_features:
+    [m - 1, F], the rows of the chain tokens before row 0 (None without features).
 
     Logits are computed on demand (:meth:`logits`): verification visits only the
     root and the accepted path, so the LM head -- a large share of a small
@@ -141,6 +149,7 @@ class TreeOutput:
     hidden: torch.Tensor | None
     full_logits: torch.Tensor | None
     features: torch.Tensor | None
+    chain_features: torch.Tensor | None = None
 
     @torch.inference_mode()
     def logits(self, row: int) -> torch.Tensor:
@@ -293,10 +302,8 @@ class CausalLM:
         if self.compiled is not None:
             hidden, states = self._static_forward(cache, chain + nodes, positions, allowed,
                                                   all_hidden=feature_layers is not None)
-            features = None
-            if feature_layers is not None:
-                features = select_features(states, feature_layers)[0, -(n + 1):].float()  # [n + 1, F]
-            return TreeOutput(self, start + m - 1, hidden[-(n + 1):], None, features)
+            features = None if feature_layers is None else select_features(states, feature_layers)[0]  # [m + n, F]
+            return TreeOutput(self, start + m - 1, hidden[-(n + 1):], None, *_split_features(features, n))
         dtype = next(self.model.parameters()).dtype
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
@@ -312,10 +319,8 @@ class CausalLM:
             out = self.model(**inputs, logits_to_keep=n + 1)
             full = self._checked(out.logits[0, -(n + 1):, : self.vocab_size], start + m - 1)  # [n + 1, vocab]
         cache.tokens.extend(chain + nodes)
-        features = None
-        if feature_layers is not None:
-            features = select_features(out.hidden_states, feature_layers)[0, -(n + 1):].float()  # [n + 1, F]
-        return TreeOutput(self, start + m - 1, hidden, full, features)
+        features = None if feature_layers is None else select_features(out.hidden_states, feature_layers)[0]
+        return TreeOutput(self, start + m - 1, hidden, full, *_split_features(features, n))
 
     @torch.inference_mode()
     def forward_batch(self, cache: DynamicCache, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,

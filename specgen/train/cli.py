@@ -31,6 +31,8 @@ CONFIG_NAME = "train"
 #: architecture defaults per kind (drafter.head.* and train.head.* override them)
 HEAD_DEFAULTS = {
     "eagle": {"feature_layers": [], "intermediate_size": 1536, "num_heads": 4, "draft_vocab_size": 8192},
+    # feature_layers None: low, middle and high target layers (see fused_layers); attention sized like the target's
+    "eagle3": {"feature_layers": None, "intermediate_size": 1536, "num_heads": 4, "draft_vocab_size": 8192},
     "mtp": {"feature_layers": [], "intermediate_size": 1536, "num_heads": 4, "draft_vocab_size": 8192},
     "medusa": {"feature_layers": [], "intermediate_size": 1536, "num_heads": 4, "draft_vocab_size": 8192},
 }
@@ -55,18 +57,35 @@ def head_settings(cfg: dict) -> tuple[str, dict]:
     train, drafter = cfg["train"], cfg.get("drafter") or {}
     kind = train.get("kind") or drafter.get("kind")
     if kind not in HEAD_DEFAULTS:
-        raise ConfigError(f"specgen-train trains eagle, mtp or medusa heads; choose one with drafter=eagle "
+        raise ConfigError(f"specgen-train trains eagle, eagle3, mtp or medusa heads; choose one with drafter=eagle "
                           f"(or train.kind=eagle), not {kind!r}")
     arch = dict(HEAD_DEFAULTS[kind])
     layers = [(drafter.get("head") or {}) if drafter.get("kind") == kind else {}, train.get("head") or {}]
     for layer in layers:
         arch.update({k: v for k, v in layer.items() if k in arch and v is not None})
-    arch["feature_layers"] = [int(i) for i in arch["feature_layers"]]
+    if arch["feature_layers"] is not None:
+        arch["feature_layers"] = [int(i) for i in arch["feature_layers"]]
     for key in ("intermediate_size", "num_heads", "draft_vocab_size"):
         arch[key] = int(arch[key])
         if arch[key] < 1:
             raise ConfigError(f"train.head.{key} must be >= 1, got {arch[key]}")
     return kind, arch
+
+
+def fused_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low, middle and high features: the hidden states entering decoder
+    layers 2, L // 2 and L - 3 (indices into HF's hidden-states tuple, 0 = embeddings)."""
+    return sorted({min(2, num_layers), num_layers // 2, max(0, num_layers - 3)})
+
+
+def attention_shape(config) -> dict:
+    """An eagle3 head's attention sized like one of the target's layers."""
+    heads = int(config.num_attention_heads)
+    return {"num_attention_heads": heads,
+            "num_key_value_heads": int(getattr(config, "num_key_value_heads", None) or heads),
+            "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+            "rope_theta": float((getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+                                or getattr(config, "rope_theta", None) or 10000.0)}
 
 
 def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None, err=None) -> TrainRun:
@@ -77,6 +96,7 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
     """
     from specgen.build import set_threads
     from specgen.heads.modules import HeadConfig, build_head
+    from specgen.heads.export import export_eagle3, train_export_dir
     from specgen.heads.store import save_head, target_fingerprint
     from specgen.models import load_model, resolve_device, resolve_dtype
     from specgen.models.loading import writable_cache_dir
@@ -106,6 +126,7 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
     dtype = resolve_dtype(str(train.get("dtype", "auto")), device)
     out_path = Path(str(train.get("out") or f"heads/{kind}.safetensors"))
     check_output_file(out_path, "train.out")
+    export_dir = train_export_dir(train.get("export"), kind, out_path, arch["feature_layers"])  # train.export=eagle3
     checkpoint = out_path.with_name(out_path.name + ".ckpt")
 
     loaded = load_model(target_cfg["source"], name="target", dtype=dtype, device=device,
@@ -113,6 +134,8 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
     model = loaded.lm.model.eval().requires_grad_(False)
     vocab_size = loaded.lm.vocab_size
     num_states = int(model.config.num_hidden_layers) + 1
+    if arch["feature_layers"] is None:
+        arch["feature_layers"] = fused_layers(num_states - 1)
     if any(not -num_states <= i < num_states for i in arch["feature_layers"]):
         raise ConfigError(f"feature_layers {arch['feature_layers']} out of range for a target with "
                           f"{num_states} hidden states (0 = embeddings)")
@@ -143,7 +166,7 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
     vocab_ids = draft_vocab(corpora["train"].sequences, arch["draft_vocab_size"], vocab_size, loaded.tokenizer.eos_ids)
     head_cfg = HeadConfig(kind=kind, hidden_size=int(model.config.hidden_size), draft_vocab_size=len(vocab_ids),
                           feature_layers=arch["feature_layers"], intermediate_size=arch["intermediate_size"],
-                          num_heads=arch["num_heads"])
+                          num_heads=arch["num_heads"], **attention_shape(model.config) if kind == "eagle3" else {})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         head = build_head(head_cfg, vocab_ids)
@@ -177,6 +200,9 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
     out.write(f"{kind} head, loss {settings.loss}, {settings.steps} steps; held-out evaluation:\n\n{text}\n")
     out.flush()
     say(f"saved {path}")
+    if export_dir is not None:  # the vLLM / SGLang layout next to train.out
+        export_eagle3(head, export_dir, target_config=model.config, fingerprint=fingerprint)
+        say(f"exported {export_dir} for vLLM / SGLang (serving commands in {export_dir / 'README.md'})")
     return TrainRun(path, metrics, info, text)
 
 

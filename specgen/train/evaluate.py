@@ -34,8 +34,11 @@ def evaluate(head: DraftHead, feats: Features, lookup: torch.Tensor, *, unroll: 
     head.eval()
     sums = {name: torch.zeros(depth, dtype=torch.float64) for name in ("accept", "greedy", "chain_accept",
                                                                         "chain_greedy")}
-    for c in range(0, starts.numel(), batch):
-        pick = starts[c: c + batch]
+    if head.cfg.kind == "eagle3":  # an attention head sees each sequence whole, as when decoding
+        chunks = [part for part in torch.split(starts, _sequence_lengths(feats, starts)) if part.numel()]
+    else:
+        chunks = list(torch.split(starts, batch))
+    for pick in chunks:
         inputs, tokens, p, greedy = batch_targets(head, feats, lookup, pick, depth, device)
         logits = head_logits(head, inputs, tokens)
         alpha = acceptance(logits, p).double()  # [D, B]
@@ -50,6 +53,11 @@ def evaluate(head: DraftHead, feats: Features, lookup: torch.Tensor, *, unroll: 
     metrics["expected_greedy_accepted"] = round(sum(metrics["chain_greedy"]), 5)
     metrics["positions"] = int(starts.numel())
     return metrics
+
+
+def _sequence_lengths(feats: Features, starts: torch.Tensor) -> list[int]:
+    """How many of the sorted ``starts`` fall in each sequence."""
+    return torch.bucketize(starts, feats.offsets[1:], right=True).bincount(minlength=len(feats.offsets) - 1).tolist()
 
 
 def table(metrics: dict) -> str:

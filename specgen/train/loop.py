@@ -8,6 +8,9 @@ state at j and predicts token j + 1. From a start position i,
   k > 1 reads its own state from step k - 1 and token_{i+k} and predicts
   p_{i+k} ("training-time test": the head learns from its own predictions).
 * Medusa head k (0-based) reads feature_i and predicts p_{i+1+k}.
+* EAGLE-3 (attention) heads train on windows of ``train.window`` consecutive
+  starts, so step 1 attends to the window's earlier positions and step k to its
+  own earlier steps (:meth:`specgen.heads.eagle3.Eagle3Head.ttt_logits`).
 
 So a start i needs depth D (= train.unroll, or K Medusa heads) positions of
 look-ahead. Batches are sampled with an explicit ``torch.Generator`` whose
@@ -43,6 +46,7 @@ class Settings:
     grad_clip: float = 1.0
     seed: int = 0
     unroll: int = 3
+    window: int = 64
     checkpoint_every: int = 200
 
     @classmethod
@@ -52,7 +56,7 @@ class Settings:
         s = cls(**known)
         if s.loss not in LOSSES:
             raise ConfigError(f"train.loss must be one of {', '.join(LOSSES)}, got {s.loss!r}")
-        for name in ("steps", "batch_tokens", "unroll"):
+        for name in ("steps", "batch_tokens", "unroll", "window"):
             if int(getattr(s, name)) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(s, name)}")
         return s
@@ -88,10 +92,28 @@ def batch_targets(head: DraftHead, feats: Features, lookup: torch.Tensor, starts
     return inputs, tokens, p, greedy
 
 
-def head_logits(head: DraftHead, inputs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Draft logits [D, B, Vd] for the chain (EAGLE/MTP, D = len(tokens)) or the K Medusa heads."""
+def window_starts(feats: Features, depth: int, window: int) -> tuple[torch.Tensor, int]:
+    """(first starts of every window of ``window`` consecutive starts with ``depth`` look-ahead
+    inside one sequence, the window length) -- shorter when no sequence is long enough."""
+    longest = max((int(b) - int(a) - depth for a, b in zip(feats.offsets[:-1], feats.offsets[1:])), default=0)
+    window = max(1, min(window, longest))
+    parts = [torch.arange(int(a), int(b) - depth - window + 1) for a, b in zip(feats.offsets[:-1], feats.offsets[1:])
+             if int(b) - int(a) - depth >= window]
+    return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)), window
+
+
+def head_logits(head: DraftHead, inputs: torch.Tensor, tokens: torch.Tensor,
+                windows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Draft logits [D, B, Vd] for the chain (EAGLE/MTP, D = len(tokens)) or the K Medusa heads.
+
+    windows: (W, T) when the B = W * T starts are W windows of T consecutive
+    positions (an attention head's training-time test); None = one window."""
     if head.cfg.kind == "medusa":
         return head(inputs)
+    if head.cfg.kind == "eagle3":
+        w, t = windows or (1, inputs.shape[0])
+        logits = head.ttt_logits(inputs.reshape(w, t, -1), tokens.reshape(tokens.shape[0], w, t))  # [D, W, T, Vd]
+        return logits.reshape(tokens.shape[0], w * t, -1)
     state, out = inputs, []
     for k in range(tokens.shape[0]):
         state, logits = head.step(state, tokens[k])
@@ -133,7 +155,8 @@ def train_head(head: DraftHead, feats: Features, lookup: torch.Tensor, s: Settin
     from tqdm import tqdm
 
     depth = depth_of(head, s.unroll)
-    starts = feats.starts(depth)
+    windowed = head.cfg.kind == "eagle3"
+    starts, width = window_starts(feats, depth, s.window) if windowed else (feats.starts(depth), 1)
     if starts.numel() == 0:
         raise ConfigError(f"no training position has {depth} tokens of look-ahead; raise train.max_len "
                           "or train.num_conversations")
@@ -174,9 +197,11 @@ def train_head(head: DraftHead, feats: Features, lookup: torch.Tensor, s: Settin
             if stop_after is not None and step >= stop_after:
                 result.interrupted = True
                 break
-            pick = starts[torch.randint(0, starts.numel(), (s.batch_tokens,), generator=gen)]
+            count = max(1, s.batch_tokens // width)
+            pick = starts[torch.randint(0, starts.numel(), (count,), generator=gen)]  # [W] window starts
+            pick = (pick.unsqueeze(1) + torch.arange(width)).reshape(-1)  # [W * T]
             inputs, tokens, p, greedy = batch_targets(head, feats, lookup, pick, depth, device)
-            logits = head_logits(head, inputs, tokens)
+            logits = head_logits(head, inputs, tokens, (count, width))
             loss = depth_loss(s.loss, logits, p, greedy)
             opt.zero_grad(set_to_none=True)
             loss.backward()
