@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 
+from specgen.batch_planner import BatchCostTable
 from specgen.errors import ConfigError
 from specgen.planner import CostTable
 from specgen.sampling import ancestor_matrix, tree_depths
@@ -39,9 +40,13 @@ from specgen.sampling import ancestor_matrix, tree_depths
 #: Verified-token counts measured; the rest are interpolated.
 SIZES = (1, 2, 3, 4, 6, 8, 12, 17)
 CONTEXT_TOKENS = 192
+#: Batch sizes and feed widths the batched table measures (up to the batch's size); the rest interpolated.
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+BATCH_WIDTHS = (1, 2, 3, 5, 9)
+BATCH_CONTEXT_TOKENS = 96
 #: Names a JSON cost table that replaces measurement for every pipeline (unset or empty: measure).
 FIXED_TABLE_ENV = "SPECGEN_COST_TABLE"
-_MEMO: dict[str, CostTable] = {}
+_MEMO: dict[str, CostTable | BatchCostTable] = {}
 
 
 def facts(pipe, max_tokens: int = SIZES[-1]) -> dict:
@@ -160,31 +165,135 @@ class _DraftTimer:
         return first, last
 
 
+def _batch_shape(size: int, max_width: int) -> tuple[list[int], list[int]]:
+    sizes = sorted({b for b in BATCH_SIZES if b < size} | {size})
+    widths = sorted({w for w in BATCH_WIDTHS if w < max_width} | {max_width})
+    return sizes, widths
+
+
+def measure_batch(pipe, size: int, *, clock: Callable[[], float] | None = None, repeats: int = 1,
+                  max_width: int = BATCH_WIDTHS[-1]) -> BatchCostTable:
+    """Time batched verify forwards (:meth:`specgen.batch.BatchKV.forward`, masks and all) of
+    b rows x w tokens for b in 1, 2, 4, .. ``size`` and w in BATCH_WIDTHS up to ``max_width``,
+    each row on its own prefilled copy of a short calibration context, one logits row per
+    row; and, at the largest shape, every row's w logits rows (which gives ``head``).
+    Units: the 1-row 1-token forward; each entry is the fastest of ``repeats``. Sizes run
+    largest first (a smaller batch drops rows), each after one untimed forward. SmolLM2-135M
+    float32 on this project's slow 2-core CPU (one thread): about 15 s for size 8."""
+    from specgen.batch.kv import BatchKV
+    from specgen.stats import Clock
+
+    clock = clock or Clock(pipe.device)
+    sizes, widths = _batch_shape(size, max_width)
+    context = _context(pipe, max_width)[:BATCH_CONTEXT_TOKENS]
+    kv = BatchKV(pipe.target, sizes[-1])
+    for r in range(sizes[-1]):
+        kv.prefill(r, context[:-1])
+    base, width0 = len(kv.rows[0]), kv.width
+    feed = [context[-1]] + context[: max_width - 1]
+
+    def timed(b: int, w: int, keep: int) -> float:
+        feeds = [feed[:w]] * b + [[]] * (sizes[-1] - b)
+        start = clock()
+        kv.forward(feeds, [keep] * b + [0] * (sizes[-1] - b))
+        spent = clock() - start
+        for r in range(b):
+            kv.rows[r].crop(base)
+        kv.rewind(width0)
+        return spent
+
+    times: dict[tuple[int, int], list[float]] = {}
+    full: list[float] = []
+    for b in reversed(sizes):
+        timed(b, 1, 1)  # warm-up (for a smaller b it also drops the other rows)
+        for _ in range(max(1, repeats)):
+            for w in widths:
+                times.setdefault((b, w), []).append(timed(b, w, 1))
+            if b == sizes[-1] and widths[-1] > 1:
+                full.append(timed(b, widths[-1], widths[-1]))
+    step = min(times[(1, 1)]) or 1e-9
+    body = tuple(tuple(min(times[(b, w)]) / step for w in widths) for b in sizes)
+    extra = sizes[-1] * (widths[-1] - 1)
+    head = max(0.0, (min(full) - min(times[(sizes[-1], widths[-1])])) / step / extra) if extra else 0.0
+    return BatchCostTable(tuple(sizes), tuple(widths), _monotone(body), head, step,
+                          dict(facts(pipe), batch_size=size, max_width=max_width))
+
+
+def _monotone(body: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
+    """Make the table non-decreasing in width and in rows (noise only adds time, so keep the running max)."""
+    rows = [list(line) for line in body]
+    for i, line in enumerate(rows):
+        for j in range(len(line)):
+            line[j] = max([line[j]] + ([line[j - 1]] if j else []) + ([rows[i - 1][j]] if i else []))
+    return tuple(tuple(line) for line in rows)
+
+
+def batch_cost_table(pipe, size: int, *, refresh: bool = False,
+                     clock: Callable[[], float] | None = None) -> BatchCostTable:
+    """The batched step's cost table for batches of up to ``size`` rows: from ``$SPECGEN_COST_TABLE``
+    (its "batch" entry, else :meth:`BatchCostTable.from_chain` of its chain) if set, else from
+    memory, the disk cache (keyed by :func:`facts` and ``size``) or measured (and cached)."""
+    fixed = os.environ.get(FIXED_TABLE_ENV)
+    if fixed:
+        single = fixed_table(fixed)  # ConfigError if unusable
+        data = json.loads(pathlib.Path(fixed).expanduser().read_text())
+        if "batch" not in data:
+            return BatchCostTable.from_chain(single.chain, _batch_shape(size, BATCH_WIDTHS[-1])[0])
+        try:
+            return batch_from_dict(data["batch"])
+        except (ValueError, KeyError, TypeError) as error:
+            raise ConfigError(f"{FIXED_TABLE_ENV}={fixed}: not a batch cost table "
+                              f"({type(error).__name__}: {error})") from None
+    fact = dict(facts(pipe), batch_size=size, max_width=BATCH_WIDTHS[-1])
+    return _cached("batch-" + cache_key(fact), refresh, lambda: measure_batch(pipe, size, clock=clock),
+                   batch_from_dict, batch_to_dict)
+
+
+def batch_to_dict(table: BatchCostTable) -> dict:
+    return {"sizes": list(table.sizes), "widths": list(table.widths), "body": [list(line) for line in table.body],
+            "head": table.head, "step_s": table.step_s, "facts": table.facts,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def batch_from_dict(data: dict) -> BatchCostTable:
+    sizes, widths = tuple(int(b) for b in data["sizes"]), tuple(int(w) for w in data["widths"])
+    body = tuple(tuple(float(x) for x in line) for line in data["body"])
+    if len(body) != len(sizes) or any(len(line) != len(widths) for line in body):
+        raise ValueError("batch table: body is not sizes x widths")
+    return BatchCostTable(sizes, widths, body, float(data.get("head", 0.0)), float(data.get("step_s", 0.0)),
+                          dict(data.get("facts") or {}))
+
+
 def cost_table(pipe, *, refresh: bool = False, clock: Callable[[], float] | None = None) -> CostTable:
     """The pipeline's cost table: ``$SPECGEN_COST_TABLE``'s if set (ConfigError if unreadable), else
     from memory, else from the disk cache, else measured (and cached)."""
-    from specgen.models.loading import cache_root
-
     fixed = os.environ.get(FIXED_TABLE_ENV)
     if fixed:
         return fixed_table(fixed)
 
-    fact = facts(pipe)
-    key = cache_key(fact)
+    return _cached(cache_key(facts(pipe)), refresh, lambda: measure(pipe, clock=clock), from_dict, to_dict)
+
+
+def _cached(key: str, refresh: bool, measure_now: Callable[[], object], load: Callable[[dict], object],
+            dump: Callable[[object], dict]):
+    """The table under ``key``: from memory, else the disk cache, else ``measure_now()`` (then cached
+    in both). ``refresh`` skips the lookups; an unreadable cache file is measured over."""
+    from specgen.models.loading import cache_root
+
     if not refresh and key in _MEMO:
         return _MEMO[key]
     path = cache_root() / "costs" / f"{key}.json"
     table = None
     if not refresh and path.is_file():
         try:
-            table = from_dict(json.loads(path.read_text()))
+            table = load(json.loads(path.read_text()))
         except (ValueError, KeyError, TypeError):
             table = None
     if table is None:
-        table = measure(pipe, clock=clock)
+        table = measure_now()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(to_dict(table), indent=1))
+            path.write_text(json.dumps(dump(table), indent=1))
         except OSError:
             pass  # an unwritable cache only costs a re-measurement next time
     _MEMO[key] = table
@@ -224,3 +333,10 @@ def describe(table: CostTable) -> str:
             f"  v(n) chain, n = 1..{len(table.chain)}: {chain}\n"
             f"  v(n) tree (n - 1 nodes):      {tree}\n"
             f"  draft: {table.draft_fixed:.3f} per proposal + {table.draft_per_token:.3f} per token")
+
+
+def describe_batch(table: BatchCostTable) -> str:
+    """One line for humans: the batched verify cost per (rows, width), in 1-row 1-token forwards."""
+    cells = "; ".join(f"B={b}: " + " ".join(f"{v:.2f}" for v in line) for b, line in zip(table.sizes, table.body))
+    return (f"batch cost table (unit {1e3 * table.step_s:.1f} ms; widths {','.join(map(str, table.widths))}; "
+            f"+{table.head:.3f} per extra logits row): {cells}")

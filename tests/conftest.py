@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import specgen
+from specgen.batch_planner import BatchCostTable
 from specgen.planner import CostTable
 
 TINY = ("target=tiny", "threads=1", "dtype=float32")
@@ -14,9 +15,14 @@ TEST_COSTS = CostTable(chain=tuple(1 + 0.05 * n for n in range(17)), tree=tuple(
                        draft_per_token=0.05, step_s=1e-3)
 
 
+#: The batched steps' table likewise (fixed and cheap: 8 rows cost 1.2 forwards, each width step 0.075 more).
+TEST_BATCH_COSTS = BatchCostTable((1, 8), (1, 17), ((1.0, 1.8), (1.2, 2.4)), step_s=1e-3)
+
+
 @pytest.fixture(autouse=True)
 def _fixed_cost_table(monkeypatch):
     monkeypatch.setattr("specgen.costmodel.cost_table", lambda pipe, **kwargs: TEST_COSTS)
+    monkeypatch.setattr("specgen.costmodel.batch_cost_table", lambda pipe, size, **kwargs: TEST_BATCH_COSTS)
 
 
 def tiny_pipeline(*overrides: str, drafter: str = "tiny"):

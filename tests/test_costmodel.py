@@ -112,3 +112,41 @@ def test_measuring_the_cost_table_is_not_part_of_a_requests_time(monkeypatch):
     assert pipe.drafter.num_tokens == "auto" and pipe.costs is TEST_COSTS
     assert now[0] == 100.0  # measured exactly once
     assert gen.stats.wall < 100.0 and gen.stats.ttft < 100.0
+
+
+def test_measure_batch_shapes(monkeypatch):
+    """The batched table: every measured (rows, width) cell, in units of its 1 x 1 forward, non-decreasing."""
+    pipe = tiny_pipeline(drafter="ngram")
+    table = costmodel.measure_batch(pipe, 3, clock=FakeTimer(), max_width=4)
+    assert table.sizes == (1, 2, 3) and table.widths == (1, 2, 3, 4)
+    assert table.body[0][0] == pytest.approx(1.0) and table.head == 0.0
+    assert all(b >= a for line in table.body for a, b in zip(line, line[1:]))
+    assert table.facts["batch_size"] == 3
+
+
+def test_batch_table_is_cached_and_fixed_by_the_environment(real_cost_table, monkeypatch):
+    from specgen.batch_planner import BatchCostTable
+
+    monkeypatch.setattr(costmodel, "batch_cost_table", _ORIGINAL_BATCH)
+    calls = []
+    made = BatchCostTable((1, 4), (1, 9), ((1.0, 2.0), (2.0, 5.0)), 0.01, 0.01)
+    monkeypatch.setattr(costmodel, "measure_batch", lambda pipe, size, clock=None: calls.append(size) or made)
+    pipe = tiny_pipeline(drafter="ngram")
+    assert costmodel.batch_cost_table(pipe, 4) == made
+    costmodel._MEMO.clear()
+    assert costmodel.batch_cost_table(pipe, 4) == made and calls == [4]  # served from disk
+    costmodel.batch_cost_table(pipe, 8)
+    assert calls == [4, 8]  # another batch size: another key
+    assert "B=4: 2.00 5.00" in costmodel.describe_batch(made)
+    path = real_cost_table / "fixed.json"
+    path.write_text(json.dumps(costmodel.to_dict(TEST_COSTS)))
+    monkeypatch.setenv(costmodel.FIXED_TABLE_ENV, str(path))
+    assert costmodel.batch_cost_table(pipe, 8) == BatchCostTable.from_chain(TEST_COSTS.chain, (1, 2, 4, 8))
+    path.write_text(json.dumps(dict(costmodel.to_dict(TEST_COSTS), batch=costmodel.batch_to_dict(made))))
+    assert costmodel.batch_cost_table(pipe, 8) == made and calls == [4, 8]
+    path.write_text(json.dumps(dict(costmodel.to_dict(TEST_COSTS), batch={"sizes": [1]})))
+    with pytest.raises(ConfigError, match="not a batch cost table"):
+        costmodel.batch_cost_table(pipe, 8)
+
+
+_ORIGINAL_BATCH = costmodel.batch_cost_table

@@ -209,10 +209,10 @@ def test_ctrl_c_mid_batch_leaves_valid_jsonl(tmp_path, monkeypatch, full_run):
     real_step = specgen.batch.steps.step
     finished: set[int] = set()
 
-    def interrupting(kv, live):
+    def interrupting(kv, live, *rest):
         if finished >= {0, 1}:
             raise KeyboardInterrupt
-        out = real_step(kv, live)
+        out = real_step(kv, live, *rest)
         finished.update(row.spec.index for _, row in live if row.request.finish_reason is not None)
         return out
 
@@ -239,11 +239,11 @@ def test_a_failed_batch_step_sends_the_unfinished_rows_one_at_a_time(tmp_path, m
     real_step, real_record = specgen.batch.steps.step, specgen.jsonl.generate_record
     calls, alone = [], []
 
-    def failing(kv, live):
+    def failing(kv, live, *rest):
         calls.append(len(live))
         if len(calls) == 3:
             raise SpecgenError("a step failed")
-        return real_step(kv, live)
+        return real_step(kv, live, *rest)
 
     def tracking(pipe, row):
         alone.append(row.index)

@@ -2,8 +2,10 @@
 
 Every active row is a :class:`specgen.state.Request` whose ``target_cache`` is a
 :class:`RowCache`, a view of one row of a shared batch-B DynamicCache
-(:class:`BatchKV`). A step runs, for every row, plan + draft (its own drafter
-session, planner and γ; a row without a drafter runs a plain step), then ONE
+(:class:`BatchKV`). A step runs plan + draft for every row (its own drafter
+session and γ; with num_tokens="auto" the rows' draft lengths are chosen together
+against the batched cost table, :mod:`specgen.batch.plan`, because one row's long
+draft widens every row's forward; a row without a drafter runs a plain step), then ONE
 target forward over every row's feed (its uncached committed tokens + its
 candidates), then each row's process / accept / commit with its own processor
 stack, grammar and RNG -- the same functions :mod:`specgen.round` uses for a

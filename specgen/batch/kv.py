@@ -135,6 +135,17 @@ class BatchKV:
             used += keep
         return out
 
+    def rewind(self, width: int) -> None:
+        """Cut the shared tensors back to ``width`` slots (no row may list a slot past it):
+        undoes forwards whose rows were cropped, e.g. a timed forward of the cost model."""
+        if any(slot >= width for row in self.rows for slot in row.slots):
+            raise ValueError("a row still lists a slot past the cut")
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.dim() == 4:
+                layer.keys = layer.keys[..., :width, :]  # [B, heads, width, head_dim]
+                layer.values = layer.values[..., :width, :]
+        self.width = min(self.width, width)
+
     def maybe_compact(self) -> None:
         """Compact when the shared cache is more than twice the longest row (plus slack)."""
         longest = max((len(self.rows[r]) for r in self.live), default=0)

@@ -8,13 +8,14 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 
 from specgen.batch.kv import BatchKV
+from specgen.batch.plan import plan_rows
+from specgen.batch_planner import BatchCostTable
 from specgen.engine import RequestPlan
 from specgen.errors import ConfigError, DeadEndError, PromptError, SpecgenError
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.options import check_option_names, request_options
 from specgen.planner import AUTO
-from specgen.round import (RoundContext, accept_chain, accept_plain, chain_feed, plain_events, plan_and_draft,
-                           round_events)
+from specgen.round import RoundContext, accept_chain, accept_plain, chain_feed, plain_events, round_events
 from specgen.state import Request
 
 @dataclass
@@ -79,6 +80,7 @@ class Batch:
         self.pipe = pipe
         self.kv = BatchKV(pipe.target, size)
         self.slots: list[Row | None] = [None] * size
+        self.costs: BatchCostTable | None = None  # loaded when a row first plans with num_tokens="auto"
 
     @property
     def active(self) -> int:
@@ -93,6 +95,10 @@ class Batch:
         """Admit ``spec`` (planned by this pipeline or a variant sharing its models: the row
         runs ``spec.stack``) into a free slot; ValueError when the batch is full."""
         r = self.slots.index(None)
+        if self.costs is None and spec.use_spec and spec.gamma == AUTO:  # before the row's clock starts
+            from specgen.costmodel import batch_cost_table
+
+            self.costs = batch_cost_table(self.pipe, len(self.slots))  # measured once per machine and cached
         self.slots[r] = row = admit(self.pipe, self.kv, r, spec)
         row.owner = owner
         return row
@@ -112,7 +118,7 @@ class Batch:
         slot is free by then)."""
         self.kv.maybe_compact()
         live = [(r, row) for r, row in enumerate(self.slots) if row is not None]
-        for r, events in step(self.kv, live):
+        for r, events in step(self.kv, live, self.costs):
             row = self.slots[r]
             stats = row.ctx.stats
             if stats.ttft is None:
@@ -182,12 +188,13 @@ def _finish(row: Row) -> FinishEvent:
     return FinishEvent(tail, reason, generation)
 
 
-def step(kv: BatchKV, live: list[tuple[int, Row]]) -> list[tuple[int, list[TokenEvent]]]:
+def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None = None
+         ) -> list[tuple[int, list[TokenEvent]]]:
     """One batched step over the ``live`` (row index, Row) pairs, as one transaction;
-    -> (row index, events) for each live row."""
+    -> (row index, events) for each live row. costs: the batched cost table the auto rows
+    are planned with (None: a stand-in from their single-request table)."""
     feeds: list[list[int]] = [[] for _ in kv.rows]
     keeps = [0] * len(kv.rows)
-    drafted: dict[int, tuple] = {}
     results: list[tuple[int, Row, object]] = []
     with ExitStack() as transaction:
         for r, row in live:
@@ -195,15 +202,15 @@ def step(kv: BatchKV, live: list[tuple[int, Row]]) -> list[tuple[int, list[Token
             row.ctx.clock.take_laps()
             if not row.request.target_cache.slots:  # a fresh row: its prompt in a forward of its own
                 kv.prefill(r, row.request.committed.tokens[:-1])
-        for r, row in live:  # plan + draft, per row
+        drafted = plan_rows(costs, live)  # plan + draft: the rows' lengths chosen together
+        for r, row in live:
             request = row.request
-            if request.draft is None:
+            if r not in drafted:
                 feeds[r], keeps[r] = request.target_cache.uncached(request.committed.tokens), 1
                 continue
-            proposal, predicted = plan_and_draft(request, row.ctx, row.spec.gamma)
+            proposal = drafted[r][0]
             if proposal.parents is not None:
                 raise ConfigError("tree proposals are not batched yet")
-            drafted[r] = (proposal, predicted)
             feeds[r], keeps[r] = chain_feed(request, proposal), len(proposal) + 1
         logits = kv.forward(feeds, keeps)  # verify: one target forward over every row
         for r, row in live:  # process + accept + commit, per row

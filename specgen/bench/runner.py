@@ -336,6 +336,14 @@ def _measure_batches(pipe, encoded: list[tuple], temperature: float, settings: S
         return run_specgen(pipe, prompts, size, speculative=method == "specgen", max_new=settings.max_new_tokens,
                            seed=settings.seed, clock=clock)
 
+    if "specgen" in methods:  # the planner's tables: measured (or read from the cache) before any timing
+        from specgen.costmodel import batch_cost_table, describe_batch
+
+        pipe.cost_table()
+        for size in settings.batch_sizes:
+            table = batch_cost_table(pipe, size)
+            if temperature == settings.temperatures[0]:
+                run.notes.append(describe_batch(table))
     for _ in range(settings.warmup):
         for method in methods:
             once(method, settings.batch_sizes[0])

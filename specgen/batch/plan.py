@@ -1,0 +1,95 @@
+"""Plan + draft for a batched step: every row's draft length chosen together (see :mod:`specgen.batch_planner`).
+
+Rows with ``num_tokens="auto"`` are planned jointly against the batched cost table
+(a row drafting k tokens makes every row's forward 1 + k wide); rows with a fixed γ
+draft it as in a single request (:func:`specgen.round.plan_and_draft`) and are fixed
+points of the plan; rows without a drafter are plain. Then the joint stopping rule
+(:func:`specgen.batch_planner.truncate_batch`) cuts each auto row's draft. Every
+input is a row's past rounds, its drafter's output, or other rows' (independent of
+the row's own target draws): the plan is non-anticipating, so each row stays exact.
+"""
+
+from __future__ import annotations
+
+from specgen.batch_planner import BatchCostTable, DraftedRow, RowPlan, plan_batch, truncate_batch
+from specgen.drafters import Proposal
+from specgen.drafters.base import EMPTY
+from specgen.planner import AUTO
+from specgen.round import draft_budget, plan_and_draft
+
+
+def stand_in_costs(rows) -> BatchCostTable:
+    """A batched table from the rows' single-request table, for a step run without one."""
+    chain = next(row.ctx.costs.chain for row in rows if row.ctx.costs is not None)
+    return BatchCostTable.from_chain(chain, max_width=len(chain))
+
+
+def plan_rows(costs: BatchCostTable | None, live: list) -> dict[int, tuple[Proposal, float]]:
+    """Plan and draft every row of ``live`` ((row index, Row) pairs); -> for each row with a
+    drafter, its proposal and predicted tree tokens (0.0 for chains). Call inside the step's
+    transaction: the drafters' sessions advance here."""
+    auto = [(r, row) for r, row in live if row.request.draft is not None and row.spec.gamma == AUTO]
+    for _, row in auto:
+        if row.ctx.costs is None:
+            row.ctx.costs = row.ctx.load_costs()
+    if auto and costs is None:
+        costs = stand_in_costs([row for _, row in auto])
+    drafted: dict[int, tuple[Proposal, float]] = {}
+    plans: list[RowPlan] = []
+    budgets: dict[int, int] = {}
+    for r, row in live:  # fixed γ rows draft now; auto rows get a plan input
+        request, feed = row.request, len(row.request.target_cache.uncached(row.request.committed.tokens))
+        if request.draft is None:
+            plans.append(RowPlan(feed=feed))
+        elif row.spec.gamma != AUTO:
+            drafted[r] = plan_and_draft(request, row.ctx, row.spec.gamma)
+            size = len(drafted[r][0])
+            plans.append(RowPlan((0.0,) * size, size, feed))
+        else:
+            ctx = row.ctx
+            limit = min(ctx.max_tokens, ctx.costs.max_tokens, costs.widths[-1] - 1)
+            budgets[r] = budget = draft_budget(request, limit, ctx.target.context_length)
+            cheap = ctx.costs.draft_per_token < 0.1
+            rates = tuple(ctx.history.optimistic(i) if cheap else ctx.history.estimate(i) for i in range(budget))
+            scale = ctx.costs.step_s / costs.step_s if ctx.costs.step_s and costs.step_s else 1.0
+            plans.append(RowPlan(rates, 0, feed, ctx.costs.draft_fixed * scale, ctx.costs.draft_per_token * scale))
+    if not auto:
+        return drafted
+    probing = [row.ctx.history.probe_due for r, row in auto if budgets[r]]
+    if probing and all(probing):  # a probe widens every row's forward: the batch probes once all rows are due
+        plans = [RowPlan(p.rates, 1, p.feed, p.draft_fixed, p.draft_per_token) if r in budgets and budgets[r]
+                 else p for (r, _), p in zip(live, plans, strict=True)]
+    lengths = plan_batch(costs, plans)
+    sunk = 0.0
+    for (r, row), plan, length in zip(live, plans, lengths, strict=True):  # draft
+        if r in budgets:
+            with row.ctx.clock.stage("draft"):
+                drafted[r] = (row.request.draft.propose(length) if length else EMPTY), 0.0
+            sunk += plan.draft(length)
+    cut = truncate_batch(costs, [_drafted_row(row, plan, drafted.get(r), r in budgets)
+                                 for (r, row), plan in zip(live, plans, strict=True)], sunk)
+    for (r, _), keep in zip(live, cut, strict=True):
+        if r in budgets and keep < len(drafted[r][0]):
+            drafted[r] = _prefix(drafted[r][0], keep), 0.0
+    return drafted
+
+
+def _drafted_row(row, plan: RowPlan, drafted, auto: bool) -> DraftedRow:
+    if drafted is None:
+        return DraftedRow(feed=plan.feed)
+    proposal = drafted[0]
+    size = len(proposal)
+    if not auto:
+        return DraftedRow((0.0,) * size, (0.0,) * size, size, plan.feed)
+    history = row.ctx.history
+    confidence = proposal.confidence or [None] * size
+    known = tuple(history.estimate(t, confidence[t]) for t in range(size))
+    later = tuple(history.estimate(t) for t in range(size))
+    return DraftedRow(known, later, min(plan.low, size), plan.feed)
+
+
+def _prefix(proposal: Proposal, keep: int) -> Proposal:
+    if keep == 0:
+        return EMPTY
+    return Proposal(proposal.tokens[:keep], None if proposal.draft_probs is None else proposal.draft_probs[:keep],
+                    None, None if proposal.confidence is None else proposal.confidence[:keep])

@@ -1,0 +1,210 @@
+"""The batch planner: how many draft tokens each row of a batched step verifies.
+
+Pure functions and data, no models (the batched counterpart of :mod:`specgen.planner`).
+A batched step runs ONE target forward over every row's feed, and every row pays
+for the widest feed (shorter feeds are padded, see :mod:`specgen.batch`). So a
+row's draft length is not its own business: one row drafting 8 tokens makes the
+whole batch forward 9 tokens wide. The step's cost, in units of one single-row
+single-token forward (``step_s``), is
+
+    verify(B, w, K) + sum_i draft_i(k_i) + sunk
+
+for B rows, width w = max_i(feed_i + k_i), K = sum_i (k_i + 1) logits rows
+(:class:`BatchCostTable`, measured by :func:`specgen.costmodel.measure_batch`), and
+it commits sum_i E_i(k_i) tokens in expectation (E_i from row i's own
+per-position acceptance estimates, :func:`specgen.planner.expected_tokens`).
+:func:`plan_batch` chooses the k_i that maximise committed tokens per unit of cost.
+All k_i = 0 (a plain batched step) is always a candidate, so a plan is never
+expected to be slower than plain batched decoding under the table.
+
+Exactness is per row, as in :mod:`specgen.planner`: row i's length may depend on
+past rounds, on its own drafter's confidences for tokens it has not drawn yet
+(:func:`truncate_batch` decides token t from ``confidences[:t + 1]`` of every
+row), and on other rows' drafts (independent of row i's target draws), never on
+the target's probabilities for the tokens being verified.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specgen.planner import expected_tokens
+
+
+@dataclass(frozen=True)
+class BatchCostTable:
+    """Measured costs of batched verify forwards, in units of one 1-row 1-token forward (``step_s`` seconds).
+
+    body[i][j]: a forward of sizes[i] rows, widths[j] tokens each, one logits row per row.
+    head: each further logits row (a row verifying k drafts reads k + 1).
+    facts: what the table was measured on (the cache key).
+    """
+
+    sizes: tuple[int, ...]
+    widths: tuple[int, ...]
+    body: tuple[tuple[float, ...], ...]
+    head: float = 0.0
+    step_s: float = 0.0
+    facts: dict = field(default_factory=dict, compare=False)
+
+    def verify(self, rows: int, width: int, logits_rows: int | None = None) -> float:
+        """Cost of one batched forward of ``rows`` rows ``width`` tokens wide reading ``logits_rows``
+        logits rows (default: one per row); bilinear in (rows, width), linear past the table."""
+        rows, width = max(1, rows), max(1, width)
+        extra = 0 if logits_rows is None else max(0, logits_rows - rows)
+        by_size = [_linear(self.widths, line, width) for line in self.body]
+        return _linear(self.sizes, by_size, rows) + self.head * extra
+
+    @classmethod
+    def from_chain(cls, chain: Sequence[float], sizes: Sequence[int] = (1, 2, 4, 8), max_width: int = 9,
+                   step_s: float = 0.0) -> BatchCostTable:
+        """A stand-in when only a single-row table is known: B rows of w tokens cost what one row of
+        B * w tokens does (``chain`` is v(n) for n = 1.., continued linearly)."""
+
+        def v(n: int) -> float:
+            if n <= len(chain):
+                return chain[n - 1]
+            slope = max(chain[-1] - chain[-2], 0.0) if len(chain) > 1 else chain[-1]
+            return chain[-1] + slope * (n - len(chain))
+
+        widths = tuple(range(1, max_width + 1))
+        body = tuple(tuple(v(b * w) for w in widths) for b in sizes)
+        return cls(tuple(sizes), widths, body, 0.0, step_s)
+
+
+def _linear(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear y(x) through (xs, ys) (xs increasing), continued linearly past either end."""
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """One row's planning inputs.
+
+    rates: estimated P(draft at position t accepted | the earlier ones were), for every
+    position the row may verify (len(rates) = its most drafts; [] = a plain row).
+    low: drafts the row verifies at least (a probe, a fixed γ, tokens already kept).
+    feed: committed tokens it feeds before its drafts (its uncached ones; usually 1).
+    draft_fixed / draft_per_token: what drafting k > 0 tokens costs this row (0 once drafted).
+    """
+
+    rates: tuple[float, ...] = ()
+    low: int = 0
+    feed: int = 1
+    draft_fixed: float = 0.0
+    draft_per_token: float = 0.0
+
+    def draft(self, k: int) -> float:
+        return self.draft_fixed + self.draft_per_token * k if k > 0 else 0.0
+
+
+def batch_cost(costs: BatchCostTable, rows: Sequence[RowPlan], lengths: Sequence[int], sunk: float = 0.0) -> float:
+    """The step's cost with row i verifying lengths[i] drafts."""
+    width = max(row.feed + k for row, k in zip(rows, lengths, strict=True))
+    verify = costs.verify(len(rows), width, sum(k + 1 for k in lengths))
+    return verify + sunk + sum(row.draft(k) for row, k in zip(rows, lengths, strict=True))
+
+
+def batch_rate(costs: BatchCostTable, rows: Sequence[RowPlan], lengths: Sequence[int], sunk: float = 0.0) -> float:
+    """Expected committed tokens per unit of cost of the plan ``lengths``."""
+    gained = sum(expected_tokens(row.rates[:k])[k] for row, k in zip(rows, lengths, strict=True))
+    return gained / batch_cost(costs, rows, lengths, sunk)
+
+
+def plan_batch(costs: BatchCostTable, rows: Sequence[RowPlan], sunk: float = 0.0) -> list[int]:
+    """Drafts to verify per row (0 = a plain row) maximising the batch's committed tokens per cost.
+
+    For every width the batch could have, each row's length is chosen by Dinkelbach's
+    iteration (given the width the cost is a constant plus per-row terms, so each row
+    on its own maximises expected tokens minus rate x its own cost); the best width
+    wins. Ties keep the shorter plan: speculation must pay to be chosen.
+    """
+    if not rows:
+        return []
+    if any(row.low > len(row.rates) for row in rows):
+        raise ValueError("a row's low exceeds its drafts")
+    gains = [expected_tokens(row.rates) for row in rows]
+    size, head = len(rows), costs.head
+
+    def rate_of(lengths: list[int]) -> float:
+        width = max(row.feed + k for row, k in zip(rows, lengths))
+        cost = costs.verify(size, width) + sunk
+        return sum(gain[k] for gain, k in zip(gains, lengths)) / \
+            (cost + sum(head * k + row.draft(k) for row, k in zip(rows, lengths)))
+
+    best = [row.low for row in rows]
+    best_rate = rate_of(best)
+    floor = max(row.feed + row.low for row in rows)
+    ceiling = max(row.feed + len(row.rates) for row in rows)
+    for width in range(floor, ceiling + 1):
+        rate, lengths = best_rate, best
+        for _ in range(8):  # Dinkelbach: converges in a few steps
+            chosen = []
+            for row, gain in zip(rows, gains):
+                top, pick = None, row.low
+                for k in range(row.low, min(len(row.rates), width - row.feed) + 1):
+                    value = gain[k] - rate * (row.draft(k) + head * k)
+                    if top is None or value > top + 1e-12:
+                        top, pick = value, k
+                chosen.append(pick)
+            new = rate_of(chosen)
+            if new <= rate * (1 + 1e-9):
+                break
+            rate, lengths = new, chosen
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = lengths, rate
+    return list(best)
+
+
+@dataclass(frozen=True)
+class DraftedRow:
+    """A row after drafting.
+
+    known[t]: the estimate for drafted token t given the drafter's confidence for it
+    (computed before token t was drawn); later[t]: the history-only estimate for position t.
+    low: tokens kept whatever happens (a probe, a fixed γ). feed: as :class:`RowPlan`.
+    """
+
+    known: tuple[float, ...] = ()
+    later: tuple[float, ...] = ()
+    low: int = 0
+    feed: int = 1
+
+
+def truncate_batch(costs: BatchCostTable, rows: Sequence[DraftedRow], sunk: float = 0.0) -> list[int]:
+    """How many drafted tokens each row verifies: a stopping rule run depth by depth.
+
+    At depth t each row still extending keeps token t iff the best plan
+    (:func:`plan_batch`) over lengths >= what is kept, with its ``known[:t + 1]`` and
+    ``later`` estimates past t, gives it more than t tokens; a row that stops stays
+    stopped. Whether row i keeps token t thus depends on its confidences up to t only
+    (and on other rows, independent of it): a stopping time of the drafter's
+    information. ``sunk``: drafting already paid (part of every plan's cost).
+    """
+    kept = [min(row.low, len(row.known)) for row in rows]
+    going = [len(row.known) > kept[i] for i, row in enumerate(rows)]
+    depth = 0
+    while any(going):
+        plans = []
+        for i, row in enumerate(rows):
+            if going[i]:
+                seen = max(depth + 1, kept[i])  # a row's confidences used so far
+                plans.append(RowPlan(row.known[:seen] + row.later[seen: len(row.known)], kept[i], row.feed))
+            else:
+                plans.append(RowPlan(row.known[: kept[i]], kept[i], row.feed))
+        lengths = plan_batch(costs, plans, sunk)
+        for i, row in enumerate(rows):
+            if going[i] and kept[i] == depth:  # row i decides token t = depth now
+                if lengths[i] > depth:
+                    kept[i] = depth + 1
+                    going[i] = kept[i] < len(row.known)
+                else:
+                    going[i] = False
+        depth += 1
+    return kept

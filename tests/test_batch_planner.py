@@ -1,0 +1,169 @@
+"""The batch planner (specgen.batch_planner, specgen.batch.plan): joint draft lengths for a batched step.
+
+Pure tests use hand-written tables (nothing depends on this machine's speed): the
+plan is optimal against brute force, never below plain batched decoding under its
+table, all-plain when batched verify is expensive and acceptance low, and its
+stopping rule is non-anticipating. Engine tests run the batched path with
+num_tokens=auto: greedy rows equal single requests, sampled rows follow the exact
+law (chi-square) and an anticipating truncation is caught by the same test.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from conftest import tiny_pipeline
+from exact import exact_distribution, goodness_of_fit
+
+from specgen.batch_planner import (BatchCostTable, DraftedRow, RowPlan, batch_rate, plan_batch,
+                                   truncate_batch)
+from specgen.drafters import Proposal
+from specgen.drafters.small_model import SmallModelSession
+
+#: Shaped like SmolLM2-135M float32 on this project's 2-core CPU (one thread): at 8 rows, one
+#: draft token per row more than doubles the forward (measured 3.0 -> 8.6).
+MEASURED = BatchCostTable((1, 2, 4, 8), (1, 2, 3, 5, 9),
+                          ((1.0, 1.58, 1.79, 2.17, 2.48), (1.43, 2.5, 2.54, 2.94, 3.76),
+                           (2.32, 3.72, 5.09, 5.13, 6.27), (3.04, 8.64, 8.64, 8.64, 10.71)), head=0.016)
+#: A GPU-like table: width is nearly free at any batch size.
+FLAT = BatchCostTable((1, 8), (1, 9), ((1.0, 1.1), (1.2, 1.4)), head=0.0)
+
+
+def _rows(rates: list[float], depth: int = 8, **kwargs) -> list[RowPlan]:
+    return [RowPlan((rate,) * depth, **kwargs) for rate in rates]
+
+
+def test_table_interpolates_and_extrapolates():
+    assert MEASURED.verify(8, 1) == pytest.approx(3.04)
+    assert MEASURED.verify(6, 1) == pytest.approx((2.32 + 3.04) / 2)
+    assert MEASURED.verify(1, 4) == pytest.approx((2.17 + 1.79) / 2)
+    assert MEASURED.verify(8, 2, logits_rows=16) == pytest.approx(8.64 + 8 * 0.016)
+    assert MEASURED.verify(16, 1) == pytest.approx(3.04 + 8 * (3.04 - 2.32) / 4)  # linear past the last size
+    stand_in = BatchCostTable.from_chain((1.0, 1.5, 2.0))
+    assert stand_in.verify(2, 2) == pytest.approx(2.0 + 0.5)  # 4 tokens: the chain's slope continued
+
+
+def test_expensive_batched_verify_and_low_acceptance_run_plain():
+    assert plan_batch(MEASURED, _rows([0.3] * 8)) == [0] * 8
+    assert plan_batch(MEASURED, _rows([0.6] * 8)) == [0] * 8  # 2.5 tokens a row cannot pay 10.7 / 3.04
+    assert plan_batch(MEASURED, _rows([0.3])) == [0]  # a single row at 0.3: v(2) = 1.58 does not pay either
+
+
+def test_cheap_batched_verify_drafts():
+    assert plan_batch(FLAT, _rows([0.8] * 8)) == [8] * 8
+    assert plan_batch(MEASURED, _rows([0.9] * 8)) == [8] * 8  # 6.1 tokens a row pay even the widest forward
+    assert plan_batch(MEASURED, _rows([0.9])) == [8]  # one row alone: the single-row curve is gentle
+    one_good = plan_batch(FLAT, _rows([0.95] + [0.05] * 7))
+    assert one_good[0] == 8  # the width is paid by the good row; with head = 0 the others ride along
+    assert plan_batch(MEASURED, _rows([0.95] + [0.05] * 7)) == [0] * 8  # one good row cannot widen 8
+
+
+def test_plan_is_optimal_and_never_below_plain():
+    rng = random.Random(0)
+    for _ in range(60):
+        rows = [RowPlan(tuple(rng.random() for _ in range(rng.randint(0, 3))), feed=rng.choice((1, 1, 2)),
+                        draft_fixed=rng.choice((0.0, 0.1)), draft_per_token=rng.choice((0.0, 0.05, 0.3)))
+                for _ in range(rng.randint(1, 3))]
+        table = rng.choice((MEASURED, FLAT, BatchCostTable.from_chain(tuple(1 + 0.3 * n for n in range(30)))))
+        plan = plan_batch(table, rows)
+        best = max(batch_rate(table, rows, lengths)
+                   for lengths in itertools.product(*[range(len(row.rates) + 1) for row in rows]))
+        assert batch_rate(table, rows, plan) == pytest.approx(best, rel=1e-9)
+        assert batch_rate(table, rows, plan) >= batch_rate(table, rows, [0] * len(rows)) * (1 - 1e-12)
+
+
+def test_low_forces_drafts_and_others_use_the_paid_width():
+    plan = plan_batch(MEASURED, [RowPlan((0.1,) * 4, low=1)] + _rows([0.6] * 7, depth=4))
+    assert plan[0] >= 1
+    assert all(k >= 1 for k in plan[1:])  # width 2 is paid anyway: the better rows take a token
+
+
+def test_truncation_is_a_stopping_time():
+    """Whether row i keeps token t depends on known[:t + 1] only: changing what a row's drafter
+    said about tokens after its cut never changes the cut."""
+    rng = random.Random(1)
+    for _ in range(40):
+        rows = [DraftedRow(tuple(rng.random() for _ in range(n)), tuple(0.5 for _ in range(n)))
+                for n in (rng.randint(0, 6) for _ in range(rng.randint(1, 4)))]
+        table = rng.choice((MEASURED, FLAT, BatchCostTable.from_chain(tuple(1 + 0.2 * n for n in range(30)))))
+        kept = truncate_batch(table, rows)
+        for i, row in enumerate(rows):
+            if kept[i] + 1 < len(row.known):
+                changed = list(row.known)
+                for t in range(kept[i] + 1, len(changed)):
+                    changed[t] = rng.random()
+                other = rows[:i] + [DraftedRow(tuple(changed), row.later)] + rows[i + 1:]
+                assert truncate_batch(table, other)[i] == kept[i]
+
+
+def test_truncation_cuts_unlikely_tails_and_keeps_low():
+    rows = [DraftedRow((0.9, 0.9, 0.02, 0.9), (0.5,) * 4), DraftedRow((0.01,), (0.5,), low=1)]
+    assert truncate_batch(FLAT, rows) == [2, 1]
+
+
+# --- the batched engine with num_tokens=auto -------------------------------------------------------------
+
+VOCAB8 = ("target.source.vocab_size=8", "drafter.source.vocab_size=8")
+PROMPT = [1, 2, 3]
+LENGTH = 3
+NUM_SAMPLES = 1200
+MIN_P_VALUE = 1e-3
+TOKEN = 1  # as tests/test_planner_exact.py: cutting a draft before this token biases the first token
+
+
+@pytest.mark.parametrize("drafter", ["tiny", "ngram"])
+def test_greedy_auto_rows_equal_single_requests(drafter):
+    pipe = tiny_pipeline("target.source.init_scale=3", drafter=drafter)
+    assert pipe.drafter.num_tokens == "auto"
+    prompts = [dict(prompt_ids=p, max_new_tokens=n) for p, n in
+               (([1, 2, 3], 30), ([2, 9, 2, 9, 2, 9], 25), ([7], 12), ([4, 4, 4], 30), ([5, 6], 8))]
+    single = [pipe.generate(**p).token_ids for p in prompts]
+    batch = pipe.generate_batch(prompts, batch_size=3)
+    assert [g.token_ids for g in batch] == single
+    assert sum(g.stats.drafted for g in batch) > 0 and sum(g.stats.planned_plain for g in batch) >= 0
+
+
+def _p_value(pipe) -> tuple[float, list]:
+    gens = pipe.generate_batch([dict(prompt_ids=PROMPT, seed=s, max_new_tokens=LENGTH) for s in range(NUM_SAMPLES)],
+                               batch_size=8)
+    from collections import Counter
+
+    counts = Counter(tuple(g.token_ids) for g in gens)
+    return goodness_of_fit(counts, exact_distribution(pipe, PROMPT, LENGTH))[0], gens
+
+
+def test_sampled_auto_rows_follow_their_law():
+    pipe = tiny_pipeline(*VOCAB8, "sampling.temperature=1.0")
+    assert pipe.guarantee == "exact" and pipe.drafter.num_tokens == "auto"
+    p_value, gens = _p_value(pipe)
+    drafted = [g.stats.drafted for g in gens]
+    assert sum(drafted) > NUM_SAMPLES // 2 and len(set(drafted)) > 1, "rows draft, some more than others"
+    assert p_value > MIN_P_VALUE
+
+
+def test_anticipating_truncation_is_caught_in_a_batch(monkeypatch):
+    """The control: cutting a sampled draft *before* TOKEN judges the token by its own value."""
+    propose = SmallModelSession.propose
+
+    def before_token(self, budget: int) -> Proposal:
+        proposal = propose(self, budget)
+        keep = proposal.tokens.index(TOKEN) if TOKEN in proposal.tokens else len(proposal)
+        return Proposal(proposal.tokens[:keep], proposal.draft_probs[:keep], None,
+                        None if proposal.confidence is None else proposal.confidence[:keep])
+
+    monkeypatch.setattr(SmallModelSession, "propose", before_token)
+    pipe = tiny_pipeline(*VOCAB8, "sampling.temperature=1.0")
+    assert _p_value(pipe)[0] < MIN_P_VALUE
+
+
+def test_expensive_batch_runs_plain_but_for_probes(monkeypatch):
+    """With the measured-like table, 8 rows of a low-acceptance drafter speculate only in probes."""
+    monkeypatch.setattr("specgen.costmodel.batch_cost_table", lambda pipe, size, **kwargs: MEASURED)
+    pipe = tiny_pipeline(*VOCAB8, "sampling.temperature=1.0")
+    gens = pipe.generate_batch([dict(prompt_ids=PROMPT, seed=s, max_new_tokens=40) for s in range(8)], batch_size=8)
+    rounds = sum(g.stats.rounds for g in gens)
+    drafted = sum(g.stats.drafted for g in gens)
+    assert drafted <= rounds / 4, (drafted, rounds)
+    assert all(g.stats.planned_plain > 0 for g in gens)
