@@ -26,6 +26,7 @@ probabilities for the tokens being verified. Two legal forms are used:
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -95,10 +96,16 @@ class AcceptanceHistory:
 
     Per draft position, and per confidence bin (confidence in [0, 1], ``bins``
     equal bins). An estimate for (position, confidence) shrinks the bin's rate
-    towards the position's rate, which shrinks towards ``prior``.
+    towards the position's rate, which shrinks towards the previous position's
+    estimate (position 0: towards ``prior``), so a position never drafted yet
+    starts from what its predecessor showed, not from a fixed guess.
     ``plain_streak`` counts rounds since the last verified draft: after
     ``probe_every`` of them a round keeps one token, so estimates can recover;
     a rejected probe doubles ``probe_every`` (up to 256), an accepted one resets it.
+    Probes are also spaced by their price: ``probe_gap`` (set by :func:`plan_budget`
+    from the cost table) keeps a rejected probe's extra cost under ``probe_share``
+    of the plain steps between probes, so probing alone can never slow a request
+    down by more than that share.
     """
 
     prior: float = 0.5
@@ -107,6 +114,8 @@ class AcceptanceHistory:
     bins: int = 10
     probe_every: int = 8
     base_probe_every: int = 8
+    probe_share: float = 0.02
+    probe_gap: int = 0
     positions: list[_Rate] = field(default_factory=list)
     by_bin: dict[int, _Rate] = field(default_factory=dict)
     tree_predicted: float = 0.0
@@ -124,8 +133,8 @@ class AcceptanceHistory:
 
     def estimate(self, position: int, confidence: float | None = None) -> float:
         """Estimated P(draft at 0-based ``position`` accepted | the ones before were)."""
-        base = self._position(position).mean(self.prior, self.weight) if position < len(self.positions) \
-            else self.prior
+        prior = self.prior if position == 0 else self.estimate(position - 1)
+        base = self.positions[position].mean(prior, self.weight) if position < len(self.positions) else prior
         if confidence is None:
             return base
         rate = self.by_bin.get(self._bin(confidence))
@@ -163,7 +172,12 @@ class AcceptanceHistory:
 
     @property
     def probe_due(self) -> bool:
-        return self.plain_streak >= self.probe_every
+        return self.plain_streak >= max(self.probe_every, self.probe_gap)
+
+    def price_probes(self, costs: CostTable) -> None:
+        """Space probes so a rejected one (verifying one extra token) costs at most ``probe_share``."""
+        extra = costs.draft(1) + costs.verify(2) - costs.verify(1)
+        self.probe_gap = math.ceil(max(0.0, extra) / self.probe_share - 1e-9) if self.probe_share > 0 else 0
 
 
 def expected_tokens(rates: Sequence[float]) -> list[float]:
@@ -188,6 +202,7 @@ def plan_budget(costs: CostTable, history: AcceptanceHistory, max_tokens: int, *
     """
     if max_tokens <= 0:
         return 0
+    history.price_probes(costs)
     cheap = costs.draft_per_token < 0.1
     rates = [history.optimistic(i) if cheap else history.estimate(i) for i in range(max_tokens)]
     gains = expected_tokens(rates)

@@ -55,14 +55,41 @@ def test_expensive_drafter_is_not_asked_to_draft_at_low_acceptance():
     assert plan_budget(costly, _history(0.95), 8) >= 2
 
 
-def test_plain_streak_triggers_a_probe():
+GENTLE = CostTable(chain=tuple(1.0 + 0.1 * n for n in range(16)), tree=tuple(1.0 + 0.1 * n for n in range(16)))
+
+
+@pytest.mark.parametrize("table, gap", [(GENTLE, 8), (STEEP, 30)])  # a rejected probe costs 0.1 / 0.6 steps
+def test_plain_streak_triggers_a_probe(table, gap):
     history = _history(0.0)
-    assert plan_budget(STEEP, history, 8) == 0
-    for _ in range(history.probe_every):
+    assert plan_budget(table, history, 8) == 0
+    for _ in range(gap - 1):
         history.observe([], 0)
-    assert history.probe_due and plan_budget(STEEP, history, 8) == 1
+    assert not history.probe_due and plan_budget(table, history, 8) == 0
+    history.observe([], 0)
+    assert history.probe_due and plan_budget(table, history, 8) == 1
     history.observe([None], 0)
     assert not history.probe_due
+
+
+def test_probing_never_costs_more_than_its_share():
+    """A drafter that is never right: whatever the cost table, probes cost at most 2 % of the plain steps."""
+    for table in (FLAT, STEEP, CostTable(chain=(1.0, 1.7, 2.1), tree=(1.0, 1.5))):
+        history, extra, steps = AcceptanceHistory(), 0.0, 0
+        for _ in range(5000):
+            budget = plan_budget(table, history, 8)
+            steps += 1
+            if budget:
+                extra += table.verify(budget + 1) - table.verify(1)
+            history.observe([None] * budget, 0)
+        assert extra <= 0.02 * steps + 1e-9, (table, extra / steps)
+
+
+def test_an_undrafted_position_starts_from_its_predecessor():
+    history = AcceptanceHistory()
+    for _ in range(50):
+        history.observe([None], 1)  # only position 0 was ever drafted, always accepted
+    assert history.estimate(1) > 0.9 and history.estimate(3) > 0.9
+    assert plan_budget(STEEP, history, 8) > 1  # long drafts are worth trying
 
 
 def test_truncation_follows_confidence():
