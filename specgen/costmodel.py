@@ -11,9 +11,12 @@ synthetic context,
   ``draft_fixed`` and ``draft_per_token``;
 
 all over ``step_s`` (the 1-token forward), each the minimum of ``repeats``
-interleaved rounds after a warm-up round (noise only adds time); the tables are
-then made non-decreasing. It takes a few seconds on a 135M model on one CPU
-thread. :func:`cost_table` serves it from ``<cache_root>/costs/<key>.json``,
+interleaved rounds after a warm-up round (noise only adds time). Every n is
+measured and the tables are kept as measured, NOT made non-decreasing: on a CPU
+a forward of 4 tokens can cost less than one of 3 (matrix kernels work on blocks
+of rows; SmolLM2-135M float32 on this project's CPU: v(3) = 1.6, v(4) = 1.36,
+v(8) = 1.58), and the planner should see that a longer draft is cheaper there.
+It takes a few seconds on a 135M model on one CPU thread. :func:`cost_table` serves it from ``<cache_root>/costs/<key>.json``,
 keyed by :func:`facts`; ``refresh=True`` measures again. With
 ``$SPECGEN_COST_TABLE`` naming a JSON file in the cache's format (see
 :func:`to_dict`), every pipeline plans with that fixed table instead: nothing
@@ -37,8 +40,8 @@ from specgen.errors import ConfigError
 from specgen.planner import CostTable
 from specgen.sampling import ancestor_matrix, tree_depths
 
-#: Verified-token counts measured; the rest are interpolated.
-SIZES = (1, 2, 3, 4, 6, 8, 12, 17)
+#: The most verified tokens measured (every count from 1 up is measured).
+MAX_TOKENS = 17
 CONTEXT_TOKENS = 192
 #: Batch sizes and feed widths the batched table measures (up to the batch's size); the rest interpolated.
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -49,7 +52,7 @@ FIXED_TABLE_ENV = "SPECGEN_COST_TABLE"
 _MEMO: dict[str, CostTable | BatchCostTable] = {}
 
 
-def facts(pipe, max_tokens: int = SIZES[-1]) -> dict:
+def facts(pipe, max_tokens: int = MAX_TOKENS) -> dict:
     """What the measured costs depend on: models, drafter, dtype, device, threads, versions."""
     config = pipe.config or {}
     device = pipe.device
@@ -77,22 +80,8 @@ def _context(pipe, max_tokens: int) -> list[int]:
     return [(7919 * i + 11) % vocab for i in range(length)]
 
 
-def _interpolate(measured: dict[int, float], size: int) -> tuple[float, ...]:
-    """A non-decreasing table for 1..size from the measured sizes (linear in between)."""
-    known = sorted(measured)
-    table, best = [], 0.0
-    for n in range(1, size + 1):
-        low = max(k for k in known if k <= n)
-        high = min((k for k in known if k >= n), default=low)
-        value = measured[low] if low == high else \
-            measured[low] + (measured[high] - measured[low]) * (n - low) / (high - low)
-        best = max(best, value)
-        table.append(best)
-    return tuple(table)
-
-
 def measure(pipe, *, clock: Callable[[], float] | None = None, repeats: int = 2,
-            max_tokens: int = SIZES[-1]) -> CostTable:
+            max_tokens: int = MAX_TOKENS) -> CostTable:
     """Time this pipeline's verify passes and drafter (see the module docstring)."""
     from specgen.stats import Clock
 
@@ -102,7 +91,7 @@ def measure(pipe, *, clock: Callable[[], float] | None = None, repeats: int = 2,
     cache = lm.new_cache()
     lm.forward(cache, context[:-1], keep=1)
     base = len(cache)
-    sizes = [n for n in SIZES if n <= max_tokens] or [1]
+    sizes = range(1, max(1, max_tokens) + 1)
     chain: dict[int, list[float]] = {n: [] for n in sizes}
     tree: dict[int, list[float]] = {n: [] for n in sizes}
     draft = _DraftTimer(pipe, context, max_tokens, clock)
@@ -126,8 +115,7 @@ def measure(pipe, *, clock: Callable[[], float] | None = None, repeats: int = 2,
     per_token = max(0.0, (last[0] - first[0]) / (last[1] - first[1])) if last[1] > first[1] else 0.0
     fixed = max(0.0, first[0] - per_token * first[1])
     return CostTable(
-        chain=_interpolate({n: min(t[1:]) / step for n, t in chain.items()}, max_tokens),
-        tree=_interpolate({n: min(t[1:]) / step for n, t in tree.items()}, max_tokens),
+        chain=tuple(min(chain[n][1:]) / step for n in sizes), tree=tuple(min(tree[n][1:]) / step for n in sizes),
         draft_fixed=fixed / step, draft_per_token=per_token / step, step_s=step, facts=facts(pipe, max_tokens))
 
 
@@ -165,21 +153,29 @@ class _DraftTimer:
         return first, last
 
 
+def table_size(size: int) -> int:
+    """The batch size a table is measured for: the first of BATCH_SIZES (from 8 up) holding
+    ``size`` rows. A table serves every smaller batch, so batches of 1, 7 and 8 share one
+    (a run's last, partly filled batch must not measure a table of its own mid-run)."""
+    return next((b for b in BATCH_SIZES if b >= max(size, 8)), size)
+
+
 def _batch_shape(size: int, max_width: int) -> tuple[list[int], list[int]]:
     sizes = sorted({b for b in BATCH_SIZES if b < size} | {size})
     widths = sorted({w for w in BATCH_WIDTHS if w < max_width} | {max_width})
     return sizes, widths
 
 
-def measure_batch(pipe, size: int, *, clock: Callable[[], float] | None = None, repeats: int = 1,
+def measure_batch(pipe, size: int, *, clock: Callable[[], float] | None = None, repeats: int = 3,
                   max_width: int = BATCH_WIDTHS[-1]) -> BatchCostTable:
     """Time batched verify forwards (:meth:`specgen.batch.BatchKV.forward`, masks and all) of
     b rows x w tokens for b in 1, 2, 4, .. ``size`` and w in BATCH_WIDTHS up to ``max_width``,
     each row on its own prefilled copy of a short calibration context, one logits row per
     row; and, at the largest shape, every row's w logits rows (which gives ``head``).
-    Units: the 1-row 1-token forward; each entry is the fastest of ``repeats``. Sizes run
-    largest first (a smaller batch drops rows), each after one untimed forward. SmolLM2-135M
-    float32 on this project's slow 2-core CPU (one thread): about 15 s for size 8."""
+    Units: the 1-row 1-token forward; each entry is the fastest of ``repeats``, each shape
+    after one untimed forward of its own (a shape's first forward can cost several times
+    the later ones). Sizes run largest first (a smaller batch drops rows). SmolLM2-135M
+    float32 on this project's 2-core CPU (one thread): about 15 s for size 8."""
     from specgen.batch.kv import BatchKV
     from specgen.stats import Clock
 
@@ -205,7 +201,8 @@ def measure_batch(pipe, size: int, *, clock: Callable[[], float] | None = None, 
     times: dict[tuple[int, int], list[float]] = {}
     full: list[float] = []
     for b in reversed(sizes):
-        timed(b, 1, 1)  # warm-up (for a smaller b it also drops the other rows)
+        for w in widths:  # warm-up (for a smaller b it also drops the other rows)
+            timed(b, w, 1)
         for _ in range(max(1, repeats)):
             for w in widths:
                 times.setdefault((b, w), []).append(timed(b, w, 1))
@@ -215,17 +212,8 @@ def measure_batch(pipe, size: int, *, clock: Callable[[], float] | None = None, 
     body = tuple(tuple(min(times[(b, w)]) / step for w in widths) for b in sizes)
     extra = sizes[-1] * (widths[-1] - 1)
     head = max(0.0, (min(full) - min(times[(sizes[-1], widths[-1])])) / step / extra) if extra else 0.0
-    return BatchCostTable(tuple(sizes), tuple(widths), _monotone(body), head, step,
+    return BatchCostTable(tuple(sizes), tuple(widths), body, head, step,
                           dict(facts(pipe), batch_size=size, max_width=max_width))
-
-
-def _monotone(body: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
-    """Make the table non-decreasing in width and in rows (noise only adds time, so keep the running max)."""
-    rows = [list(line) for line in body]
-    for i, line in enumerate(rows):
-        for j in range(len(line)):
-            line[j] = max([line[j]] + ([line[j - 1]] if j else []) + ([rows[i - 1][j]] if i else []))
-    return tuple(tuple(line) for line in rows)
 
 
 def batch_cost_table(pipe, size: int, *, refresh: bool = False,
@@ -238,12 +226,13 @@ def batch_cost_table(pipe, size: int, *, refresh: bool = False,
         single = fixed_table(fixed)  # ConfigError if unusable
         data = json.loads(pathlib.Path(fixed).expanduser().read_text())
         if "batch" not in data:
-            return BatchCostTable.from_chain(single.chain, _batch_shape(size, BATCH_WIDTHS[-1])[0])
+            return BatchCostTable.from_chain(single.chain, _batch_shape(table_size(size), BATCH_WIDTHS[-1])[0])
         try:
             return batch_from_dict(data["batch"])
         except (ValueError, KeyError, TypeError) as error:
             raise ConfigError(f"{FIXED_TABLE_ENV}={fixed}: not a batch cost table "
                               f"({type(error).__name__}: {error})") from None
+    size = table_size(size)
     fact = dict(facts(pipe), batch_size=size, max_width=BATCH_WIDTHS[-1])
     return _cached("batch-" + cache_key(fact), refresh, lambda: measure_batch(pipe, size, clock=clock),
                    batch_from_dict, batch_to_dict)

@@ -341,9 +341,9 @@ def _measure_batches(pipe, encoded: list[tuple], temperature: float, settings: S
 
         pipe.cost_table()
         for size in settings.batch_sizes:
-            table = batch_cost_table(pipe, size)
-            if temperature == settings.temperatures[0]:
-                run.notes.append(describe_batch(table))
+            note = describe_batch(batch_cost_table(pipe, size))  # one table serves batches up to 8 rows
+            if temperature == settings.temperatures[0] and note not in run.notes:
+                run.notes.append(note)
     for _ in range(settings.warmup):
         for method in methods:
             once(method, settings.batch_sizes[0])
