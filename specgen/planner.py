@@ -131,14 +131,28 @@ class AcceptanceHistory:
     def _bin(self, confidence: float) -> int:
         return min(self.bins - 1, max(0, int(confidence * self.bins)))
 
-    def estimate(self, position: int, confidence: float | None = None) -> float:
-        """Estimated P(draft at 0-based ``position`` accepted | the ones before were)."""
-        prior = self.prior if position == 0 else self.estimate(position - 1)
-        base = self.positions[position].mean(prior, self.weight) if position < len(self.positions) else prior
+    def bases(self, count: int) -> list[float]:
+        """The confidence-free estimates of positions 0 .. count - 1 (each shrinks to its predecessor's)."""
+        out, prior = [], self.prior
+        for position in range(count):
+            prior = self.positions[position].mean(prior, self.weight) if position < len(self.positions) else prior
+            out.append(prior)
+        return out
+
+    def estimate(self, position: int, confidence: float | None = None, base: float | None = None) -> float:
+        """Estimated P(draft at 0-based ``position`` accepted | the ones before were).
+
+        With a confidence, its bin's rate shrinks towards the midpoint of the position's
+        estimate and the drafter's own claim (the confidence itself): a bin never verified
+        yet (a long n-gram match, a confident draft model) starts from what the drafter
+        says, tempered by the position's record, instead of from the position's record alone.
+        ``base``: the position's estimate when the caller has it (:meth:`bases`)."""
+        base = self.bases(position + 1)[position] if base is None else base
         if confidence is None:
             return base
+        claim = (base + min(max(confidence, 0.0), 1.0)) / 2
         rate = self.by_bin.get(self._bin(confidence))
-        return base if rate is None else rate.mean(base, self.weight)
+        return claim if rate is None else rate.mean(claim, self.weight)
 
     def observe(self, confidences: Sequence[float | None], num_accepted: int) -> None:
         """A verified chain (or a tree's depth levels): draft i was reached iff i <= num_accepted."""
@@ -165,10 +179,14 @@ class AcceptanceHistory:
         """Accepted over predicted tokens of past trees (1 with no evidence): calibrates tree scores."""
         return (self.tree_accepted + self.weight) / (self.tree_predicted + self.weight)
 
-    def optimistic(self, position: int) -> float:
-        """The best estimate any confidence bin seen so far gives ``position``."""
-        centres = [(b + 0.5) / self.bins for b in self.by_bin]
-        return max([self.estimate(position)] + [self.estimate(position, c) for c in centres])
+    def optimistic(self, position: int, base: float | None = None) -> float:
+        """The best estimate any confidence could give ``position``: once the drafter has reported
+        confidences, every bin counts (an unseen one at its centre), so a cheap drafter keeps
+        drafting and truncation judges each draft by its own confidence."""
+        base = self.bases(position + 1)[position] if base is None else base
+        if not self.by_bin:
+            return base
+        return max([base] + [self.estimate(position, (b + 0.5) / self.bins, base) for b in range(self.bins)])
 
     @property
     def probe_due(self) -> bool:
@@ -198,13 +216,17 @@ def plan_budget(costs: CostTable, history: AcceptanceHistory, max_tokens: int, *
     and v is the tree table's: the cheapest tree reaching depth k has k nodes,
     and :func:`truncate_tree` keeps only the nodes that pay. When drafting is
     cheap (under 0.1 of a forward per token) the best estimate of any confidence
-    bin is used, because truncation after drafting removes what does not pay.
+    bin is used, because truncation after drafting removes what does not pay; a
+    cheap chain drafter that reports confidences then drafts all ``max_tokens``
+    whenever any draft could pay, and :func:`truncate_chain` keeps what its
+    confidences justify (a long prompt-lookup match is worth verifying deep).
     """
     if max_tokens <= 0:
         return 0
     history.price_probes(costs)
     cheap = costs.draft_per_token < 0.1
-    rates = [history.optimistic(i) if cheap else history.estimate(i) for i in range(max_tokens)]
+    bases = history.bases(max_tokens)
+    rates = [history.optimistic(i, base) for i, base in enumerate(bases)] if cheap else bases
     gains = expected_tokens(rates)
     best, best_rate = 0, 1.0 / costs.verify(1)
     for k in range(1, max_tokens + 1):
@@ -213,6 +235,8 @@ def plan_budget(costs: CostTable, history: AcceptanceHistory, max_tokens: int, *
             best, best_rate = k, rate
     if best == 0 and history.probe_due:
         return 1
+    if best and cheap and tree_width == 1 and history.by_bin:  # truncation judges each drafted token
+        return max_tokens
     return best
 
 
@@ -225,10 +249,11 @@ def truncate_chain(costs: CostTable, history: AcceptanceHistory, confidences: Se
     sunk: the drafting cost already paid (part of every length's cost).
     """
     num = len(confidences)
+    bases = history.bases(num)
     known: list[float] = []
     for i in range(num):
-        known.append(history.estimate(i, confidences[i]))
-        rates = known + [history.estimate(j) for j in range(i + 1, num)]
+        known.append(history.estimate(i, confidences[i], bases[i]))
+        rates = known + bases[i + 1:]
         gains = expected_tokens(rates)
 
         def rate(k: int) -> float:

@@ -123,3 +123,19 @@ def test_tree_truncation_keeps_ancestors_and_best_scores():
     assert len(flat_kept) == len(scores) and set(steep_kept) <= {0, 2, 4, 5}
     orphan, _ = truncate_tree(FLAT, history, [0.1, 0.9], [-1, 0])  # a child scored above its parent
     assert orphan == [0, 1]
+
+
+def test_a_never_verified_confident_draft_is_still_tried():
+    """Rejected weak drafts must not stop the planner from verifying a strong one (a long n-gram match):
+    a cheap drafter keeps drafting its budget, and truncation judges each draft by its confidence."""
+    table = CostTable(chain=(1.0, 1.5, 1.57, 1.49, 1.66, 1.77, 1.97, 1.94), tree=(1.0, 1.5))
+    history = AcceptanceHistory()
+    for _ in range(3):
+        history.observe([0.25, 0.25, 0.25], 0)  # three rejected 1-gram drafts
+    assert history.estimate(0) < 0.3
+    assert plan_budget(table, history, 7) == 7  # drafting is free: draft, then judge
+    assert truncate_chain(table, history, [0.25] * 7) == 0
+    assert truncate_chain(table, history, [0.75] * 7) >= 3  # a bin never verified starts near the drafter's claim
+    for _ in range(20):
+        history.observe([0.75, 0.75, 0.75], 0)  # ... and learns when the claim is wrong
+    assert truncate_chain(table, history, [0.75] * 7) == 0

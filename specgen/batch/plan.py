@@ -50,7 +50,8 @@ def plan_rows(costs: BatchCostTable | None, live: list) -> dict[int, tuple[Propo
             limit = min(ctx.max_tokens, ctx.costs.max_tokens, costs.widths[-1] - 1)
             budgets[r] = budget = draft_budget(request, limit, ctx.target.context_length)
             cheap = ctx.costs.draft_per_token < 0.1
-            rates = tuple(ctx.history.optimistic(i) if cheap else ctx.history.estimate(i) for i in range(budget))
+            bases = ctx.history.bases(budget)
+            rates = tuple(ctx.history.optimistic(i, base) for i, base in enumerate(bases)) if cheap else tuple(bases)
             scale = ctx.costs.step_s / costs.step_s if ctx.costs.step_s and costs.step_s else 1.0
             plans.append(RowPlan(rates, 0, feed, ctx.costs.draft_fixed * scale, ctx.costs.draft_per_token * scale))
     if not auto:
@@ -83,8 +84,8 @@ def _drafted_row(row, plan: RowPlan, drafted, auto: bool) -> DraftedRow:
         return DraftedRow((0.0,) * size, (0.0,) * size, size, plan.feed)
     history = row.ctx.history
     confidence = proposal.confidence or [None] * size
-    known = tuple(history.estimate(t, confidence[t]) for t in range(size))
-    later = tuple(history.estimate(t) for t in range(size))
+    later = tuple(history.bases(size))
+    known = tuple(history.estimate(t, confidence[t], later[t]) for t in range(size))
     return DraftedRow(known, later, min(plan.low, size), plan.feed)
 
 
