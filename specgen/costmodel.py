@@ -6,7 +6,9 @@ synthetic context,
 
 * ``chain[n - 1]``: a target forward of n new tokens (n = 1 .. max_tokens);
 * ``tree[n - 1]``: a tree forward over 1 chain token + n - 1 nodes, plus the
-  LM head of its root row (the verify pass of a draft tree);
+  LM head of its root row (the verify pass of a draft tree); only for drafters
+  that verify trees or read target features (empty otherwise: ``verify(n, tree=True)``
+  then prices the chain);
 * the drafter's proposal of 1 and of ``max_tokens`` tokens, which gives
   ``draft_fixed`` and ``draft_per_token``;
 
@@ -92,8 +94,10 @@ def measure(pipe, *, clock: Callable[[], float] | None = None, repeats: int = 2,
     lm.forward(cache, context[:-1], keep=1)
     base = len(cache)
     sizes = range(1, max(1, max_tokens) + 1)
+    drafter = pipe.drafter
+    trees = drafter is not None and (drafter.tree_width > 1 or drafter.feature_layers is not None)
     chain: dict[int, list[float]] = {n: [] for n in sizes}
-    tree: dict[int, list[float]] = {n: [] for n in sizes}
+    tree: dict[int, list[float]] = {n: [] for n in sizes} if trees else {}  # chain drafters never verify a tree
     draft = _DraftTimer(pipe, context, max_tokens, clock)
     for _ in range(repeats + 1):
         for n in sizes:
@@ -102,10 +106,12 @@ def measure(pipe, *, clock: Callable[[], float] | None = None, repeats: int = 2,
             lm.forward(cache, feed, keep=n)
             chain[n].append(clock() - start)
             cache.crop(base)
+            if not trees:
+                continue
             parents = list(range(-1, n - 2))
             start = clock()
             out = lm.forward_tree(cache, [context[-1]], context[: n - 1], ancestor_matrix(parents),
-                                  tree_depths(parents), pipe.drafter.feature_layers if pipe.drafter else None)
+                                  tree_depths(parents), drafter.feature_layers)
             out.logits(0)
             tree[n].append(clock() - start)
             cache.crop(base)
@@ -115,7 +121,7 @@ def measure(pipe, *, clock: Callable[[], float] | None = None, repeats: int = 2,
     per_token = max(0.0, (last[0] - first[0]) / (last[1] - first[1])) if last[1] > first[1] else 0.0
     fixed = max(0.0, first[0] - per_token * first[1])
     return CostTable(
-        chain=tuple(min(chain[n][1:]) / step for n in sizes), tree=tuple(min(tree[n][1:]) / step for n in sizes),
+        chain=tuple(min(chain[n][1:]) / step for n in sizes), tree=tuple(min(times[1:]) / step for times in tree.values()),
         draft_fixed=fixed / step, draft_per_token=per_token / step, step_s=step, facts=facts(pipe, max_tokens))
 
 

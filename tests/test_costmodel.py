@@ -66,6 +66,7 @@ def test_measure_keeps_every_width_as_measured(monkeypatch):
 
     monkeypatch.setattr(type(pipe.target), "forward", forward)
     monkeypatch.setattr(type(pipe.target), "forward_tree", forward_tree)
+    monkeypatch.setattr(pipe.drafter, "tree_width", 4, raising=False)  # as a tree drafter: trees are timed too
     table = costmodel.measure(pipe, clock=timer, repeats=1, max_tokens=6)
     assert table.chain == pytest.approx(tuple(ShapedTimer.COSTS[n] for n in range(1, 7)))
     assert table.tree == pytest.approx(table.chain)
@@ -75,8 +76,8 @@ def test_measure_keeps_every_width_as_measured(monkeypatch):
 def test_measure_shapes():
     pipe = tiny_pipeline(drafter="tiny")
     table = costmodel.measure(pipe, clock=FakeTimer(), repeats=1, max_tokens=6)
-    assert len(table.chain) == len(table.tree) == 6
-    assert table.chain[0] == pytest.approx(1.0)
+    assert len(table.chain) == 6 and table.tree == ()  # a chain drafter: no tree forwards timed
+    assert table.verify(4, tree=True) == table.verify(4) and table.chain[0] == pytest.approx(1.0)
     assert table.draft_per_token >= 0 and table.draft_fixed >= 0
     assert table.facts["threads"] >= 1 and table.facts["dtype"] == "torch.float32"
 
