@@ -276,18 +276,18 @@ class CausalLM:
         if self.compiled is not None:
             allowed = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)  # [n, start + n]
             hidden, _ = self._static_forward(cache, new_tokens if on_device else recorded,
-                                             list(range(start, start + n)), allowed)
+                                             list(range(start, start + n)), allowed)  # records the tokens
             logits = self._head(hidden[-keep:])  # [keep, vocab]
-            return self._checked(logits, start + n - 1) if check else logits.float()
-        ids = new_tokens.reshape(1, n) if on_device else torch.tensor([new_tokens], dtype=torch.long, device=device)
-        positions = torch.arange(start, start + n, device=device).unsqueeze(0)  # [1, n]
-        inputs = dict(input_ids=ids, position_ids=positions, use_cache=True, **{self._cache_kwarg: cache.cache})
-        if self._plain_lm_head:  # the LM head on the kept rows only, through lm_head()
-            hidden = self.model.get_decoder()(**inputs).last_hidden_state[0, -keep:]  # [keep, d]
-            logits = self._head(hidden)  # [keep, vocab]
         else:
-            logits = self.model(**inputs, logits_to_keep=keep).logits[0, -keep:, : self.vocab_size]  # [keep, vocab]
-        cache.tokens.extend(recorded)
+            ids = new_tokens.reshape(1, n) if on_device else torch.tensor([new_tokens], dtype=torch.long, device=device)
+            positions = torch.arange(start, start + n, device=device).unsqueeze(0)  # [1, n]
+            inputs = dict(input_ids=ids, position_ids=positions, use_cache=True, **{self._cache_kwarg: cache.cache})
+            if self._plain_lm_head:  # the LM head on the kept rows only, through lm_head()
+                hidden = self.model.get_decoder()(**inputs).last_hidden_state[0, -keep:]  # [keep, d]
+                logits = self._head(hidden)  # [keep, vocab]
+            else:
+                logits = self.model(**inputs, logits_to_keep=keep).logits[0, -keep:, : self.vocab_size]  # [keep, vocab]
+            cache.tokens.extend(recorded)
         return self._checked(logits, start + n - 1) if check else logits.float()
 
     def _checked(self, logits: torch.Tensor, position: int) -> torch.Tensor:
