@@ -101,5 +101,5 @@ def load_for_target(runtime, head_file: str, kind: str | tuple[str, ...], dtype=
     path = resolve_head_file(str(head_file))
     lm = runtime.target.lm
     head_dtype = resolve_drafter_dtype(dtype, next(lm.model.parameters()).dtype, lm.device)
-    head, _ = load_head(path, lm.model, kind=kinds if len(kinds) > 1 else kind, dtype=head_dtype)
+    head, _ = load_head(path, lm.model, kind=kinds, dtype=head_dtype)
     return head, path, lm.vocab_size

@@ -158,8 +158,7 @@ class TreeOutput:
         and refuses NaN there, so a visited node costs one host read, not two."""
         if self.full_logits is not None:
             return self.full_logits[row : row + 1]
-        raw = self.lm.model.get_output_embeddings()(self.hidden[row : row + 1])  # [1, padded vocab]
-        return raw[:, : self.lm.vocab_size].float()
+        return self.lm._head(self.hidden[row : row + 1]).float()  # [1, vocab]
 
     @torch.inference_mode()
     def all_logits(self) -> torch.Tensor:
@@ -167,8 +166,7 @@ class TreeOutput:
         device verifies with when reading back once beats skipping unvisited rows."""
         if self.full_logits is not None:
             return self.full_logits
-        raw = lm_head(self.lm.model.get_output_embeddings(), self.hidden)  # [n + 1, padded vocab]
-        return raw[:, : self.lm.vocab_size].float()
+        return self.lm._head(self.hidden).float()  # [n + 1, vocab]
 
 
 #: Row counts for which :func:`lm_head` multiplies weight-major on a CPU in float32.
@@ -187,10 +185,9 @@ def lm_head(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     costs beyond the plain step. The products are the same, summed in another order: the
     logits differ by float32 rounding (~4e-5 here), as any two batch shapes do.
     """
-    weight = getattr(head, "weight", None)
     if (type(head) is torch.nn.Linear and head.bias is None and hidden.device.type == "cpu"
-            and weight.dtype == torch.float32 and hidden.dim() == 2 and hidden.shape[0] in WEIGHT_MAJOR_ROWS):
-        return torch.mm(weight, hidden.t()).t()  # [vocab, d] @ [d, rows] -> [rows, vocab]
+            and head.weight.dtype == torch.float32 and hidden.dim() == 2 and hidden.shape[0] in WEIGHT_MAJOR_ROWS):
+        return torch.mm(head.weight, hidden.t()).t()  # [vocab, d] @ [d, rows] -> [rows, vocab]
     return head(hidden)
 
 
