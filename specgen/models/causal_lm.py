@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from specgen.errors import ConfigError, NumericalError
+from specgen.models import small_rows
 from specgen.models.compiled import (BUCKETS, FIRST_CAPACITY, CompiledDecoder, bucket_for, grown, keep_static_rows,
                                      new_static_cache)
 
@@ -169,28 +170,6 @@ class TreeOutput:
         return self.lm._head(self.hidden).float()  # [n + 1, vocab]
 
 
-#: Row counts for which :func:`lm_head` multiplies weight-major on a CPU in float32.
-WEIGHT_MAJOR_ROWS = range(2, 9)
-
-
-def lm_head(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """``head(hidden)``: [rows, d] -> raw logits [rows, padded vocab] in the head's dtype.
-
-    On a CPU in float32, for 2..8 rows and a plain bias-free ``nn.Linear``, computes
-    ``(weight @ hidden^T)^T`` instead. PyTorch's CPU ``linear`` with a few rows and a
-    vocabulary-wide weight is much slower than that weight-major product, and does not use
-    a second thread (SmolLM2's 49152 x 576 head, one thread: 16.1 vs 4.9 ms for 2 rows,
-    25.1 vs 7.3 ms for 3, 15.7 vs 12.8 ms for 8; linear wins from ~10 rows and in
-    bfloat16). A verify pass reads 2..8 rows, so this is most of what verifying a draft
-    costs beyond the plain step. The products are the same, summed in another order: the
-    logits differ by float32 rounding (~4e-5 here), as any two batch shapes do.
-    """
-    if (type(head) is torch.nn.Linear and head.bias is None and hidden.device.type == "cpu"
-            and head.weight.dtype == torch.float32 and hidden.dim() == 2 and hidden.shape[0] in WEIGHT_MAJOR_ROWS):
-        return torch.mm(head.weight, hidden.t()).t()  # [vocab, d] @ [d, rows] -> [rows, vocab]
-    return head(hidden)
-
-
 class CausalLM:
     """model: a transformers ``*ForCausalLM`` in eval mode.
 
@@ -201,6 +180,7 @@ class CausalLM:
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, name: str = "model"):
         self.model = model
+        small_rows.install(model)
         self.vocab_size = int(vocab_size)
         self.name = name
         self.config = model.config
@@ -249,7 +229,7 @@ class CausalLM:
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, d] -> raw logits [rows, vocab_size] in the model's dtype."""
-        return lm_head(self.model.get_output_embeddings(), hidden)[:, : self.vocab_size]
+        return self.model.get_output_embeddings()(hidden)[:, : self.vocab_size]
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, new_tokens: list[int] | torch.Tensor, keep: int,
@@ -279,7 +259,7 @@ class CausalLM:
             ids = new_tokens.reshape(1, n) if on_device else torch.tensor([new_tokens], dtype=torch.long, device=device)
             positions = torch.arange(start, start + n, device=device).unsqueeze(0)  # [1, n]
             inputs = dict(input_ids=ids, position_ids=positions, use_cache=True, **{self._cache_kwarg: cache.cache})
-            if self._plain_lm_head:  # the LM head on the kept rows only, through lm_head()
+            if self._plain_lm_head:  # the LM head on the kept rows only
                 hidden = self.model.get_decoder()(**inputs).last_hidden_state[0, -keep:]  # [keep, d]
                 logits = self._head(hidden)  # [keep, vocab]
             else:
