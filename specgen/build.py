@@ -116,14 +116,15 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
     device = resolve_device(str(cfg.get("device", "auto")))
     dtype = resolve_dtype(str(cfg.get("dtype", "auto")), device)
     target_cfg = cfg["target"]
+    packed = cfg.get("packed_weights", True)
     target = load_model(target_cfg["source"], name="target", dtype=dtype, device=device,
-                        extra_eos=tuple(target_cfg.get("eos_ids") or ()), progress=progress)
+                        extra_eos=tuple(target_cfg.get("eos_ids") or ()), progress=progress, packed=packed)
     if cfg["compile"]:
         target.lm.enable_compile()
 
     def load(source, name="drafter", dtype=dtype):
         return load_model(source, name=name, dtype=dtype, device=device,
-                          extra_eos=tuple(target_cfg.get("eos_ids") or ()), progress=progress)
+                          extra_eos=tuple(target_cfg.get("eos_ids") or ()), progress=progress, packed=packed)
 
     sampling = cfg["sampling"]
     temperature = sampling.get("temperature", 0.0)

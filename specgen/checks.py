@@ -54,6 +54,7 @@ def check_run_config(cfg: Mapping) -> dict:
     cfg = dict(cfg)
     cfg["speculative"] = parse_bool(cfg.get("speculative", True), "speculative")
     cfg["compile"] = parse_bool(cfg.get("compile", False), "compile")
+    cfg["packed_weights"] = parse_bool(cfg.get("packed_weights", True), "packed_weights")
     cfg["chat"] = parse_chat(cfg.get("chat", "auto"))
     cfg["max_new_tokens"] = parse_int(cfg.get("max_new_tokens", 128), "max_new_tokens", minimum=1)
     cfg["seed"] = parse_seed(cfg.get("seed", 0))

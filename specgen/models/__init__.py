@@ -90,14 +90,14 @@ def resolve_drafter_dtype(name, target_dtype: torch.dtype, device: torch.device)
 
 
 def load_model(source: Mapping, *, name: str, dtype: torch.dtype, device: torch.device,
-               extra_eos: tuple[int, ...] = (), progress: bool = True) -> LoadedModel:
-    """Build or load the model described by a config ``source`` mapping."""
+               extra_eos: tuple[int, ...] = (), progress: bool = True, packed: bool = True) -> LoadedModel:
+    """Build or load the model described by a config ``source`` mapping (``packed``: as for :class:`CausalLM`)."""
     kind = source.get("kind")
     if kind == "tiny":
         args = {k: v for k, v in source.items() if k != "kind"}
         model = build_tiny_model(**args).to(device=device, dtype=dtype)
         tokenizer = TinyTokenizer(model.config.vocab_size)
-        return LoadedModel(CausalLM(model, len(tokenizer), name), TokenizerInfo(tokenizer, extra_eos))
+        return LoadedModel(CausalLM(model, len(tokenizer), name, packed), TokenizerInfo(tokenizer, extra_eos))
     from specgen.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(source, dtype=dtype, device=device, progress=progress)
@@ -106,4 +106,4 @@ def load_model(source: Mapping, *, name: str, dtype: torch.dtype, device: torch.
     if gen_eos is not None:
         eos.extend(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
     info = TokenizerInfo(tokenizer, eos)
-    return LoadedModel(CausalLM(model, info.vocab_size, name), info)
+    return LoadedModel(CausalLM(model, info.vocab_size, name, packed), info)

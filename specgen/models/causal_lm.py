@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from specgen.errors import ConfigError, NumericalError
-from specgen.models import small_rows
+from specgen.models import packed_linear
 from specgen.models.compiled import (BUCKETS, FIRST_CAPACITY, CompiledDecoder, bucket_for, grown, keep_static_rows,
                                      new_static_cache)
 
@@ -176,11 +176,14 @@ class CausalLM:
     vocab_size: how many ids have a token in the tokenizer; logits are cut to
     this width so ids without a token (Qwen pads its embedding rows) have zero
     probability on every side.
+    packed: run linear layers on oneDNN-packed weights where that applies
+    (:mod:`specgen.models.packed_linear`; CPU float32); False keeps PyTorch's ``linear``.
     """
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int, name: str = "model"):
+    def __init__(self, model: torch.nn.Module, vocab_size: int, name: str = "model", packed: bool = True):
         self.model = model
-        small_rows.install(model)
+        packed_linear.install(model)
+        packed_linear.set_enabled(model, packed)
         self.vocab_size = int(vocab_size)
         self.name = name
         self.config = model.config
@@ -199,6 +202,7 @@ class CausalLM:
         """
         if not self._plain_lm_head:
             raise ConfigError(f"compile=true needs logits = lm_head(hidden state); {self.name} scales or caps them")
+        packed_linear.set_enabled(self.model, False)  # inductor picks its own kernels
         self.compiled = CompiledDecoder(self.model.get_decoder(), self._cache_kwarg, self.device)
 
     @property

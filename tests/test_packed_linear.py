@@ -1,0 +1,102 @@
+"""specgen.models.packed_linear: oneDNN-packed linear layers compute linear's product, where they apply, and follow their weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import specgen
+from specgen.models import packed_linear
+from specgen.models.packed_linear import PackedLinear
+from specgen.models.tiny import build_tiny_model
+
+pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="this torch build has no oneDNN")
+
+
+def _layer(rows: int, bias: bool) -> tuple[torch.nn.Linear, torch.Generator]:
+    generator = torch.Generator().manual_seed(rows + 100 * bias)
+    layer = torch.nn.Linear(64, 300, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(300, 64, generator=generator))
+        if bias:
+            layer.bias.copy_(torch.randn(300, generator=generator))
+    return layer, generator
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17])
+def test_same_product_as_linear_on_the_packed_path(rows, bias):
+    layer, generator = _layer(rows, bias)
+    fast = PackedLinear.of(layer)
+    x = torch.randn(1, rows, 64, generator=generator)  # [batch, rows, in], as a decoder layer sees it
+    with torch.inference_mode():
+        out = fast(x)
+        expected = layer(x)
+    assert fast._packed is not None  # the packed path ran
+    assert out.shape == expected.shape == (1, rows, 300)
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_follows_its_weight_changed_in_place_or_replaced():
+    layer, generator = _layer(2, False)
+    fast = PackedLinear.of(layer)
+    x = torch.randn(2, 64, generator=generator)
+    with torch.inference_mode():
+        before = fast(x)
+    with torch.no_grad():
+        fast.weight.mul_(2.0)
+    with torch.inference_mode():
+        assert torch.allclose(fast(x), 2.0 * before, rtol=1e-5, atol=1e-4)
+    fast.weight = torch.nn.Parameter(torch.zeros(300, 64))
+    with torch.inference_mode():
+        assert torch.equal(fast(x), torch.zeros(2, 300))
+
+
+def test_other_dtypes_autograd_and_disabled_layers_run_linear():
+    layer, generator = _layer(3, True)
+    x = torch.randn(3, 64, generator=generator)
+    half = PackedLinear.of(torch.nn.Linear(64, 50).to(torch.bfloat16))
+    with torch.inference_mode():
+        assert torch.equal(half(x.bfloat16()), F.linear(x.bfloat16(), half.weight, half.bias))
+    assert half._packed is None
+    fast = PackedLinear.of(layer)
+    out = fast(x)  # grad enabled, weight requires grad: linear, so gradients flow
+    out.sum().backward()
+    assert fast._packed is None and layer.weight.grad is not None
+    fast.enabled = False
+    with torch.inference_mode():
+        assert torch.equal(fast(x), F.linear(x, layer.weight, layer.bias))
+    assert fast._packed is None
+
+
+def test_install_replaces_every_linear_keeps_ties_and_switches_off():
+    model = build_tiny_model(seed=0, vocab_size=40)
+    model.lm_head.weight = model.get_input_embeddings().weight  # tied, as SmolLM2's are
+    ids = torch.tensor([[1, 5, 7]])
+    with torch.inference_mode():
+        before = model(ids).logits  # [1, 3, vocab]
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert packed_linear.install(model) == linears > 0
+    assert packed_linear.install(model) == 0
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    with torch.inference_mode():
+        after = model(ids).logits
+    assert torch.allclose(after, before, rtol=1e-5, atol=1e-5)
+    packed_linear.set_enabled(model, False)
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_packed_weights_false_keeps_linear_in_every_model():
+    on = specgen.pipeline("target=tiny", "drafter=tiny", "threads=1", progress=False)
+    off = specgen.pipeline("target=tiny", "drafter=tiny", "threads=1", "packed_weights=false", progress=False)
+    for pipe, enabled in ((on, True), (off, False)):
+        models = [pipe.target.model, pipe.drafter.lm.model]
+        layers = [m for model in models for m in model.modules() if isinstance(m, PackedLinear)]
+        assert layers and all(m.enabled is enabled for m in layers)
+    first, second = on.generate("a b", max_new_tokens=8, seed=0), off.generate("a b", max_new_tokens=8, seed=0)
+    assert first.token_ids == second.token_ids
+    with pytest.raises(specgen.ConfigError, match="packed_weights"):
+        specgen.pipeline("target=tiny", "packed_weights=maybe", progress=False)
