@@ -33,7 +33,7 @@ def test_same_product_as_linear_on_the_packed_path(rows, bias):
     with torch.inference_mode():
         out = fast(x)
         expected = layer(x)
-    assert fast._packed is not None  # the packed path ran
+    assert fast.packed.packed is not None  # the packed path ran
     assert out.shape == expected.shape == (1, rows, 300)
     assert torch.allclose(out, expected, rtol=1e-5, atol=1e-4)
 
@@ -56,18 +56,23 @@ def test_follows_its_weight_changed_in_place_or_replaced():
 def test_other_dtypes_autograd_and_disabled_layers_run_linear():
     layer, generator = _layer(3, True)
     x = torch.randn(3, 64, generator=generator)
-    half = PackedLinear.of(torch.nn.Linear(64, 50).to(torch.bfloat16))
+    wide = PackedLinear.of(torch.nn.Linear(64, 50).to(torch.float64))
     with torch.inference_mode():
-        assert torch.equal(half(x.bfloat16()), F.linear(x.bfloat16(), half.weight, half.bias))
-    assert half._packed is None
+        assert torch.equal(wide(x.double()), F.linear(x.double(), wide.weight, wide.bias))
+    assert wide.packed.packed is None
+    half = PackedLinear.of(torch.nn.Linear(64, 50).to(torch.bfloat16))
+    with torch.inference_mode():  # bfloat16 is packed too
+        assert torch.allclose(half(x.bfloat16()).float(), F.linear(x.bfloat16(), half.weight, half.bias).float(),
+                              rtol=2e-2, atol=5e-2)
+    assert half.packed.packed is not None
     fast = PackedLinear.of(layer)
     out = fast(x)  # grad enabled, weight requires grad: linear, so gradients flow
     out.sum().backward()
-    assert fast._packed is None and layer.weight.grad is not None
+    assert fast.packed.packed is None and layer.weight.grad is not None
     fast.enabled = False
     with torch.inference_mode():
         assert torch.equal(fast(x), F.linear(x, layer.weight, layer.bias))
-    assert fast._packed is None
+    assert fast.packed.packed is None
 
 
 def test_install_replaces_every_linear_keeps_ties_and_switches_off():
@@ -100,3 +105,32 @@ def test_packed_weights_false_keeps_linear_in_every_model():
     assert first.token_ids == second.token_ids
     with pytest.raises(specgen.ConfigError, match="packed_weights"):
         specgen.pipeline("target=tiny", "packed_weights=maybe", progress=False)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "mtp", "medusa"])
+def test_a_packed_head_drafts_what_the_unpacked_head_drafts(kind):
+    import copy
+
+    from specgen.heads.modules import HeadConfig, build_head
+
+    generator = torch.Generator().manual_seed(1)
+    cfg = HeadConfig(kind=kind, hidden_size=32, draft_vocab_size=30, intermediate_size=48)
+    head = build_head(cfg, torch.arange(30)).eval().requires_grad_(False)
+    with torch.no_grad():
+        for param in head.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    embed, lm = torch.randn(40, 32, generator=generator), torch.randn(40, 32, generator=generator)
+    packed = copy.deepcopy(head)
+    head.attach(embed, lm)
+    packed.attach(embed, lm, packed=True)
+    assert any(isinstance(m, PackedLinear) for m in packed.modules())
+    assert not any(isinstance(m, PackedLinear) for m in head.modules())
+    feature, tokens = torch.randn(3, 32, generator=generator), torch.tensor([1, 4, 9])
+    with torch.inference_mode():
+        if kind == "medusa":
+            expected, got = head(feature), packed(feature)
+        else:
+            expected, got = head.step(feature, tokens), packed.step(feature, tokens)
+            expected, got = torch.cat(expected, -1), torch.cat(got, -1)
+    assert packed.packed_lm_rows.packed is not None
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-4)

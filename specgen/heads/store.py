@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from specgen.errors import ModelLoadError
 from specgen.heads.modules import DraftHead, HeadConfig, build_head
+from specgen.models import packed_linear
 
 _SAMPLES_PER_TENSOR = 4096  # legacy hash: values per tensor
 _PROBES_PER_TENSOR = 8  # probe: float32 values per tensor, compared with a tolerance
@@ -204,7 +205,8 @@ def load_head(path: str | pathlib.Path, target: torch.nn.Module, *, kind: str | 
                      f"a {cfg.kind} head")
     device = device or next(target.parameters()).device
     head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    head.attach(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    head.attach(target.get_input_embeddings().weight, target.get_output_embeddings().weight,
+                packed=packed_linear.enabled_in(target))
     return head, meta
 
 

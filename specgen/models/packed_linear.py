@@ -42,6 +42,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+#: The dtypes served packed (on a CPU).
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 #: The row count the weights are packed for (a hint: every count runs on it; 8 measured fastest here).
 PACK_ROWS = 8
 
@@ -53,8 +55,47 @@ def available() -> bool:
             and hasattr(mkldnn, "_linear_pointwise"))
 
 
+_AVAILABLE = available()
+
+
+class PackedWeight:
+    """The oneDNN-packed copy of one weight, made on first use and again when the weight
+    is replaced or changed in place."""
+
+    __slots__ = ("packed", "key")
+
+    def __init__(self):
+        self.packed: torch.Tensor | None = None
+        self.key: tuple | None = None
+
+    def of(self, weight: torch.Tensor) -> torch.Tensor:
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        if self.packed is None or self.key != key:
+            with torch.no_grad():
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+            self.key = key
+        return self.packed
+
+    def drop(self) -> None:
+        self.packed = self.key = None
+
+
+def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   cache: PackedWeight) -> torch.Tensor | None:
+    """``F.linear(x, weight, bias)`` on ``cache``'s packed copy of ``weight``, or None where that
+    does not apply (not a CPU, not float32 or bfloat16, autograd needed, no oneDNN).
+    x: [..., in]; weight: [out, in]."""
+    if not (x.device.type == "cpu" and x.dtype in PACKED_DTYPES and weight.dtype == x.dtype
+            and x.numel() > 0 and x.shape[-1] == weight.shape[-1] and _AVAILABLE
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return None
+    flat = x.reshape(-1, x.shape[-1]).contiguous()  # [rows, in]
+    out = torch.ops.mkldnn._linear_pointwise(flat, cache.of(weight), bias, "none", [], "")  # [rows, out]
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 class PackedLinear(torch.nn.Linear):
-    """An ``nn.Linear`` that runs on a oneDNN-packed copy of its weight where that applies.
+    """An ``nn.Linear`` that runs :func:`packed_product` where it applies.
 
     Made by :meth:`of` from an existing layer, sharing its parameters (tied weights stay tied);
     ``enabled`` switches the packed path off for this layer."""
@@ -70,32 +111,12 @@ class PackedLinear(torch.nn.Linear):
         layer.register_parameter("bias", linear.bias)
         layer.train(linear.training)
         layer.enabled = True
-        layer._packed = None
-        layer._packed_of = None
+        layer.packed = PackedWeight()
         return layer
 
-    def _applies(self, x: torch.Tensor) -> bool:
-        weight = self.weight
-        return (self.enabled and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-                and x.shape[-1] == self.in_features and x.numel() > 0
-                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
-
-    def packed_weight(self) -> torch.Tensor:
-        """The packed weight, re-packed if the weight was replaced or changed in place."""
-        weight = self.weight
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
-        if self._packed is None or self._packed_of != key:
-            with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
-            self._packed_of = key
-        return self._packed
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._applies(x):
-            return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(-1, self.in_features)  # [rows, in]
-        out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed_weight(), self.bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], self.out_features)
+        out = packed_product(x, self.weight, self.bias, self.packed) if self.enabled else None
+        return F.linear(x, self.weight, self.bias) if out is None else out
 
 
 def install(model: torch.nn.Module) -> int:
@@ -118,4 +139,9 @@ def set_enabled(model: torch.nn.Module, enabled: bool) -> None:
         if isinstance(module, PackedLinear):
             module.enabled = bool(enabled)
             if not enabled:
-                module._packed = module._packed_of = None
+                module.packed.drop()
+
+
+def enabled_in(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has a :class:`PackedLinear` with the packed path on."""
+    return any(isinstance(m, PackedLinear) and m.enabled for m in model.modules())
