@@ -37,8 +37,11 @@ from specgen.planner import expected_tokens
 class BatchCostTable:
     """Measured costs of batched verify forwards, in units of one 1-row 1-token forward (``step_s`` seconds).
 
-    body[i][j]: a forward of sizes[i] rows, widths[j] tokens each, one logits row per row.
+    body[i][j]: a forward of sizes[i] rows, widths[j] tokens each, one logits row per row,
+    with ``slots[0]`` slots in the shared cache.
     head: each further logits row (a row verifying k drafts reads k + 1).
+    wide, slots: where measured, the same forwards with ``slots[1]`` shared slots (a forward's
+    attention and cache append grow with the shared width); :meth:`at` interpolates between.
     facts: what the table was measured on (the cache key).
     """
 
@@ -48,6 +51,19 @@ class BatchCostTable:
     head: float = 0.0
     step_s: float = 0.0
     facts: dict = field(default_factory=dict, compare=False)
+    wide: tuple[tuple[float, ...], ...] = ()
+    slots: tuple[int, ...] = ()
+
+    def at(self, slots: int) -> BatchCostTable:
+        """The table for a shared cache ``slots`` wide: each entry linear in the width between the
+        two measured ones (continued past the wider one, never below the narrower one's entry);
+        the table itself when only one width was measured."""
+        if not self.wide or len(self.slots) != 2 or self.slots[1] <= self.slots[0]:
+            return self
+        share = max(0.0, (slots - self.slots[0]) / (self.slots[1] - self.slots[0]))
+        body = tuple(tuple(max(n, n + (w - n) * share) for n, w in zip(narrow, wide, strict=True))
+                     for narrow, wide in zip(self.body, self.wide, strict=True))
+        return BatchCostTable(self.sizes, self.widths, body, self.head, self.step_s, self.facts)
 
     def verify(self, rows: int, width: int, logits_rows: int | None = None) -> float:
         """Cost of one batched forward of ``rows`` rows ``width`` tokens wide reading ``logits_rows``

@@ -49,6 +49,10 @@ CONTEXT_TOKENS = 192
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 BATCH_WIDTHS = (1, 2, 3, 5, 9)
 BATCH_CONTEXT_TOKENS = 96
+#: Part of a batched table's cache key: 2 = measured on a compacted and on a wide cache (tables of
+#: method 1 were measured only with every row's prefill slots side by side, 8 contexts wide, and
+#: priced every batch as if one of its rows were that long).
+BATCH_METHOD = 2
 #: Names a JSON cost table that replaces measurement for every pipeline (unset or empty: measure).
 FIXED_TABLE_ENV = "SPECGEN_COST_TABLE"
 _MEMO: dict[str, CostTable | BatchCostTable] = {}
@@ -177,22 +181,48 @@ def measure_batch(pipe, size: int, *, clock: Callable[[], float] | None = None, 
     """Time batched verify forwards (:meth:`specgen.batch.BatchKV.forward`, masks and all) of
     b rows x w tokens for b in 1, 2, 4, .. ``size`` and w in BATCH_WIDTHS up to ``max_width``,
     each row on its own prefilled copy of a short calibration context, one logits row per
-    row; and, at the largest shape, every row's w logits rows (which gives ``head``).
-    Units: the 1-row 1-token forward; each entry is the fastest of ``repeats``, each shape
-    after one untimed forward of its own (a shape's first forward can cost several times
-    the later ones). Sizes run largest first (a smaller batch drops rows). SmolLM2-135M
-    float32 on this project's 2-core CPU (one thread): about 15 s for size 8."""
-    from specgen.batch.kv import BatchKV
+    row; and, at the largest shape, every row's w logits rows (which gives ``head``). All of
+    it twice: on the compacted cache (the shared tensors one context wide: ``body``), and as
+    the prefills leave it (every row's slots side by side, ``size`` contexts wide: ``wide``),
+    since a forward's attention and cache append grow with the shared width, which a batch
+    with one long row has for every row. Units: the 1-row 1-token forward on the compacted
+    cache; each entry is the fastest of ``repeats``, each shape after one untimed forward of
+    its own (a shape's first forward can cost several times the later ones). Sizes run
+    largest first (a smaller batch drops rows). SmolLM2-135M float32 on this project's
+    2-core CPU (one thread): about 25 s for size 8."""
     from specgen.stats import Clock
 
     clock = clock or Clock(pipe.device)
     sizes, widths = _batch_shape(size, max_width)
     context = _context(pipe, max_width)[:BATCH_CONTEXT_TOKENS]
+    feed = [context[-1]] + context[: max_width - 1]
+    measured = {}
+    for compacted in (False, True):
+        measured[compacted] = _time_batches(pipe, sizes, widths, context, feed, compacted, repeats, clock)
+    (narrow, full, narrow_slots), (wide, _, wide_slots) = measured[True], measured[False]
+    step = min(narrow[(1, 1)]) or 1e-9
+
+    def table(times):
+        return tuple(tuple(min(times[(b, w)]) / step for w in widths) for b in sizes)
+
+    extra = sizes[-1] * (widths[-1] - 1)
+    head = max(0.0, (min(full) - min(narrow[(sizes[-1], widths[-1])])) / step / extra) if extra else 0.0
+    return BatchCostTable(tuple(sizes), tuple(widths), table(narrow), head, step,
+                          dict(facts(pipe), batch_size=size, max_width=max_width, method=BATCH_METHOD),
+                          wide=table(wide), slots=(narrow_slots, wide_slots))
+
+
+def _time_batches(pipe, sizes, widths, context, feed, compacted: bool, repeats: int, clock):
+    """-> ({(b, w): seconds of each timed forward}, full-logits timings, shared slots) on a fresh
+    batched cache of sizes[-1] prefilled rows, compacted or as the prefills leave it."""
+    from specgen.batch.kv import BatchKV
+
     kv = BatchKV(pipe.target, sizes[-1])
     for r in range(sizes[-1]):
         kv.prefill(r, context[:-1])
+    if compacted:
+        kv.compact()
     base, width0 = len(kv.rows[0]), kv.width
-    feed = [context[-1]] + context[: max_width - 1]
 
     def timed(b: int, w: int, keep: int) -> float:
         feeds = [feed[:w]] * b + [[]] * (sizes[-1] - b)
@@ -214,12 +244,7 @@ def measure_batch(pipe, size: int, *, clock: Callable[[], float] | None = None, 
                 times.setdefault((b, w), []).append(timed(b, w, 1))
             if b == sizes[-1] and widths[-1] > 1:
                 full.append(timed(b, widths[-1], widths[-1]))
-    step = min(times[(1, 1)]) or 1e-9
-    body = tuple(tuple(min(times[(b, w)]) / step for w in widths) for b in sizes)
-    extra = sizes[-1] * (widths[-1] - 1)
-    head = max(0.0, (min(full) - min(times[(sizes[-1], widths[-1])])) / step / extra) if extra else 0.0
-    return BatchCostTable(tuple(sizes), tuple(widths), body, head, step,
-                          dict(facts(pipe), batch_size=size, max_width=max_width))
+    return times, full, width0
 
 
 def batch_cost_table(pipe, size: int, *, refresh: bool = False,
@@ -239,7 +264,7 @@ def batch_cost_table(pipe, size: int, *, refresh: bool = False,
             raise ConfigError(f"{FIXED_TABLE_ENV}={fixed}: not a batch cost table "
                               f"({type(error).__name__}: {error})") from None
     size = table_size(size)
-    fact = dict(facts(pipe), batch_size=size, max_width=BATCH_WIDTHS[-1])
+    fact = dict(facts(pipe), batch_size=size, max_width=BATCH_WIDTHS[-1], method=BATCH_METHOD)
     return _cached("batch-" + cache_key(fact), refresh, lambda: measure_batch(pipe, size, clock=clock),
                    batch_from_dict, batch_to_dict)
 
@@ -247,16 +272,21 @@ def batch_cost_table(pipe, size: int, *, refresh: bool = False,
 def batch_to_dict(table: BatchCostTable) -> dict:
     return {"sizes": list(table.sizes), "widths": list(table.widths), "body": [list(line) for line in table.body],
             "head": table.head, "step_s": table.step_s, "facts": table.facts,
+            "wide": [list(line) for line in table.wide], "slots": list(table.slots),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
 def batch_from_dict(data: dict) -> BatchCostTable:
     sizes, widths = tuple(int(b) for b in data["sizes"]), tuple(int(w) for w in data["widths"])
     body = tuple(tuple(float(x) for x in line) for line in data["body"])
+    wide = tuple(tuple(float(x) for x in line) for line in data.get("wide") or ())
+    slots = tuple(int(s) for s in data.get("slots") or ())
     if len(body) != len(sizes) or any(len(line) != len(widths) for line in body):
         raise ValueError("batch table: body is not sizes x widths")
+    if wide and (len(wide) != len(sizes) or any(len(line) != len(widths) for line in wide) or len(slots) != 2):
+        raise ValueError("batch table: wide is not sizes x widths with two slot counts")
     return BatchCostTable(sizes, widths, body, float(data.get("head", 0.0)), float(data.get("step_s", 0.0)),
-                          dict(data.get("facts") or {}))
+                          dict(data.get("facts") or {}), wide, slots)
 
 
 def cost_table(pipe, *, refresh: bool = False, clock: Callable[[], float] | None = None) -> CostTable:
@@ -332,6 +362,11 @@ def describe(table: CostTable) -> str:
 
 def describe_batch(table: BatchCostTable) -> str:
     """One line for humans: the batched verify cost per (rows, width), in 1-row 1-token forwards."""
-    cells = "; ".join(f"B={b}: " + " ".join(f"{v:.2f}" for v in line) for b, line in zip(table.sizes, table.body))
-    return (f"batch cost table (unit {1e3 * table.step_s:.1f} ms; widths {','.join(map(str, table.widths))}; "
-            f"+{table.head:.3f} per extra logits row): {cells}")
+    def cells(body) -> str:
+        return "; ".join(f"B={b}: " + " ".join(f"{v:.2f}" for v in line) for b, line in zip(table.sizes, body))
+
+    text = (f"batch cost table (unit {1e3 * table.step_s:.1f} ms; widths {','.join(map(str, table.widths))}; "
+            f"+{table.head:.3f} per extra logits row)")
+    if table.wide and len(table.slots) == 2:
+        return f"{text}: {table.slots[0]} shared slots: {cells(table.body)}; {table.slots[1]} slots: {cells(table.wide)}"
+    return f"{text}: {cells(table.body)}"

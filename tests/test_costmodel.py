@@ -159,6 +159,7 @@ def test_measure_batch_shapes(monkeypatch):
     table = costmodel.measure_batch(pipe, 3, clock=FakeTimer(), max_width=4)
     assert table.sizes == (1, 2, 3) and table.widths == (1, 2, 3, 4)
     assert table.body[0][0] == pytest.approx(1.0) and table.head == 0.0
+    assert len(table.wide) == 3 and table.slots[1] > table.slots[0] > 0  # a compacted and a wide cache
     assert table.facts["batch_size"] == 3
 
 
@@ -190,3 +191,24 @@ def test_batch_table_is_cached_and_fixed_by_the_environment(real_cost_table, mon
 
 
 _ORIGINAL_BATCH = costmodel.batch_cost_table
+
+
+def test_batch_table_prices_the_shared_width_between_its_two_measurements():
+    from specgen.batch_planner import BatchCostTable
+
+    table = BatchCostTable((1, 8), (1, 2), ((1.0, 1.2), (1.5, 2.0)), 0.01, 0.02,
+                           wide=((1.4, 2.0), (3.0, 5.0)), slots=(100, 800))
+    assert table.at(100).body == table.body and table.at(50).body == table.body  # never below the narrow one
+    def flat(t):
+        return [v for line in t.body for v in line]
+
+    assert flat(table.at(450)) == pytest.approx([1.2, 1.6, 2.25, 3.5])
+    assert flat(table.at(1500)) == pytest.approx([1.8, 2.8, 4.5, 8.0])  # continued past the wide one
+    assert table.at(800).verify(8, 2) == pytest.approx(5.0) and table.at(800).head == 0.01
+    single = BatchCostTable((1, 8), (1, 2), ((1.0, 1.2), (1.5, 2.0)))
+    assert single.at(5000) is single
+    again = costmodel.batch_from_dict(json.loads(json.dumps(costmodel.batch_to_dict(table))))
+    assert again == table and again.wide == table.wide and again.slots == (100, 800)
+    assert "800 slots: B=1: 1.40 2.00" in costmodel.describe_batch(table)
+    with pytest.raises(ValueError, match="wide"):
+        costmodel.batch_from_dict(dict(costmodel.batch_to_dict(table), slots=[100]))

@@ -142,8 +142,9 @@ class BatchKV:
             raise ValueError("a row still lists a slot past the cut")
         for layer in self.cache.layers:
             if getattr(layer, "keys", None) is not None and layer.keys.dim() == 4:
-                layer.keys = layer.keys[..., :width, :]  # [B, heads, width, head_dim]
-                layer.values = layer.values[..., :width, :]
+                # contiguous, as a step's concatenation leaves them: a strided view slows the next steps
+                layer.keys = layer.keys[..., :width, :].contiguous()  # [B, heads, width, head_dim]
+                layer.values = layer.values[..., :width, :].contiguous()
         self.width = min(self.width, width)
 
     def maybe_compact(self) -> None:

@@ -202,7 +202,8 @@ def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None 
             row.ctx.clock.take_laps()
             if not row.request.target_cache.slots:  # a fresh row: its prompt in a forward of its own
                 kv.prefill(r, row.request.committed.tokens[:-1])
-        drafted = plan_rows(costs, live)  # plan + draft: the rows' lengths chosen together
+        kv.maybe_compact()  # each prefill appended slots for every row
+        drafted = plan_rows(None if costs is None else costs.at(kv.width), live)  # plan + draft: lengths chosen together
         for r, row in live:
             request = row.request
             if r not in drafted:
