@@ -95,7 +95,8 @@ def extract(max_new_tokens: int) -> None:
             for name, pipe in pipes.items():
                 spent[0] = 0.0
                 start = time.perf_counter()
-                (row,) = extract_records.extract(pipe, schema, [note], max_new_tokens=max_new_tokens, progress=False)
+                (row,) = extract_records.extract(pipe, schema, [note], max_new_tokens=max_new_tokens, progress=False,
+                                                 batch_size=1)  # generate(): tree drafters are not batched
                 wall = time.perf_counter() - start
                 calls = row["tokens"] - row["accepted"]  # one target call per round, each adds accepted + 1
                 total = totals[name]

@@ -176,14 +176,16 @@ class CausalLM:
     vocab_size: how many ids have a token in the tokenizer; logits are cut to
     this width so ids without a token (Qwen pads its embedding rows) have zero
     probability on every side.
-    packed: run linear layers on oneDNN-packed weights where that applies
-    (:mod:`specgen.models.packed_linear`; CPU float32); False keeps PyTorch's ``linear``.
+    packed: on a CPU, run linear layers on oneDNN-packed weights where that applies
+    (:mod:`specgen.models.packed_linear`: float32 and bfloat16); False keeps PyTorch's
+    ``linear``. A model on another device keeps its layers as they are.
     """
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, name: str = "model", packed: bool = True):
         self.model = model
-        packed_linear.install(model)
-        packed_linear.set_enabled(model, packed)
+        if next(model.parameters()).device.type == "cpu":  # elsewhere linear layers stay as they are
+            packed_linear.install(model)
+            packed_linear.set_enabled(model, packed)
         self.vocab_size = int(vocab_size)
         self.name = name
         self.config = model.config
