@@ -116,7 +116,6 @@ class Batch:
         """One step over every active row (a transaction: on an exception nothing is yielded and
         every row is as before); then each row's events, a finished row's FinishEvent last (its
         slot is free by then)."""
-        self.kv.maybe_compact()
         live = [(r, row) for r, row in enumerate(self.slots) if row is not None]
         for r, events in step(self.kv, live, self.costs):
             row = self.slots[r]
@@ -202,7 +201,7 @@ def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None 
             row.ctx.clock.take_laps()
             if not row.request.target_cache.slots:  # a fresh row: its prompt in a forward of its own
                 kv.prefill(r, row.request.committed.tokens[:-1])
-        kv.maybe_compact()  # each prefill appended slots for every row
+        kv.maybe_compact()  # after the prefills (each appended slots for every row) and past removals
         drafted = plan_rows(None if costs is None else costs.at(kv.width), live)  # plan + draft: lengths chosen together
         for r, row in live:
             request = row.request

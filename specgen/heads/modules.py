@@ -32,7 +32,6 @@ from torch import nn
 
 from specgen.models import packed_linear
 from specgen.models.causal_lm import select_features
-from specgen.models.packed_linear import PackedWeight, packed_product
 
 
 @dataclass
@@ -90,7 +89,7 @@ class DraftHead(nn.Module):
         self.register_buffer("vocab_ids", vocab_ids.to(torch.long).clone())  # [Vd] target ids
         self.embed_weight: torch.Tensor | None = None  # [V, d], frozen, borrowed
         self.lm_rows: torch.Tensor | None = None  # [Vd, d], frozen, borrowed
-        self.packed_lm_rows: PackedWeight | None = None  # set by attach(packed=True)
+        self.packed_lm_rows: packed_linear.PackedWeight | None = None  # set by attach(packed=True)
 
     def attach(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, packed: bool = False) -> None:
         """Borrow the target's embedding [V, d] and LM head [V, d] (rows cut to the draft vocab).
@@ -102,7 +101,7 @@ class DraftHead(nn.Module):
         where that applies (:mod:`specgen.models.packed_linear`; inference only)."""
         self.embed_weight = embed_weight.detach()
         self.lm_rows = lm_head_weight.detach()[self.vocab_ids.to(lm_head_weight.device)].to(self._dtype)
-        self.packed_lm_rows = PackedWeight() if packed else None
+        self.packed_lm_rows = packed_linear.PackedWeight() if packed else None
         if packed:
             packed_linear.install(self)
 
@@ -117,7 +116,7 @@ class DraftHead(nn.Module):
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> logits over the draft vocabulary [..., Vd] (the head's dtype)."""
         if self.packed_lm_rows is not None:
-            out = packed_product(hidden, self.lm_rows, None, self.packed_lm_rows)
+            out = packed_linear.packed_product(hidden, self.lm_rows, None, self.packed_lm_rows)
             if out is not None:
                 return out
         return hidden @ self.lm_rows.to(hidden.dtype).T

@@ -123,7 +123,7 @@ class PackedLinear(torch.nn.Linear):
 def install(model: torch.nn.Module) -> int:
     """Replace every plain ``nn.Linear`` in ``model`` by a :class:`PackedLinear` sharing its
     parameters. Returns how many layers were replaced (0 without oneDNN, or on a second call)."""
-    if not available():
+    if not _AVAILABLE:
         return 0
     replaced = 0
     for parent in list(model.modules()):
