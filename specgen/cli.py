@@ -81,7 +81,8 @@ def _where(exc: UnicodeDecodeError) -> str:
 
 
 def summary_line(gen: Generation) -> str:
-    """One line: guarantee, speed, tokens per target call, acceptance by draft position."""
+    """One line: guarantee, speed, tokens per target call, acceptance by draft position, the planner's
+    γ and, under a grammar, its share of wall time and mask time per position."""
     s = gen.stats
     parts = [f"[{gen.guarantee}]", f"{s.new_tokens} tokens in {s.wall:.2f} s = {s.tokens_per_s:.1f} tok/s",
              f"tau {s.tokens_per_target_call:.2f} tokens/target call"]
@@ -90,6 +91,8 @@ def summary_line(gen: Generation) -> str:
         parts.append(f"acceptance by draft position: {per_position}")
     if s.planner_summary:
         parts.append(s.planner_summary)
+    if s.grammar_summary:
+        parts.append(s.grammar_summary)
     parts.append(f"finish: {gen.finish_reason}")
     return " | ".join(parts)
 

@@ -26,7 +26,7 @@ from specgen.planner import AUTO, CostTable
 from specgen.processors import ProcessorStack
 from specgen.round import RoundContext, plain_step, speculative_round
 from specgen.state import Request
-from specgen.stats import Clock, Stats
+from specgen.stats import Clock, GrammarTimer, Stats
 from specgen.text import TextStream
 
 
@@ -195,7 +195,11 @@ class Pipeline:
     def open_request(self, ids: list[int], *, max_new_tokens: int, seed: int | None = None,
                      stop: Sequence[str] | None = None, use_spec: bool = True,
                      stack: ProcessorStack | None = None, stats: Stats | None = None) -> tuple[Request, RoundContext]:
-        """Fresh request state and round context (the engine loop's setup; tests drive rounds with it)."""
+        """Fresh request state and round context (the engine loop's setup; tests drive rounds with it).
+
+        The round context and the draft session share one stack: ``stack`` (default the
+        pipeline's) with its grammar metered by this request's clock and stats
+        (:meth:`~specgen.processors.ProcessorStack.with_timer`)."""
         seed = parse_seed(self.defaults.seed if seed is None else seed)
         stop = parse_stop(self.defaults.stop if stop is None else stop)
         stack = self.stack if stack is None else stack
@@ -204,7 +208,9 @@ class Pipeline:
                           eos_ids=self.tokenizer.eos_ids, max_new_tokens=max_new_tokens, seed=seed)
         stats = Stats() if stats is None else stats
         stats.prompt_tokens = len(ids)
-        ctx = RoundContext(self.target, stack, stats, Clock(self.device), read_once=self.read_once)
+        clock = Clock(self.device)
+        stack = stack.with_timer(GrammarTimer(clock, stats.mask_seconds))
+        ctx = RoundContext(self.target, stack, stats, clock, read_once=self.read_once)
         if use_spec and self.speculative:
             ctx.feature_layers = self.drafter.feature_layers
             ctx.max_tokens, ctx.tree_width = self.drafter.max_tokens, self.drafter.tree_width

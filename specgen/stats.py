@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Iterator
+from array import array
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -16,8 +18,10 @@ class Clock:
 
     ``with clock.stage("verify"):`` charges the time inside to a stage; a stage
     opened inside another pauses the outer one (the tree path's lazy LM head runs
-    during processing but is verify work). :meth:`take_laps` returns and clears
-    the seconds charged per stage since the last call.
+    during processing but is verify work). :meth:`carve` moves seconds measured
+    inside the open stage to another one without opening a stage (the grammar's
+    cheap per-call timing, see :class:`GrammarTimer`). :meth:`take_laps` returns
+    and clears the seconds charged per stage since the last call.
     """
 
     def __init__(self, device: torch.device, timer=time.perf_counter):
@@ -49,9 +53,71 @@ class Clock:
             self._charge(name, now - self._open[1])
             self._open = None if outer is None else (outer[0], now)
 
+    def carve(self, name: str, seconds: float) -> None:
+        """Charge ``seconds`` to ``name`` instead of the open stage (if any).
+
+        The seconds must have just passed inside the open stage's current stretch
+        (since it was entered or resumed after a nested stage), so the open stage
+        loses exactly what ``name`` gains and the laps still sum to the wall time.
+        """
+        self._charge(name, seconds)
+        if self._open is not None:
+            self._open = (self._open[0], self._open[1] + seconds)
+
     def take_laps(self) -> dict[str, float]:
         laps, self._laps = self._laps, {}
         return laps
+
+
+class GrammarTimer:
+    """A request's meter for grammar work, handed to its grammar when the request is
+    opened (:meth:`specgen.processors.ProcessorStack.with_timer`).
+
+    Grammar work is charged to the clock's ``"grammar"`` stage out of whichever stage
+    it runs inside (process on the target side, draft on the drafter side) via
+    :meth:`Clock.carve`; ``samples`` gets one entry per masked position (seconds,
+    a row of a processor call or a node of a drafted tree level). Readings come from
+    the clock's own timer: a perf_counter pair per position, no allocation beyond the
+    sample itself. Work that queues device work (masking logits) brackets itself with
+    ``sync=True`` readings, which on a CUDA clock first wait for the device, so work
+    queued before it stays with the outer stage and its own stays with the grammar;
+    host-only work (walking states) reads without a sync.
+    """
+
+    STAGE = "grammar"
+
+    def __init__(self, clock: Clock, samples: array):
+        self.clock = clock
+        self.samples = samples  # array("d"): seconds per masked position
+
+    def now(self, sync: bool = False) -> float:
+        """A reading to start a stretch of grammar work with (``sync``: see the class docstring)."""
+        return self.clock() if sync else self.clock.timer()
+
+    def position(self, since: float) -> float:
+        """Record one position's mask seconds (now - ``since``, a :meth:`now` reading); -> now."""
+        now = self.clock.timer()
+        self.samples.append(now - since)
+        return now
+
+    def spent(self, start: float, last: float | None = None, positions: int = 0, sync: bool = False) -> None:
+        """The grammar worked from ``start`` (a :meth:`now` reading) until now: charge that to the
+        stage. The time since ``last`` (work shared by the ``positions`` samples recorded last,
+        e.g. applying their masks) is spread evenly over them, so a call's samples sum to its time."""
+        now = self.clock() if sync else self.clock.timer()
+        if positions:
+            share = (now - last) / positions
+            for i in range(len(self.samples) - positions, len(self.samples)):
+                self.samples[i] += share
+        self.clock.carve(self.STAGE, now - start)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The nearest-rank ``q``-quantile (0 < q <= 1) of ``values``; None when empty."""
+    if not len(values):
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 @dataclass(frozen=True)
@@ -74,11 +140,13 @@ class RoundResult:
 
 @dataclass
 class Timings:
-    """Seconds spent in each stage of the rounds."""
+    """Seconds spent in each stage of the rounds. grammar: mask work of a grammar, on the
+    target side (out of process) and the drafter side (out of draft); 0 without one."""
 
     draft: float = 0.0
     verify: float = 0.0
     process: float = 0.0
+    grammar: float = 0.0
     commit: float = 0.0
 
 
@@ -90,7 +158,9 @@ class Stats:
     planned_drafts, planned_plain: rounds whose γ the planner chose, their draft
     tokens, and how many of them verified none (a plain step). draft_size_counts[n]:
     speculative rounds that verified n draft tokens (tree nodes) -- the verify
-    pass's size minus one.
+    pass's size minus one. mask_seconds: under a grammar, the seconds of each masked
+    position, target and drafter sides (see :class:`GrammarTimer`; :meth:`to_dict`
+    gives its count and percentiles instead).
     """
 
     rounds: int = 0
@@ -109,6 +179,7 @@ class Stats:
     planned_rounds: int = 0
     planned_drafts: int = 0
     planned_plain: int = 0
+    mask_seconds: array = field(default_factory=lambda: array("d"))
 
     def record(self, result: RoundResult) -> None:
         """Add one round's counts and stage times."""
@@ -172,6 +243,28 @@ class Stats:
         return self.new_tokens / self.wall if self.wall > 0 else 0.0
 
     @property
+    def grammar_share(self) -> float | None:
+        """Share of wall time spent in grammar work; None without a grammar (nothing masked)."""
+        if not self.mask_seconds and not self.timings.grammar:
+            return None
+        return self.timings.grammar / self.wall if self.wall > 0 else 0.0
+
+    def mask_percentile(self, q: float) -> float | None:
+        """Seconds per masked position at quantile ``q`` (e.g. 0.5, 0.99); None when nothing was masked."""
+        return percentile(self.mask_seconds, q)
+
+    @property
+    def grammar_summary(self) -> str | None:
+        """e.g. "grammar 1.2% of wall, mask p50 45 µs p99 3.1 ms"; None without a grammar."""
+        share = self.grammar_share
+        if share is None:
+            return None
+        text = f"grammar {100 * share:.1f}% of wall"
+        if self.mask_seconds:
+            text += f", mask p50 {_duration(self.mask_percentile(0.5))} p99 {_duration(self.mask_percentile(0.99))}"
+        return text
+
+    @property
     def tpot(self) -> float | None:
         """Mean time per output token after the first."""
         if self.ttft is None or self.new_tokens < 2:
@@ -179,8 +272,14 @@ class Stats:
         return (self.wall - self.ttft) / (self.new_tokens - 1)
 
     def to_dict(self) -> dict:
+        """A JSON-ready dict: the fields (``mask_seconds`` as its count and p50/p99) and the derived figures."""
         out = asdict(self)
+        del out["mask_seconds"]
         out.update(
+            mask_positions=len(self.mask_seconds),
+            mask_p50_s=self.mask_percentile(0.5),
+            mask_p99_s=self.mask_percentile(0.99),
+            grammar_share=self.grammar_share,
             acceptance_per_position=self.acceptance_per_position,
             acceptance_rate=self.acceptance_rate,
             tokens_per_target_call=self.tokens_per_target_call,
@@ -190,3 +289,7 @@ class Stats:
             planner_summary=self.planner_summary,
         )
         return out
+
+
+def _duration(seconds: float) -> str:
+    return f"{1e3 * seconds:.1f} ms" if seconds >= 1e-3 else f"{1e6 * seconds:.0f} µs"

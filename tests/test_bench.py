@@ -20,6 +20,7 @@ from specgen.bench.baselines import assistant_settings, generate_kwargs, run_hf,
 from specgen.bench.calibrate import from_cost_table, verify_ratio
 from specgen.bench.cli import compose_bench, run_bench
 from specgen.bench.plots import PLOT_FILES
+from specgen.bench.report import markdown
 from specgen.bench.runner import Settings
 from specgen.bench.summary import spread, summarise
 from specgen.errors import ConfigError
@@ -29,8 +30,8 @@ TINY = ["target=tiny", "threads=1", "bench.num_prompts=1", "bench.prompts=[prose
         "bench.progress=false"]
 ROW_FIELDS = {"task", "temperature", "gamma", "method", "num_prompts", "tokens_per_s", "speedup_vs_plain",
               "speedup_vs_hf_generate", "speedup_vs_hf_spec", "decode_speedup_vs_plain", "ttft_ms", "tpot_ms",
-              "engine", "speed_model", "drafter_memory_bytes", "matches_plain", "target", "drafter", "config",
-              "environment", "calibration"}
+              "engine", "grammar", "speed_model", "drafter_memory_bytes", "matches_plain", "target", "drafter",
+              "config", "environment", "calibration"}
 
 
 def _sample(method, prompt_index, tokens_per_s, gamma=None, **extra):
@@ -126,6 +127,50 @@ def test_first_round_is_left_out_of_decode_figures():
     assert engine["decode_tokens_per_round"] == pytest.approx(97 / 39)
     assert engine["seconds_per_token"] == pytest.approx(0.4 / 97)
     assert engine["mean_draft_length"] == pytest.approx(78 / 39)
+
+
+def test_constrained_cells_report_grammar_share_and_mask_percentiles():
+    timings = {"draft": 0.1, "verify": 0.2, "process": 0.05, "grammar": 0.1, "commit": 0.05}
+    spec = [_sample("specgen", i, 200.0, gamma=2, mask_us=[float(i + j) for j in range(1, 101)],
+                    **dict(_engine(40, 80, 60, [(40, 35), (40, 25)], verify=0.2, draft=0.1), timings=timings))
+            for i in range(2)]
+    plain = [_sample("plain", i, 100.0, **_engine(100, 0, 0, [], verify=0.9, draft=0.0)) for i in range(2)]
+    rows = {row["method"]: row for row in summarise([*plain, *spec])}
+    grammar = rows["specgen"]["grammar"]
+    assert grammar["share"] == pytest.approx(0.2 / 1.0) and grammar["seconds"] == pytest.approx(0.2)
+    assert grammar["positions"] == 200  # pooled over both prompts: 1..100 and 2..101
+    assert grammar["mask_p50_us"] == 51.0 and grammar["mask_p99_us"] == 100.0
+    assert rows["plain"]["grammar"] is None
+    engine = rows["specgen"]["engine"]
+    assert engine["per_round_ms"]["grammar"] == pytest.approx(1e3 * 0.1 / 40)
+    assert engine["per_round_ms"]["other"] == pytest.approx(1e3 * (0.5 - 0.5) / 40, abs=1e-9)
+    model = rows["specgen"]["speed_model"]
+    assert model["predicted"] == pytest.approx(model["measured"]), "grammar time is part of o: the terms still add up"
+    table = markdown(list(rows.values()))
+    assert "ms/round draft·verify·process·grammar·commit·other" in table
+    assert "| code | 0 | specgen γ=2 | 20.0 | 51 | 100 | 200 |" in table
+    unconstrained = markdown(summarise(plain))
+    assert "ms/round draft·verify·process·commit·other" in unconstrained and "mask p50" not in unconstrained
+
+
+def test_bench_shows_grammar_cost_of_a_constrained_run(tmp_path):
+    pattern = "[eaoiu]{3,10}( [tnshrdlcm]{1,4}){0,3}"  # over the tiny alphabet; 8 tokens fit (EOS is masked)
+    cfg = compose_bench([*TINY, "drafter=ngram", "grammar=regex", f"grammar.pattern={pattern}", "bench.prompts=[prose]",
+                         "bench.gammas=[2]", "bench.temperatures=[0]", "bench.baselines=[plain]", "bench.warmup=0",
+                         f"bench.out_dir={tmp_path}"])
+    out = io.StringIO()
+    result = run_bench(cfg, out=out, err=io.StringIO())
+    rows = [json.loads(line) for line in (result.out_dir / "results.jsonl").read_text().splitlines()]
+    assert {row["method"] for row in rows} == {"specgen", "plain"}
+    for row in rows:
+        grammar = row["grammar"]
+        assert grammar["positions"] >= 8 and 0 < grammar["share"] < 1
+        assert grammar["mask_p99_us"] >= grammar["mask_p50_us"] > 0
+        assert row["engine"]["per_round_ms"]["grammar"] > 0
+    samples = [json.loads(line) for line in (result.out_dir / "samples.jsonl").read_text().splitlines()]
+    assert all(len(s["mask_us"]) >= s["new_tokens"] and s["timings"]["grammar"] > 0 for s in samples)
+    assert "grammar % of wall" in out.getvalue() and "process·grammar·commit" in out.getvalue()
+    assert (result.out_dir / "time_split.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_verify_ratio_interpolates_and_calibration_comes_from_the_cost_table():

@@ -9,13 +9,15 @@ random heads; char-level regex grammar; fixed seeds.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import TINY
 from exact import exact_distribution, goodness_of_fit, sample_counts
 
 import specgen
-from specgen.grammar import grammar_processor
+from specgen.grammar import TokenAutomaton, grammar_processor
 from specgen.heads import HeadConfig, build_head, save_head, target_fingerprint
 from specgen.round import speculative_round
 from specgen.sampling import tree as tree_sampling
@@ -158,6 +160,30 @@ def test_greedy_tree_speculation_equals_plain_under_a_grammar(kind, heads):
         assert (spec.token_ids, spec.finish_reason) == (plain.token_ids, plain.finish_reason), prompt
         accepted += spec.stats.accepted
     assert accepted > 0, "non-vacuous: some drafted nodes are accepted"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tree_drafting_under_a_grammar_is_charged_to_the_grammar_stage(kind, heads, monkeypatch):
+    """With every mask and transition SLOW fake seconds, the tree's grammar work lands in
+    "grammar" (one mask-time sample per expanded node), none of it in draft or process."""
+    slow_s, offset = 100.0, [0.0]
+    pipe = pipeline(kind, heads, "sampling.temperature=0")
+    for name in ("mask", "advance"):
+        original = getattr(TokenAutomaton, name)
+
+        def slow(self, *args, original=original, **kwargs):
+            offset[0] += slow_s
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(TokenAutomaton, name, slow)
+    request, ctx = pipe.open_request(PROMPT, max_new_tokens=LENGTH, seed=0)
+    ctx.clock.timer = lambda: time.perf_counter() + offset[0]
+    while request.finish_reason is None:
+        speculative_round(request, ctx, 3)
+    timings = ctx.stats.timings
+    assert ctx.stats.drafted > 0 and timings.grammar >= slow_s and len(ctx.stats.mask_seconds) > 0
+    assert timings.draft < slow_s and timings.process < slow_s
+    assert offset[0] <= timings.grammar < offset[0] + slow_s, "every slowed call is grammar work"
 
 
 #: Exactness cases: EAGLE with two children per node (test_grammar_backends covers its default tree

@@ -6,7 +6,9 @@
                                  gamma, one line per temperature (solid: specgen,
                                  dashed: HF's counterpart), one panel per task;
 ``time_split.png``               milliseconds per round in draft / verify /
-                                 process / commit / other, one bar per cell.
+                                 process / grammar (constrained runs) / commit /
+                                 other, one bar per cell (labelled with the
+                                 grammar's share of wall time under a grammar).
 """
 
 from __future__ import annotations
@@ -91,16 +93,24 @@ def _time_split(rows, tasks, axes) -> None:
     ax = axes[0]
     chosen = _split_rows(rows)
     labels = [f"{r['task']} T={r['temperature']:g} " + (f"γ={r['gamma']}" if r["gamma"] else r["method"])
-              for r in chosen]
+              + _grammar_label(r) for r in chosen]
     left = [0.0] * len(chosen)
     for index, stage in enumerate((*STAGES, "other")):
-        widths = [max(0.0, r["engine"]["per_round_ms"][stage]) for r in chosen]
+        widths = [max(0.0, r["engine"]["per_round_ms"].get(stage, 0.0)) for r in chosen]
+        if stage == "grammar" and not any(widths):
+            continue  # no constrained cell: keep the legend to the stages that ran
         ax.barh(range(len(chosen)), widths, left=left, color=f"C{index}", label=stage)
         left = [a + b for a, b in zip(left, widths)]
     ax.set_yticks(range(len(chosen)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set(xlabel="ms per round (plain: per step)", title="time split per round")
     _legend(ax)
+
+
+def _grammar_label(row: Mapping) -> str:
+    """", grammar 2.1%" for a constrained cell (its share of wall time), else ""."""
+    share = (row.get("grammar") or {}).get("share")
+    return "" if share is None else f", grammar {100 * share:.1f}%"
 
 
 def _legend(ax) -> None:

@@ -100,23 +100,32 @@ def header(config: Mapping, env: Mapping, num_prompts: int | None) -> str:
             f"{env['transformers']} | {size}{config['bench']['max_new_tokens']} new tokens each")
 
 
+def split_stages(rows: Sequence[Mapping]) -> tuple[str, ...]:
+    """The time split's columns: STAGES and "other", without "grammar" when no row ran under a grammar."""
+    constrained = any(row.get("grammar") for row in rows)
+    return tuple(stage for stage in (*STAGES, "other") if constrained or stage != "grammar")
+
+
 def markdown(rows: Sequence[Mapping]) -> str:
-    """The main table (one line per cell) and the speed-model table for speculative cells."""
+    """The main table (one line per cell), the grammar table for constrained cells and the
+    speed-model table for speculative cells."""
+    stages = split_stages(rows)
     lines = [
         "| task | T | method | tok/s median [IQR] | ×plain | ×HF generate | ×HF spec | τ | acceptance by position "
-        "| ms/round draft·verify·process·commit·other | TTFT ms | TPOT ms | =plain |",
+        f"| ms/round {'·'.join(stages)} | TTFT ms | TPOT ms | =plain |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         engine = row.get("engine") or {}
         accept = " ".join(_num(a) for a in engine.get("acceptance_per_position") or []) or "–"
-        split = "·".join(_num(engine["per_round_ms"][stage], 1) for stage in (*STAGES, "other")) if engine else "–"
+        split = "·".join(_num(engine["per_round_ms"].get(stage, 0.0), 1) for stage in stages) if engine else "–"
         lines.append(
             f"| {row['task']} | {row['temperature']:g} | {_method_label(row)} | {_with_spread(row['tokens_per_s'])} "
             f"| {_median(row['speedup_vs_plain'])} | {_median(row['speedup_vs_hf_generate'])} "
             f"| {_median(row['speedup_vs_hf_spec'])} | {_num(engine.get('tau'))} | {accept} | {split} "
             f"| {_median(row['ttft_ms'], 1)} | {_median(row['tpot_ms'], 1)} | {_num(row['matches_plain'])} |"
         )
+    lines += _grammar_table(rows)
     model_rows = [row for row in rows if row.get("speed_model")]
     if model_rows:
         lines += ["", _model_caption(model_rows[0].get("calibration")), "",
@@ -134,6 +143,21 @@ def markdown(rows: Sequence[Mapping]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _grammar_table(rows: Sequence[Mapping]) -> list[str]:
+    """Lines of the grammar table (share of wall time, mask time per position); none without a constrained cell."""
+    constrained = [row for row in rows if row.get("grammar")]
+    if not constrained:
+        return []
+    lines = ["", "| task | T | method | grammar % of wall | mask p50 µs | mask p99 µs | masked positions |",
+             "|---|---|---|---|---|---|---|"]
+    for row in constrained:
+        g = row["grammar"]
+        share = "–" if g["share"] is None else f"{100 * g['share']:.1f}"
+        lines.append(f"| {row['task']} | {row['temperature']:g} | {_method_label(row)} | {share} "
+                     f"| {_num(g['mask_p50_us'], 0)} | {_num(g['mask_p99_us'], 0)} | {g['positions']} |")
+    return lines
+
+
 LEGEND = (
     "tok/s: new tokens / wall time per prompt (median, [25th–75th percentile]). ×plain, ×HF generate: median over "
     "prompts of the paired ratio to specgen plain / HF generate() on the same prompt. ×HF spec: specgen speculative "
@@ -141,7 +165,9 @@ LEGEND = (
     "=plain: share of prompts whose greedy output equals specgen plain token for token. Speed model: E[K] tokens per "
     "round, γ̄ mean draft tokens per round, v a target forward of k+1 tokens averaged over the rounds' draft lengths k, "
     "c a draft token, o (o_plain) the rest "
-    "of a round (of a plain step): process, commit, loop; measured: aggregate tokens/s ratio to plain (prefill "
-    "included); decode ×plain: median paired ratio of 1/TPOT (prefill excluded, like the prediction); drafter MB: "
-    "weights the drafter adds."
+    "of a round (of a plain step): process, grammar, commit, loop; measured: aggregate tokens/s ratio to plain "
+    "(prefill included); decode ×plain: median paired ratio of 1/TPOT (prefill excluded, like the prediction); "
+    "drafter MB: weights the drafter adds. Under a grammar: grammar is the mask work (target and drafter sides, taken out of "
+    "process and draft); grammar % of wall: its seconds over wall seconds summed over the cell's prompts; mask "
+    "p50/p99: time per masked position, pooled over the cell's prompts."
 )

@@ -203,7 +203,8 @@ def run_arm(pipe, arm: Arm, ids: list[int], *, max_new: int, seed: int, hf_kwarg
     hf_kwargs: ``generate()`` arguments for the HF methods, for the same ``max_new``.
     specgen samples also carry ``first_round``: the engine's live counters when the
     first token arrived (the round that prefilled the prompt), so summaries can
-    report the decode phase on its own.
+    report the decode phase on its own, and ``mask_us``: under a grammar, the mask
+    time of every masked position in microseconds (empty without one).
     """
     if arm.method in HF_METHODS:
         result = run_hf(arm.method, pipe.target.model, ids, hf_kwargs, clock=clock, seed=seed, gamma=arm.gamma,
@@ -228,7 +229,7 @@ def run_arm(pipe, arm: Arm, ids: list[int], *, max_new: int, seed: int, hf_kwarg
         "accepted_per_position": list(stats.accepted_per_position), "timings": asdict(stats.timings),
         "draft_size_counts": list(stats.draft_size_counts), "tree": getattr(pipe.drafter, "tree_width", 1) > 1,
         "drafter_memory_bytes": stats.drafter_memory_bytes, "guarantee": gen.guarantee,
-        "finish_reason": gen.finish_reason,
+        "finish_reason": gen.finish_reason, "mask_us": [round(1e6 * s, 2) for s in stats.mask_seconds],
     }
 
 

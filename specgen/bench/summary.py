@@ -21,12 +21,14 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from specgen.bench.calibrate import verify_ratio
+from specgen.stats import percentile
 
 #: Methods that are references for every cell of a (task, temperature).
 PLAIN, HF_GENERATE = "plain", "hf_generate"
 #: Row order within a (task, temperature).
 METHOD_ORDER = ("specgen", PLAIN, HF_GENERATE, "hf_assisted", "hf_prompt_lookup")
-STAGES = ("draft", "verify", "process", "commit")
+#: Stages of the time split; "grammar" (mask work, out of draft and process) is 0 without a grammar.
+STAGES = ("draft", "verify", "process", "grammar", "commit")
 
 
 def spread(values: Iterable[float | None]) -> dict | None:
@@ -72,7 +74,7 @@ def _decode_part(sample: Mapping) -> dict:
         "new_tokens": sample["new_tokens"] - first.get("new_tokens", 0),
         "drafted": sample["drafted"] - first.get("drafted", 0),
         "wall": sample["wall"] - first.get("seconds", 0.0),
-        "timings": {stage: sample["timings"][stage] - timings.get(stage, 0.0) for stage in STAGES},
+        "timings": {stage: sample["timings"].get(stage, 0.0) - timings.get(stage, 0.0) for stage in STAGES},
     }
 
 
@@ -119,6 +121,25 @@ def engine_counters(samples: Sequence[Mapping]) -> dict | None:
     }
 
 
+def grammar_counters(samples: Sequence[Mapping]) -> dict | None:
+    """Grammar cost of a cell's constrained runs (None when no sample has a grammar).
+
+    share: grammar seconds over wall seconds, summed over whole requests (prefill
+    round included); mask_p50_us / mask_p99_us: nearest-rank percentiles of the mask
+    time per position, pooled over the cell's samples (target and drafter sides);
+    positions: how many positions were masked.
+    """
+    constrained = [s for s in samples if s.get("mask_us") or (s.get("timings") or {}).get("grammar")]
+    if not constrained:
+        return None
+    seconds = sum(s["timings"].get("grammar", 0.0) for s in constrained)
+    wall = sum(s["wall"] for s in constrained)
+    pooled = [us for s in constrained for us in s.get("mask_us") or ()]
+    return {"share": seconds / wall if wall > 0 else None, "seconds": seconds,
+            "mask_p50_us": percentile(pooled, 0.5), "mask_p99_us": percentile(pooled, 0.99),
+            "positions": len(pooled)}
+
+
 def _summed(lists: Sequence[list | None]) -> list[int] | None:
     """Element-wise sum of histograms; None when any is missing (samples from before they were recorded)."""
     if not lists or any(not values for values in lists):
@@ -138,10 +159,11 @@ def speed_model(spec: Mapping, plain: Mapping, calibration: Mapping | None = Non
     verify forward of k + 1 tokens, averaged over the rounds' verified draft
     tokens k -- a tree's node count |T|, not its depth, priced from the tree
     table (verify cost is not linear in k); c: one draft token; o / o_plain: the rest
-    of a speculative round / of a plain step (process, commit, loop). With ``calibration`` (see calibrate.py) v, c and the
-    unit come from separate forward measurements; without it, from the request
-    timings, and then ``predicted`` equals ``measured`` by construction (the terms
-    only split it). ``measured``: plain over speculative decode seconds per token.
+    of a speculative round / of a plain step (process, grammar, commit, loop). With
+    ``calibration`` (see calibrate.py) v, c and the unit come from separate forward
+    measurements; without it, from the request timings, and then ``predicted``
+    equals ``measured`` by construction (the terms only split it). ``measured``:
+    plain over speculative decode seconds per token.
     """
     gamma = spec["mean_draft_length"]
     draft_c = spec["draft_seconds_per_draft_token"] or 0.0
@@ -166,7 +188,7 @@ def speed_model(spec: Mapping, plain: Mapping, calibration: Mapping | None = Non
 
 def _rest_ms(counters: Mapping) -> float:
     per_round = counters["per_round_ms"]
-    return per_round["process"] + per_round["commit"] + per_round["other"]
+    return per_round["process"] + per_round.get("grammar", 0.0) + per_round["commit"] + per_round["other"]
 
 
 def summarise(samples: Sequence[Mapping], hf_spec_method: str | None = None,
@@ -202,6 +224,7 @@ def summarise(samples: Sequence[Mapping], hf_spec_method: str | None = None,
             "guarantee": group[0].get("guarantee"),
             "drafter_memory_bytes": max((s.get("drafter_memory_bytes") or 0) for s in group),
             "engine": engine_counters(group),
+            "grammar": grammar_counters(group),
             "speed_model": None,
         }
         if method == "specgen" and hf_spec_method:

@@ -19,14 +19,26 @@ FORCED_BYTES = 64
 
 def grammar_of(ctx: DraftContext):
     """The grammar processor in the request's stack, or None."""
-    return next((p for p in ctx.stack.processors if p.name == "grammar"), None)
+    return ctx.stack.grammar
 
 
 def forced_tokens(ctx: DraftContext, encode: Callable[[str], list[int]], budget: int) -> list[int]:
-    """Up to ``budget`` tokens of the text the grammar forces after the committed tokens."""
+    """Up to ``budget`` tokens of the text the grammar forces after the committed tokens.
+
+    Under the request's grammar timer this is grammar work (charged out of the draft stage)."""
     grammar = grammar_of(ctx)
     if grammar is None or budget <= 0:
         return []
+    timer = getattr(grammar, "timer", None)
+    start = timer.now() if timer is not None else 0.0
+    try:
+        return _forced(grammar, ctx, encode, budget)
+    finally:
+        if timer is not None:
+            timer.spent(start)
+
+
+def _forced(grammar, ctx: DraftContext, encode: Callable[[str], list[int]], budget: int) -> list[int]:
     committed = ctx.committed
     state = grammar.state_for(committed.tokens[committed.num_prompt :])
     text = grammar.automaton.forced_bytes(state, limit=FORCED_BYTES).decode("utf-8", errors="ignore")

@@ -43,30 +43,51 @@ class TreeGrammar:
         eos = torch.tensor(sorted(self.automaton.eos_ids), dtype=torch.long, device=vocab_ids.device)
         self.is_eos = torch.isin(vocab_ids, eos)  # [Vd] bool
         self.num_generated = 0
+        self.timer = getattr(grammar, "timer", None)  # the request's GrammarTimer, if any
 
     def root(self, committed: CommittedCounts):
         """The state after the committed generated tokens; None when they are already outside
         the grammar (the grammar processor then leaves logits unchanged, and so does drafting)."""
         self.num_generated = committed.num_generated
-        return self.grammar.state_for(committed.tokens[committed.num_prompt :])
+        timer = self.timer
+        start = timer.now() if timer is not None else 0.0
+        state = self.grammar.state_for(committed.tokens[committed.num_prompt :])
+        if timer is not None:
+            timer.spent(start)
+        return state
 
     def advance(self, state, token: int):
         """The state after ``token``; None (no children) when it is forbidden, follows a
         forbidden token, or is EOS (the output ends there, so drafting past it is wasted)."""
         if token in self.automaton.eos_ids:
             return None
-        return self.automaton.advance(state, token)
+        timer = self.timer
+        if timer is None:
+            return self.automaton.advance(state, token)
+        start = timer.now()
+        child = self.automaton.advance(state, token)
+        timer.spent(start)
+        return child
 
     def allowed(self, states: list, depth: int) -> torch.Tensor:
         """[len(states), Vd] bool: the draft-vocabulary tokens allowed as a child of
         nodes in ``states`` (None: nothing), at tree depth ``depth`` (1 = the root's
-        children), for the committed tokens of the last :meth:`root` call."""
+        children), for the committed tokens of the last :meth:`root` call. Under the
+        request's timer each node is one mask-time sample."""
+        timer = self.timer
+        start = last = timer.now(sync=True) if timer is not None else 0.0
         device = self.columns.device
-        rows = [self.automaton.mask(s, device)[self.columns] if s is not None
-                else torch.zeros_like(self.in_grammar) for s in states]  # each [Vd]
+        rows = []
+        for s in states:
+            rows.append(self.automaton.mask(s, device)[self.columns] if s is not None
+                        else torch.zeros_like(self.in_grammar))  # [Vd]
+            if timer is not None:
+                last = timer.position(last)
         allowed = torch.stack(rows) & self.in_grammar  # [F, Vd]
         if self.num_generated + depth - 1 < self.min_new_tokens:
             allowed &= ~self.is_eos
+        if timer is not None:
+            timer.spent(start, last, len(states), sync=True)
         return allowed
 
 

@@ -30,6 +30,13 @@ Row outcomes:
 
 The processor remembers the states along the most recent token path (a pure
 cache): each round only walks the tokens added since the previous call.
+
+Each request runs its own copy, :meth:`GrammarProcessor.timed` (made when the
+request is opened, :meth:`specgen.processors.ProcessorStack.with_timer`): same
+automaton and masks, its own path cache, and a :class:`~specgen.stats.GrammarTimer`
+that charges the work to the request's ``"grammar"`` stage and records the mask
+time of each position. The timer only reads the clock, so outputs stay a pure
+function of the history.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from specgen.errors import DeadEndError
 from specgen.grammar.automaton import TokenAutomaton
 from specgen.processors.history import History
 from specgen.processors.standard import NEG_INF, Processor, banned_after
+from specgen.stats import GrammarTimer
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -68,16 +76,22 @@ class GrammarProcessor(Processor):
     argmax_invariant = False
 
     def __init__(self, automaton: TokenAutomaton, min_new_tokens: int = 0,
-                 bad_words: tuple[tuple[int, ...], ...] = ()):
+                 bad_words: tuple[tuple[int, ...], ...] = (), timer: GrammarTimer | None = None):
         self.automaton = automaton
         self.min_new_tokens = int(min_new_tokens)
         self.bad_words = tuple(tuple(int(t) for t in seq) for seq in bad_words if seq)
+        self.timer = timer
         self._path: list[int] = []
         self._states: list[int | None] = [automaton.initial_state]  # _states[i]: state after _path[:i]
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"grammar({self.automaton.description})"
+
+    def timed(self, timer: GrammarTimer) -> GrammarProcessor:
+        """This grammar for one request, metered by ``timer``: the same masks (the timer
+        only reads the clock), its own path cache. See :class:`specgen.stats.GrammarTimer`."""
+        return GrammarProcessor(self.automaton, self.min_new_tokens, self.bad_words, timer)
 
     def state_for(self, generated: list[int]) -> int | None:
         """The grammar state after the generated tokens ``generated`` (None if unreachable)."""
@@ -98,24 +112,44 @@ class GrammarProcessor(Processor):
         """logits: [num_positions, width] -> the same tensor with forbidden tokens at -inf.
 
         Raises DeadEndError for a dead end at the committed position only; a dead
-        end at a draft-dependent row leaves that row all -inf (module docstring)."""
-        num_prompt = history.committed.num_prompt
+        end at a draft-dependent row leaves that row all -inf (module docstring).
+        With a timer, each row is one mask-time sample and the call is charged to
+        the grammar stage."""
+        timer = self.timer
+        start = last = timer.now(sync=True) if timer is not None else 0.0
+        recorded = 0
         rows: list[int] = []
         masks: list[torch.Tensor] = []
-        for row in range(logits.shape[0]):
-            generated = history.full(row)[num_prompt:]
-            state = self.state_for(generated)
-            if state is None:
-                continue
-            reason = self._dead_end_reason(state, history, row, len(generated))
-            if reason is None:
-                mask = self.automaton.mask(state, logits.device)  # [vocab] bool, cached on that device
-            elif not history.draft_dependent(row):
-                raise DeadEndError(reason)
-            else:
-                mask = torch.zeros(self.automaton.vocab_size, dtype=torch.bool, device=logits.device)  # [vocab]
-            rows.append(row)
-            masks.append(mask)
+        try:
+            for row in range(logits.shape[0]):
+                mask = self._row_mask(history, row, logits.device)
+                if mask is not None:
+                    rows.append(row)
+                    masks.append(mask)
+                if timer is not None:
+                    last = timer.position(last)
+                    recorded += 1
+            return self._apply(logits, rows, masks)
+        finally:
+            if timer is not None:
+                timer.spent(start, last, recorded, sync=True)
+
+    def _row_mask(self, history: History, row: int, device: torch.device) -> torch.Tensor | None:
+        """[vocab] bool of the tokens allowed at ``row``; None when the row is unreachable (left unmasked)."""
+        generated = history.full(row)[history.committed.num_prompt :]
+        state = self.state_for(generated)
+        if state is None:
+            return None
+        reason = self._dead_end_reason(state, history, row, len(generated))
+        if reason is None:
+            return self.automaton.mask(state, device)  # [vocab] bool, cached on that device
+        if not history.draft_dependent(row):
+            raise DeadEndError(reason)
+        return torch.zeros(self.automaton.vocab_size, dtype=torch.bool, device=device)  # [vocab]
+
+    @staticmethod
+    def _apply(logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> torch.Tensor:
+        """logits [num_positions, width] with each of ``rows`` masked by its [vocab] bool mask."""
         if not rows:
             return logits
         allowed = torch.stack(masks)  # [num_reachable, vocab]

@@ -58,6 +58,21 @@ class ProcessorStack:
         :func:`specgen.sampling.verify_chain_greedy`)."""
         return argmax_or_none(self.logits(raw_logits, history))
 
+    @property
+    def grammar(self) -> Processor | None:
+        """The grammar processor in the stack (:class:`specgen.grammar.GrammarProcessor`), or None."""
+        return next((p for p in self.processors if p.name == "grammar"), None)
+
+    def with_timer(self, timer) -> ProcessorStack:
+        """The stack one request runs: its grammar metered by ``timer`` (a
+        :class:`specgen.stats.GrammarTimer`, see :meth:`specgen.grammar.GrammarProcessor.timed`);
+        the same processors, order and outputs. Without a grammar that can be timed, this stack."""
+        grammar = self.grammar
+        if grammar is None or not hasattr(grammar, "timed"):
+            return self
+        timed = grammar.timed(timer)
+        return ProcessorStack([timed if p is grammar else p for p in self.processors], greedy=self.greedy)
+
     def with_grammar(self, grammar: Processor) -> ProcessorStack:
         """A stack with ``grammar`` in front, replacing any grammar already there.
 

@@ -20,7 +20,7 @@ from specgen.tui.tally import PanelSnapshot
 BAR_WIDTH = 12
 _EIGHTHS = " ▏▎▍▌▋▊▉"
 #: Component classes of StatsPanel (colours in chat.tcss), looked up by name in a palette.
-PALETTE_NAMES = ("bar", "track", "draft", "verify", "process", "state")
+PALETTE_NAMES = ("bar", "track", "draft", "verify", "process", "grammar", "state")
 
 Palette = Mapping[str, Style | str]
 

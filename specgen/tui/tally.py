@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from specgen.stats import Stats
 
 #: Panel labels for the stages in Stats.timings; "state" is the commit/rollback of request state.
-TIMING_LABELS = (("draft", "draft"), ("verify", "verify"), ("process", "process"), ("commit", "state"))
+#: "grammar" is shown only when a grammar did some work.
+TIMING_LABELS = (("draft", "draft"), ("verify", "verify"), ("process", "process"), ("grammar", "grammar"),
+                 ("commit", "state"))
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,8 @@ class PanelSnapshot:
     @classmethod
     def from_stats(cls, stats: Stats, guarantee: str, speculative: bool, *,
                    finish_reason: str | None = None) -> PanelSnapshot:
-        timings = tuple((label, getattr(stats.timings, name)) for name, label in TIMING_LABELS)
+        timings = tuple((label, getattr(stats.timings, name)) for name, label in TIMING_LABELS
+                        if name != "grammar" or stats.timings.grammar > 0)
         return cls(guarantee=guarantee, speculative=speculative, new_tokens=stats.new_tokens, rounds=stats.rounds,
                    target_calls=stats.target_calls, tau=stats.tokens_per_target_call,
                    tokens_per_s=stats.tokens_per_s, acceptance=tuple(stats.acceptance_per_position),
