@@ -208,7 +208,8 @@ def expected_tokens(rates: Sequence[float]) -> list[float]:
     return out
 
 
-def plan_budget(costs: CostTable, history: AcceptanceHistory, max_tokens: int, *, tree_width: int = 1) -> int:
+def plan_budget(costs: CostTable, history: AcceptanceHistory, max_tokens: int, *, tree_width: int = 1,
+                online: bool = False) -> int:
     """Draft tokens (tree depth) to ask for before drafting; 0 = a plain step.
 
     Maximises E(k) / (draft(k) + v(1 + k)) with the history's per-position
@@ -220,11 +221,14 @@ def plan_budget(costs: CostTable, history: AcceptanceHistory, max_tokens: int, *
     cheap chain drafter that reports confidences then drafts all ``max_tokens``
     whenever any draft could pay, and :func:`truncate_chain` keeps what its
     confidences justify (a long prompt-lookup match is worth verifying deep).
+    ``online``: the drafter stops itself with a :class:`ChainStopper`, which pays
+    for no draft it would cut, so it is planned like a cheap drafter, whatever
+    its cost: all ``max_tokens`` whenever any draft could pay.
     """
     if max_tokens <= 0:
         return 0
     history.price_probes(costs)
-    cheap = costs.draft_per_token < 0.1
+    cheap = online or costs.draft_per_token < 0.1
     bases = history.bases(max_tokens)
     rates = [history.optimistic(i, base) for i, base in enumerate(bases)] if cheap else bases
     gains = expected_tokens(rates)
@@ -235,6 +239,8 @@ def plan_budget(costs: CostTable, history: AcceptanceHistory, max_tokens: int, *
             best, best_rate = k, rate
     if best == 0 and history.probe_due:
         return 1
+    if best and online and tree_width == 1:  # the stopper judges each token as it is drafted
+        return max_tokens
     if best and cheap and tree_width == 1 and history.by_bin:  # truncation judges each drafted token
         return max_tokens
     return best
@@ -262,6 +268,52 @@ def truncate_chain(costs: CostTable, history: AcceptanceHistory, confidences: Se
         if max(rate(k) for k in range(i + 1, num + 1)) <= rate(i):
             return 1 if i == 0 and history.probe_due else i
     return num
+
+
+class ChainStopper:
+    """:func:`truncate_chain`'s stopping rule, asked while a chain is drafted, so a drafter
+    that pays per drafted token (a draft model) stops paying for drafts the rule would cut.
+
+    The drafter calls :meth:`keep` with its confidence for token i (computed from
+    q_i, before drawing token i) and draws token i only on True; after the draw,
+    :meth:`more` says whether drafting token i + 1 can still pay. Both read only
+    confidences already given and past rounds (through ``history``), so the drafted
+    length is a stopping time of the drafter's information and exactness holds.
+    A length k costs ``draft(max(k, drafted)) + v(k + 1)``: a draft computed and then
+    cut is paid for all the same.
+    """
+
+    def __init__(self, costs: CostTable, history: AcceptanceHistory, budget: int):
+        self.costs, self.history, self.budget = costs, history, budget
+        self.bases = history.bases(budget)
+        self.known: list[float] = []  # estimates of the kept tokens, from their confidences
+
+    def _pays_to_go_on(self, rates: list[float], length: int, drafted: int) -> bool:
+        """Does some chain longer than ``length`` beat stopping at ``length``, ``drafted`` drafts paid?"""
+        gains = expected_tokens(rates)
+
+        def rate(k: int) -> float:
+            return gains[k] / (self.costs.draft(max(k, drafted)) + self.costs.verify(k + 1))
+
+        stop = rate(length)
+        return any(rate(k) > stop for k in range(length + 1, self.budget + 1))
+
+    def keep(self, confidence: float | None) -> bool:
+        """Draw and keep token ``i = len(known)`` (its draft already computed, so paid for)?"""
+        i = len(self.known)
+        if i >= self.budget:
+            return False
+        estimate = self.history.estimate(i, confidence, self.bases[i])
+        if not self._pays_to_go_on(self.known + [estimate] + self.bases[i + 1:], i, i + 1):
+            if not (i == 0 and self.history.probe_due):
+                return False
+        self.known.append(estimate)
+        return True
+
+    def more(self) -> bool:
+        """Is drafting the next token (paying for it) still worth it, given the tokens kept?"""
+        i = len(self.known)
+        return i < self.budget and self._pays_to_go_on(self.known + self.bases[i:], i, i)
 
 
 def truncate_tree(costs: CostTable, history: AcceptanceHistory, scores: Sequence[float], parents: Sequence[int],

@@ -22,7 +22,15 @@ from specgen.drafters.base import EMPTY
 from specgen.events import TokenEvent
 from specgen.models import CausalLM
 from specgen.models.causal_lm import TreeOutput
-from specgen.planner import AUTO, AcceptanceHistory, CostTable, plan_budget, truncate_chain, truncate_tree
+from specgen.planner import (
+    AUTO,
+    AcceptanceHistory,
+    ChainStopper,
+    CostTable,
+    plan_budget,
+    truncate_chain,
+    truncate_tree,
+)
 from specgen.processors import History, PathHistory, ProcessorStack
 from specgen.sampling import (
     TreeVerdict,
@@ -102,11 +110,19 @@ def plan_and_draft(request: Request, ctx: RoundContext, num_tokens: int | str) -
     with ctx.clock.stage("draft"):
         limit = min(ctx.max_tokens, ctx.costs.max_tokens) if auto else num_tokens
         budget = draft_budget(request, limit, ctx.target.context_length)
+        session = request.draft
+        # A chain drafted token by token stops itself (one host read a token: a CPU's way, not read_once's).
+        online = auto and session is not None and session.stops_online and not ctx.read_once
         if auto:
-            budget = plan_budget(ctx.costs, ctx.history, budget, tree_width=ctx.tree_width)
-        proposal: Proposal = request.draft.propose(budget) if request.draft is not None and budget else EMPTY
+            budget = plan_budget(ctx.costs, ctx.history, budget, tree_width=ctx.tree_width, online=online)
+        if session is None or not budget:
+            proposal: Proposal = EMPTY
+        elif online:
+            proposal = session.propose(budget, stopper=ChainStopper(ctx.costs, ctx.history, budget))
+        else:
+            proposal = session.propose(budget)
         predicted = 0.0
-        if auto and len(proposal):
+        if auto and not online and len(proposal):
             proposal, predicted = _truncate(proposal, ctx, budget)
     return proposal, predicted
 

@@ -162,6 +162,20 @@ def test_drafter_dtype_is_validated():
         specgen.pipeline(*TINY, "drafter=tiny", "drafter.dtype=float8", progress=False)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_drafter_dtype_auto_drafts_in_bfloat16_where_the_cpu_computes_it(monkeypatch, native):
+    import torch
+
+    from specgen import models
+
+    assert isinstance(models.native_cpu_bfloat16(), bool)  # reads this machine's flags
+    monkeypatch.setattr(models, "native_cpu_bfloat16", lambda: native)
+    cpu = torch.device("cpu")
+    assert models.resolve_drafter_dtype("auto", torch.float32, cpu) == (torch.bfloat16 if native else torch.float32)
+    assert models.resolve_drafter_dtype(None, torch.float32, cpu) == torch.float32  # null: the target's
+    assert models.resolve_drafter_dtype("float32", torch.bfloat16, cpu) == torch.float32
+
+
 # ---- items 4 and 8: CUDA device index and dtype=auto (CUDA faked on the CPU) ----------------------------------
 
 class _FakeCuda:

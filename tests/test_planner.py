@@ -10,7 +10,15 @@ import random
 
 import pytest
 
-from specgen.planner import AcceptanceHistory, CostTable, expected_tokens, plan_budget, truncate_chain, truncate_tree
+from specgen.planner import (
+    AcceptanceHistory,
+    ChainStopper,
+    CostTable,
+    expected_tokens,
+    plan_budget,
+    truncate_chain,
+    truncate_tree,
+)
 
 FLAT = CostTable(chain=tuple([1.0] * 16), tree=tuple([1.0] * 16))  # verifying more is free (a GPU-like curve)
 STEEP = CostTable(chain=tuple(1.0 + 0.6 * n for n in range(16)), tree=tuple(1.0 + 0.6 * n for n in range(16)))
@@ -139,3 +147,83 @@ def test_a_never_verified_confident_draft_is_still_tried():
     for _ in range(20):
         history.observe([0.75, 0.75, 0.75], 0)  # ... and learns when the claim is wrong
     assert truncate_chain(table, history, [0.75] * 7) == 0
+
+
+#: A draft model's costs: 0.35 target steps a drafted token, verifying nearly flat (the Qwen pair on a CPU).
+DRAFT_MODEL = CostTable(chain=(1.0, 1.07, 1.16, 1.11, 1.15, 1.19, 1.31, 1.38), tree=(), draft_per_token=0.35)
+
+
+def _drafted(stopper: ChainStopper, confidences: list[float]) -> tuple[int, int]:
+    """Drive a stopper like a drafter does -> (tokens kept, drafts computed, i.e. paid for)."""
+    kept = computed = 0
+    for confidence in confidences:
+        computed += 1
+        if not stopper.keep(confidence):
+            break
+        kept += 1
+        if not stopper.more():
+            break
+    return kept, computed
+
+
+def test_an_online_drafter_is_planned_its_whole_budget_when_drafting_can_pay():
+    assert plan_budget(DRAFT_MODEL, _history(0.9), 8, online=True) == 8
+    assert plan_budget(DRAFT_MODEL, _history(0.9), 8) < 8  # paying before seeing confidences: shorter
+    assert plan_budget(STEEP, _history(0.05), 8, online=True) == 0  # nothing pays: a plain step
+
+
+def _calibrated_history(rounds: int = 300, depth: int = 8, seed: int = 0) -> AcceptanceHistory:
+    """A history of mostly confident drafts, each accepted with probability its confidence."""
+    rng, history = random.Random(seed), AcceptanceHistory()
+    for _ in range(rounds):
+        confidences = [rng.random() ** 0.2 for _ in range(depth)]
+        accepted = 0
+        while accepted < depth and rng.random() < confidences[accepted]:
+            accepted += 1
+        history.observe(confidences, accepted)
+    return history
+
+
+def test_the_stopper_drafts_while_confident_and_stops_at_a_doubtful_token():
+    costs = CostTable(chain=tuple(1.0 + 0.08 * n for n in range(16)), tree=(), draft_per_token=0.2)
+    history = _calibrated_history()
+    for _ in range(10):
+        history.observe([0.99, 0.02], 1)  # doubtful drafts were rejected
+    kept, computed = _drafted(ChainStopper(costs, history, 8), [0.99] * 8)
+    assert kept >= 3 and computed == kept
+    kept, computed = _drafted(ChainStopper(costs, history, 8), [0.99, 0.99, 0.02, 0.99, 0.99])
+    assert kept == 2 and computed == 3  # the doubtful draft was computed (paid), then not drawn
+
+
+def test_costlier_drafting_stops_sooner():
+    history = _history(0.8)
+    lengths = []
+    for per_token in (0.0, 0.2, 0.5, 1.0):
+        costs = CostTable(chain=DRAFT_MODEL.chain, tree=(), draft_per_token=per_token)
+        lengths.append(_drafted(ChainStopper(costs, history, 8), [0.9] * 8)[0])
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
+
+
+def test_the_stopper_ramps_up_from_a_cold_start():
+    """A new request learns within a few rounds that a confident draft model pays several tokens
+    a round (it used to verify one token a round for ~9 rounds with a 0.35-step drafter)."""
+    history, lengths = AcceptanceHistory(), []
+    for _ in range(6):
+        budget = plan_budget(DRAFT_MODEL, history, 8, online=True)
+        stopper = ChainStopper(DRAFT_MODEL, history, budget)
+        kept, _ = _drafted(stopper, [0.95] * budget)
+        history.observe([0.95] * kept, kept)  # all accepted
+        lengths.append(kept)
+    assert lengths[0] >= 1 and max(lengths[3:]) >= 4
+
+
+def test_a_stopper_decision_reads_only_the_confidences_given_so_far():
+    """Whatever comes later, the same prefix of confidences gets the same decisions (a stopping time)."""
+    rng, history = random.Random(3), _history(0.7)
+    for _ in range(200):
+        prefix = [rng.random() for _ in range(rng.randint(1, 5))]
+        tail = [rng.random() for _ in range(3)]
+        first = _drafted(ChainStopper(DRAFT_MODEL, history, 8), prefix)
+        longer = _drafted(ChainStopper(DRAFT_MODEL, history, 8), prefix + tail)
+        if first[1] < len(prefix):  # stopped inside the prefix: nothing later can change that
+            assert longer == first

@@ -17,7 +17,9 @@ import torch
 from conftest import tiny_pipeline
 from exact import exact_distribution, goodness_of_fit, sample_counts
 from specgen.drafters import Proposal
+from specgen.drafters.chain_draw import ChainDraws
 from specgen.drafters.small_model import SmallModelSession
+from specgen.planner import ChainStopper, CostTable
 from specgen.processors import CommittedCounts, History
 
 VOCAB8 = ("target.source.vocab_size=8", "drafter.source.vocab_size=8")
@@ -64,8 +66,8 @@ def _peeking(pipe):
 def _with_rule(monkeypatch, rule) -> None:
     propose = SmallModelSession.propose
 
-    def truncated(self, budget: int) -> Proposal:
-        proposal = propose(self, budget)
+    def truncated(self, budget: int, stopper=None) -> Proposal:
+        proposal = propose(self, budget, stopper)
         return _cut(proposal, rule(proposal, self))
 
     monkeypatch.setattr(SmallModelSession, "propose", truncated)
@@ -116,3 +118,59 @@ def test_fixed_gamma_is_not_planned():
     stats = pipe.generate(prompt_ids=PROMPT, max_new_tokens=20).stats
     assert stats.planned_rounds == 0 and stats.planner_summary is None
     assert max(stats.proposed_per_position and [len(stats.proposed_per_position)]) == 3
+
+
+#: A draft model's price (0.12 steps a token, verifying nearly flat): the online stopper, not the
+#: budget, decides how long each chain gets, and its lengths vary with the drafter's confidence.
+COSTLY_DRAFTS = CostTable(chain=tuple(1.0 + 0.02 * n for n in range(8)), tree=(), draft_per_token=0.12,
+                          step_s=1e-3)
+
+
+@pytest.fixture
+def costly(monkeypatch):
+    monkeypatch.setattr("specgen.costmodel.cost_table", lambda pipe, **kwargs: COSTLY_DRAFTS)
+    pipe = tiny_pipeline(*VOCAB8, "sampling.temperature=1.0")
+    decisions: list[tuple[str, bool]] = []
+    for name in ("keep", "more"):
+        method = getattr(ChainStopper, name)
+
+        def recording(self, *args, _method=method, _name=name):
+            decision = _method(self, *args)
+            decisions.append((_name, decision))
+            return decision
+
+        monkeypatch.setattr(ChainStopper, name, recording)
+    return pipe, decisions
+
+
+def test_a_draft_model_stopping_itself_online_is_exact(costly):
+    pipe, decisions = costly
+    stats = [pipe.generate(prompt_ids=PROMPT, max_new_tokens=8, seed=s).stats for s in range(30)]
+    assert sum(s.drafted for s in stats) > 20
+    assert ("keep", True) in decisions and ("more", True) in decisions  # chains of several tokens ...
+    assert ("keep", False) in decisions or ("more", False) in decisions  # ... which the stopper also cut
+    assert _p_value(pipe) > MIN_P_VALUE
+
+
+def test_an_online_stop_that_peeks_at_the_target_is_caught(costly, monkeypatch):
+    """The same online path, but a draw is dropped (and the chain stopped) when the target's p of the
+    drawn token is below q: the drafts the verifier might reject never reach it."""
+    pipe, _ = costly
+    draw = ChainDraws.draw
+
+    def peeking(self, raw, greedy_peak_logits):
+        token = draw(self, raw, greedy_peak_logits)
+        if token is None:
+            return None
+        context = list(self.committed.tokens) + [int(t) for t in self.tokens[:-1]]
+        target_raw = pipe.target.forward(pipe.target.new_cache(), context, keep=1)  # [1, vocab]
+        counts = CommittedCounts.start(context[: self.committed.num_prompt], 8, torch.device("cpu"))
+        counts.commit(context[self.committed.num_prompt:])
+        target_p = float(pipe.stack.probs(target_raw, History(counts, [], 1))[0, int(token)])
+        if target_p < float(self.rows[-1][int(token)]):
+            self.tokens.pop(), self.rows.pop(), self.peaks.pop()
+            return None
+        return token
+
+    monkeypatch.setattr(ChainDraws, "draw", peeking)
+    assert _p_value(pipe) < MIN_P_VALUE

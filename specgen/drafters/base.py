@@ -63,11 +63,20 @@ class DraftContext:
 
 
 class DraftSession(ABC):
-    """Per-request drafting state."""
+    """Per-request drafting state.
+
+    stops_online: the session drafts a chain token by token and accepts a ``stopper``
+    in :meth:`propose` (the planner's :class:`~specgen.planner.ChainStopper`), asked
+    with each token's confidence before it is drawn; the round then passes one and
+    does not truncate afterwards. Sessions without it are never handed a stopper.
+    """
+
+    stops_online = False
 
     @abstractmethod
     def propose(self, budget: int) -> Proposal:
-        """Up to ``budget`` candidates following the committed tokens."""
+        """Up to ``budget`` candidates following the committed tokens (sessions with
+        ``stops_online`` also take ``stopper=``, see the class docstring)."""
 
     def observe(self, num_accepted: int) -> None:
         """Called after every commit; default: resynchronise caches."""

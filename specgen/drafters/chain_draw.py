@@ -14,9 +14,14 @@ in order, on both paths below, so they draw the same tokens:
 * **host** (a grammar, bad words, an HF processor): each token is read back at
   its step, as those processors need the ids.
 
-Stopping rule: the chain ends before the first step whose row allows nothing
-(the draft's own dead end, e.g. nothing left in the draft vocabulary), a rule of
-the drafter's own draws, so exactness holds. ``strict_first``: such a row at the
+Stopping rules: the chain ends before the first step whose row allows nothing
+(the draft's own dead end, e.g. nothing left in the draft vocabulary), and, with a
+``stopper`` (the planner's :class:`~specgen.planner.ChainStopper`), before a step
+whose confidence (max q, known before the draw) the stopper declines, or after a
+draw when it says no further draft pays. All are rules of the drafter's own
+information, so exactness holds. A stopper reads each step's confidence back as
+it comes (one host read a step): meant for a CPU, where such reads cost nothing.
+``strict_first``: a row that allows nothing at the
 first step raises NoAllowedToken instead (the small model's first row follows the
 committed tokens only, where plain decoding meets the same error). NaN logits
 raise NumericalError.
@@ -36,8 +41,9 @@ from specgen.sampling.probs import FORBIDDEN_MESSAGE, NAN_MESSAGE
 class ChainDraws:
     """One proposal's draws. Call :meth:`draw` per step, then :meth:`finish` once."""
 
-    def __init__(self, ctx: DraftContext, *, strict_first: bool):
+    def __init__(self, ctx: DraftContext, *, strict_first: bool, stopper=None):
         self.stack, self.committed, self.generator = ctx.stack, ctx.committed, ctx.generator
+        self.stopper = stopper  # keep(confidence) -> bool before a draw, more() -> bool after one
         self.on_device = not self.stack.host_tokens
         self.strict_first = strict_first
         self.tokens: list = []  # host ints, or [1] long tensors on the device path
@@ -54,6 +60,9 @@ class ChainDraws:
         greedy_peak_logits: [V] logits whose softmax maximum is the confidence under greedy
         decoding (a sampled step's confidence is max q)."""
         greedy = self.stack.greedy
+        peak = torch.softmax(greedy_peak_logits.float(), dim=-1).max() if greedy else None
+        if greedy and not self._keep(peak):
+            return None
         if self.on_device:
             drafted = torch.cat(self.tokens) if self.tokens else torch.zeros(0, dtype=torch.long, device=raw.device)
             history = DeviceHistory(self.committed, drafted)
@@ -63,6 +72,9 @@ class ChainDraws:
                 self.checks.append(code.to(torch.float64))
             else:
                 q_row = self.stack.probs(raw, history)[0]  # [vocab] float64
+                peak = q_row.max()
+                if not self._keep(peak):
+                    return None
                 token, total = draw_on_device(q_row, uniforms(self.generator, 1))  # [1], [1]
                 self.checks.append(total)
         else:
@@ -72,6 +84,9 @@ class ChainDraws:
                     token = self.stack.argmax(raw, history)[0]
                 else:
                     q_row = self.stack.probs(raw, history)[0]  # [vocab] float64
+                    peak = q_row.max()
+                    if not self._keep(peak):
+                        return None
                     token = sample_token(q_row, self.generator)
             except NoAllowedToken:
                 if not self.tokens and self.strict_first:
@@ -79,9 +94,21 @@ class ChainDraws:
                 return None
         if not greedy:
             self.rows.append(q_row)
-        self.peaks.append(torch.softmax(greedy_peak_logits.float(), dim=-1).max() if greedy else q_row.max())
+        self.peaks.append(peak)
         self.tokens.append(token)
         return token
+
+    def _keep(self, peak: torch.Tensor) -> bool:
+        """Ask the stopper (if any) whether the step of confidence ``peak`` ([] tensor) is drawn.
+        A NaN or empty row is always drawn: the draw (or :meth:`finish`) reports it as usual."""
+        if self.stopper is None:
+            return True
+        value = float(peak)
+        return not 0.0 < value <= 1.0 or self.stopper.keep(value)
+
+    def more(self) -> bool:
+        """After a draw: is another step wanted? (Always, without a stopper; the caller's budget ends it.)"""
+        return self.stopper is None or self.stopper.more()
 
     def finish(self) -> Proposal:
         """The proposal: one read of everything on the device path (cut before a step that

@@ -17,18 +17,20 @@ from specgen.drafters.learned import LearnedDrafter, LearnedSession, load_for_ta
 
 
 class MtpSession(LearnedSession):
+    stops_online = True
+
     @torch.inference_mode()
-    def propose(self, budget: int) -> Proposal:
+    def propose(self, budget: int, stopper=None) -> Proposal:
         root = self.root(budget)
         if root is None:
             return EMPTY
         state, token = root
-        draws = ChainDraws(self.ctx, strict_first=False)  # every step here is a draft position
+        draws = ChainDraws(self.ctx, strict_first=False, stopper=stopper)  # every step here is a draft position
         token = torch.tensor([token], device=state.device)  # [1]
         for _ in range(budget):
             state, logits = self.head.step(state, token)  # [1, d], [1, Vd]
             drawn = draws.draw(self.full_logits(logits), logits[0])  # raw [1, vocab]
-            if drawn is None:
+            if drawn is None or not draws.more():
                 break
             token = drawn if isinstance(drawn, torch.Tensor) else torch.tensor([drawn], device=state.device)
         return draws.finish()

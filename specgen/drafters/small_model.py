@@ -26,17 +26,19 @@ class SmallModelSession(DraftSession):
         self.ctx = ctx
         self.cache = lm.new_cache()
 
-    def propose(self, budget: int) -> Proposal:
+    stops_online = True
+
+    def propose(self, budget: int, stopper=None) -> Proposal:
         committed = self.ctx.committed
         budget = min(budget, self.lm.context_length - len(committed.tokens))  # the draft model's own window
         if budget <= 0:
             return EMPTY
-        draws = ChainDraws(self.ctx, strict_first=True)  # step 0 follows the committed tokens only
+        draws = ChainDraws(self.ctx, strict_first=True, stopper=stopper)  # step 0 follows the committed tokens only
         feed = self.cache.uncached(committed.tokens)
         for step in range(budget):
             raw = self.lm.forward(self.cache, feed, keep=1, check=False)  # [1, vocab]; NaN refused by the draws
             token = draws.draw(raw, raw[0])
-            if token is None:
+            if token is None or not draws.more():
                 break
             if step + 1 < budget:
                 feed = token if isinstance(token, torch.Tensor) else [token]

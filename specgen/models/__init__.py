@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from specgen.models.tiny import TinyTokenizer, build_tiny_model
 from specgen.models.tokenizer import TokenizerInfo
 
 __all__ = ["CausalLM", "KVCache", "LoadedModel", "TokenizerInfo", "cuda_condition", "load_model", "native_bfloat16",
+           "native_cpu_bfloat16",
            "resolve_device", "resolve_drafter_dtype", "resolve_dtype"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -51,6 +53,19 @@ def native_bfloat16(device: torch.device) -> bool:
         return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
+@functools.cache
+def native_cpu_bfloat16() -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX-BF16), with
+    which oneDNN runs a bfloat16 forward faster than float32; without them bfloat16 is emulated
+    and slower (1.27x float32's step on an AVX2 EPYC, docs/benchmarks.md). Linux only (False elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def cuda_condition(guarantee: str, device: torch.device, dtype: torch.dtype) -> str:
     """The guarantee as declared on ``device``: on CUDA float32 it turns TF32 off
     (process-wide: TF32 rounds matmul inputs to 10 mantissa bits) and names the
@@ -79,12 +94,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_drafter_dtype(name, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """``drafter.dtype``: None (or "target") = the target's dtype, else a name as for the top-level ``dtype``.
+    """``drafter.dtype``: None (or "target") = the target's dtype; "auto" = the fastest dtype to
+    draft in here: bfloat16 on a CPU with bfloat16 instructions (:func:`native_cpu_bfloat16`), the
+    top-level ``auto`` on CUDA, else the target's; any other name as for the top-level ``dtype``.
 
     A drafter's numerics never change the guarantee: q is whatever the drafter computed."""
     if name is None or str(name) in ("", "target"):
         return target_dtype
-    if str(name) not in _DTYPES and str(name) != "auto":
+    if str(name) == "auto":
+        if device.type == "cuda":
+            return resolve_dtype("auto", device)
+        return torch.bfloat16 if device.type == "cpu" and native_cpu_bfloat16() else target_dtype
+    if str(name) not in _DTYPES:
         raise ConfigError(f"drafter.dtype={name!r} is not one of auto, target, {', '.join(sorted(_DTYPES))}")
     return resolve_dtype(str(name), device)
 
