@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
-
 from specgen.errors import ConfigError
 from specgen.models import CausalLM, KVCache
+from specgen.models.growing_cache import growing_cache
 
 #: Compact once the shared cache holds this many slots more than twice the longest row.
 COMPACT_SLACK = 16
@@ -37,7 +36,7 @@ class BatchKV:
 
     def __init__(self, lm: CausalLM, size: int):
         self.lm = lm
-        self.cache = DynamicCache(config=lm.config)
+        self.cache = growing_cache(lm.config)  # appends in place: no copy of the whole cache per step
         self.width = 0  # slots per row in the shared tensors
         self.rows = [RowCache(self) for _ in range(size)]
         self.live: list[int] = []  # the rows the shared tensors hold, in order (their batch dimension)
@@ -142,9 +141,8 @@ class BatchKV:
             raise ValueError("a row still lists a slot past the cut")
         for layer in self.cache.layers:
             if getattr(layer, "keys", None) is not None and layer.keys.dim() == 4:
-                # contiguous, as a step's concatenation leaves them: a strided view slows the next steps
-                layer.keys = layer.keys[..., :width, :].contiguous()  # [B, heads, width, head_dim]
-                layer.values = layer.values[..., :width, :].contiguous()
+                layer.keys = layer.keys[..., :width, :]  # [B, heads, width, head_dim], a prefix view: appends go on in place
+                layer.values = layer.values[..., :width, :]
         self.width = min(self.width, width)
 
     def maybe_compact(self) -> None:

@@ -17,6 +17,7 @@ from specgen.errors import ConfigError, NumericalError
 from specgen.models import packed_linear
 from specgen.models.compiled import (BUCKETS, FIRST_CAPACITY, CompiledDecoder, bucket_for, grown, keep_static_rows,
                                      new_static_cache)
+from specgen.models.growing_cache import growing_cache
 
 
 #: A cached entry whose token id is still on the device (see KVCache.resolve).
@@ -218,7 +219,7 @@ class CausalLM:
     def new_cache(self) -> KVCache:
         if self.compiled is not None:
             return KVCache(new_static_cache(self.config, FIRST_CAPACITY))
-        return KVCache(DynamicCache(config=self.config))
+        return KVCache(growing_cache(self.config))
 
     def _static_forward(self, cache: KVCache, ids: list[int] | torch.Tensor, positions: list[int], allowed: torch.Tensor,
                         all_hidden: bool = False):

@@ -100,6 +100,8 @@ def load_model_and_tokenizer(source: Mapping, *, dtype: torch.dtype, device: tor
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specgen.models.attention import attention_implementation
+
     trust = source.get("trust_remote_code") is True
     model_dir = resolve_model_dir(source, progress=progress)
     tokenizer_source = source.get("tokenizer")
@@ -108,7 +110,7 @@ def load_model_and_tokenizer(source: Mapping, *, dtype: torch.dtype, device: tor
     try:
         with _progress_bars(progress):
             model = AutoModelForCausalLM.from_pretrained(
-                str(model_dir), dtype=dtype, attn_implementation="sdpa", use_safetensors=True, trust_remote_code=trust
+                str(model_dir), dtype=dtype, attn_implementation=attention_implementation(), use_safetensors=True, trust_remote_code=trust
             )
     except (OSError, ValueError, SafetensorError) as error:
         raise ModelLoadError(

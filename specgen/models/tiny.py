@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specgen.models.attention import attention_implementation
+
 #: id 0 is EOS; ids 1.. map to these characters in order.
 ALPHABET = " etaoinshrdlucmfwypvbgkjqxz.,!?'\n0123456789ETAOINSHRDLUCMFWYPVBGKJQXZ"
 
@@ -85,7 +87,7 @@ def build_tiny_model(
         eos_token_id=0,
         pad_token_id=0,
         tie_word_embeddings=False,
-        attn_implementation="sdpa",
+        attn_implementation=attention_implementation(),
     )
     saved_state = torch.random.get_rng_state()
     try:

@@ -1,0 +1,90 @@
+"""Packed grouped-query attention equals transformers' sdpa path (specgen/models/attention.py)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from specgen.models.attention import NAME, attention_implementation, packed_gqa_sdpa
+from specgen.models.tiny import build_tiny_model
+
+
+def _module(groups: int) -> torch.nn.Module:
+    module = torch.nn.Module()
+    module.num_key_value_groups = groups
+    module.is_causal = True
+    return module.eval()
+
+
+def _ragged_mask(batch: int, width: int, slots: int, generator: torch.Generator) -> torch.Tensor:
+    """[batch, 1, width, slots] boolean keep-mask: random holes, every query row keeps slot 0."""
+    keep = torch.rand(batch, 1, width, slots, generator=generator) > 0.4
+    keep[..., 0] = True
+    return keep
+
+
+@pytest.mark.parametrize("batch,kv_heads,groups,width,slots", [
+    (1, 2, 2, 3, 17), (4, 1, 3, 5, 40), (3, 2, 4, 2, 9), (2, 3, 1, 4, 12), (2, 2, 2, 1, 11),
+])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_packed_equals_sdpa(batch, kv_heads, groups, width, slots, kind):
+    generator = torch.Generator().manual_seed(batch * 100 + width * 10 + slots)
+    dim = 8
+    query = torch.randn(batch, kv_heads * groups, width, dim, generator=generator)  # [B, H, w, d]
+    key = torch.randn(batch, kv_heads, slots, dim, generator=generator)  # [B, kv, S, d]
+    value = torch.randn(batch, kv_heads, slots, dim, generator=generator)
+    keep = _ragged_mask(batch, width, slots, generator)
+    mask = keep if kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    module = _module(groups)
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim ** -0.5)
+    got, _ = packed_gqa_sdpa(module, query, key, value, mask, scaling=dim ** -0.5)
+    assert got.shape == expected.shape == (batch, width, kv_heads * groups, dim)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_mask_shared_by_the_batch_is_repeated_per_row():
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(3, 4, 5, 8, generator=generator)
+    key, value = torch.randn(2, 3, 2, 21, 8, generator=generator)
+    mask = _ragged_mask(1, 5, 21, generator)  # [1, 1, w, S]
+    module = _module(2)
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask)
+    got, _ = packed_gqa_sdpa(module, query, key, value, mask)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_unsupported_inputs_go_to_transformers():
+    module = _module(2)
+    query = torch.randn(1, 4, 3, 8)
+    key = value = torch.randn(1, 2, 6, 8)
+    with pytest.raises(ValueError, match="softcap"):
+        packed_gqa_sdpa(module, query, key, value, torch.ones(1, 1, 3, 6, dtype=torch.bool), softcap=1.0)
+    no_mask, _ = packed_gqa_sdpa(module, query, key, value, None)  # causal, handled by sdpa itself
+    expected, _ = sdpa_attention_forward(module, query, key, value, None)
+    torch.testing.assert_close(no_mask, expected)
+
+
+def test_models_load_with_it_and_match_sdpa_on_a_tree_mask(monkeypatch):
+    from specgen.models import attention
+
+    packed_calls = []
+    packable = attention._packable
+    monkeypatch.setattr(attention, "_packable", lambda *a: packed_calls.append(packable(*a)) or packed_calls[-1])
+    assert attention_implementation() == NAME
+    model = build_tiny_model(seed=5, vocab_size=16, num_heads=4, num_kv_heads=2)
+    assert model.config._attn_implementation == NAME
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    # a prefix of 5 tokens, then a 3-node tree: node 1 and node 2 are siblings under node 0
+    keep = torch.tril(torch.ones(8, 8, dtype=torch.bool))
+    keep[7, 6] = False
+    mask = torch.zeros(1, 1, 8, 8).masked_fill(~keep, torch.finfo(torch.float32).min)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 6]])
+    with torch.no_grad():
+        packed = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        assert packed_calls == [True, True]  # both layers took the packed path
+        model.set_attn_implementation("sdpa")
+        reference = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(packed, reference, rtol=1e-5, atol=1e-5)
