@@ -1,0 +1,66 @@
+"""What packed grouped-query attention and the in-place KV cache save, interleaved in one process.
+
+Times (a) one batched forward of 8 rows × w tokens after 450-token prefills (compacted) and
+(b) the single-request chain cost table, each with transformers' ``sdpa`` + concatenating
+DynamicCache ("before") and with specgen's ``specgen_sdpa`` + GrowingLayer ("after"). Wall-clock
+figures depend on machine load: report the load with them (docs/benchmarks.md, "Packed
+grouped-query attention and an in-place KV cache").
+
+    python scripts/attention_bench.py --threads 1 --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import DynamicCache
+
+import specgen
+import specgen.batch.kv as batch_kv
+import specgen.models.causal_lm as causal_lm
+from specgen import costmodel
+from specgen.models.attention import NAME
+from specgen.models.growing_cache import growing_cache
+
+
+def _use(pipe, after: bool) -> None:
+    cache = growing_cache if after else (lambda config: DynamicCache(config=config))
+    batch_kv.growing_cache = causal_lm.growing_cache = cache
+    pipe.target.model.set_attn_implementation(NAME if after else "sdpa")
+
+
+def batched_forward_ms(pipe, width: int, rows: int = 8, prompt: int = 450, repeats: int = 12) -> float:
+    kv = batch_kv.BatchKV(pipe.target, rows)
+    vocab = pipe.tokenizer.vocab_size
+    for r in range(rows):
+        kv.prefill(r, [(7919 * i + 11 * r) % vocab for i in range(prompt)])
+    kv.compact()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        kv.forward([[5] * width for _ in range(rows)], [1] * rows)
+        times.append(time.perf_counter() - start)
+    return min(times[1:]) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    pipe = specgen.pipeline(f"threads={args.threads}", f"dtype={args.dtype}", "drafter=ngram", progress=False)
+    for _ in range(args.rounds):
+        for after in (False, True):
+            _use(pipe, after)
+            label = "after " if after else "before"
+            forwards = ", ".join(f"w={w} {batched_forward_ms(pipe, w):.1f} ms" for w in (1, 3))
+            chain = costmodel.measure(pipe, repeats=5).chain[:12]
+            print(f"{label} batch 8: {forwards}; v(1..12): {' '.join(f'{v:.2f}' for v in chain)}", flush=True)
+    _use(pipe, True)
+
+
+if __name__ == "__main__":
+    main()
