@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from specgen.errors import ConfigError
 from specgen.models import CausalLM, KVCache
 from specgen.models.growing_cache import growing_cache

@@ -11,9 +11,9 @@ is full or the view is no longer its prefix.
 
 Writes only ever land past the current view, so a view no longer than it (a
 transaction's snapshot) still reads what it read before; only entries already
-cropped away are overwritten. Anything
-that replaces ``keys``/``values`` with a tensor of its own (compaction, tree
-``keep_rows``, batch reshuffles) is adopted into a new buffer on the next append.
+cropped away are overwritten. Anything that replaces ``keys``/``values`` with a
+tensor of its own (compaction, tree ``keep_rows``, batch reshuffles) is adopted
+into a new buffer on the next append.
 """
 
 from __future__ import annotations

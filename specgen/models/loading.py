@@ -110,7 +110,8 @@ def load_model_and_tokenizer(source: Mapping, *, dtype: torch.dtype, device: tor
     try:
         with _progress_bars(progress):
             model = AutoModelForCausalLM.from_pretrained(
-                str(model_dir), dtype=dtype, attn_implementation=attention_implementation(), use_safetensors=True, trust_remote_code=trust
+                str(model_dir), dtype=dtype, attn_implementation=attention_implementation(), use_safetensors=True,
+                trust_remote_code=trust,
             )
     except (OSError, ValueError, SafetensorError) as error:
         raise ModelLoadError(
