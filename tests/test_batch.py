@@ -138,6 +138,29 @@ def test_compaction_keeps_outputs():
     assert [list(row.request.generated) for row in rows] == expected[:3]
 
 
+def test_refill_prefill_appends_in_place_and_keeps_other_rows():
+    """A refilled row's prompt lands in the shared buffers' spare capacity (no copy of the
+    other rows), other rows' entries stay as they were, and the new slots hold exactly the
+    keys/values of the row's own forward."""
+    pipe = tiny_pipeline()
+    kv = BatchKV(pipe.target, 2)
+    assert kv.prefill(0, [1, 2, 3, 4, 5]) and kv.prefill(1, [6, 7, 8])
+    kv.clear_row(1)  # row 1 finished; the same slot is refilled: the live rows stay {0, 1}
+    layer = kv.cache.layers[0]
+    store, before = layer._key_store, layer.keys.clone()  # [2, heads, 8, head_dim]
+    fresh = [9, 10, 11, 12]
+    assert kv.prefill(1, fresh)
+    assert store is not None and layer._key_store is store, "appended into the existing buffer"
+    assert layer.keys.data_ptr() == store.data_ptr()
+    assert torch.equal(layer.keys[:, :, :8], before), "earlier slots unchanged"
+    assert kv.rows[1].slots == [8, 9, 10, 11] and kv.width == 12
+    own = pipe.target.new_cache()
+    pipe.target.forward(own, fresh, keep=1, check=False)
+    for shared, mine in zip(kv.cache.layers, own.cache.layers, strict=True):
+        assert torch.equal(shared.keys[1, :, 8:], mine.keys[0]) and torch.equal(shared.values[1, :, 8:], mine.values[0])
+        assert not shared.keys[0, :, 8:].any(), "row 0 gets dead zero slots"
+
+
 def test_tree_drafter_is_refused(tiny_eagle_head):
     pipe = specgen.pipeline(*TINY, "target.source.vocab_size=8", "drafter=eagle",
                             f"drafter.head_file={tiny_eagle_head}", progress=False)

@@ -66,7 +66,8 @@ class BatchKV:
     def prefill(self, r: int, tokens: list[int]) -> bool:
         """Feed a fresh row's ``tokens`` (its prompt but the last token) in a forward of its
         own, then append their keys/values as new slots of the shared tensors (the other
-        rows' entries there stay dead; empty shared tensors are created), so batched steps
+        rows' entries there stay dead zeros; empty shared tensors are created; layers that
+        grow in place, :class:`~specgen.models.growing_cache.GrowingLayer`, copy nothing else), so batched steps
         never pad the other rows to a prompt's length. -> False, doing nothing, when the row
         already has slots or the cache's layers are not plain 4D key/value tensors."""
         row = self.rows[r]
@@ -79,20 +80,26 @@ class BatchKV:
         own = self.lm.new_cache()
         self.lm.forward(own, tokens, keep=1, check=False)  # its keys/values; the logits are not used
         j, start, n = self.live.index(r), self.width, len(tokens)
-        for layer, mine in zip(layers, own.cache.layers, strict=True):
-            if not layer.is_initialized:
-                layer.lazy_initialization(mine.keys, mine.values)
-                empty = mine.keys.new_zeros(len(self.live), mine.keys.shape[1], start, mine.keys.shape[3])
-                layer.keys, layer.values = empty, empty.clone()  # [B', heads, S, head_dim], S = self.width
-            for name in ("keys", "values"):
-                shared, added = getattr(layer, name), getattr(mine, name)  # [B', heads, S, hd], [1, heads, n, hd]
-                grown = torch.cat([shared, shared.new_zeros(*shared.shape[:2], n, shared.shape[3])], dim=-2)
-                grown[j, :, start:] = added[0]
-                setattr(layer, name, grown)  # [B', heads, S + n, head_dim]
+        with torch.inference_mode():  # the buffers are inference tensors (made by forwards)
+            self._append_row(j, start, own.cache.layers)
         self.width = start + n
         row.tokens.extend(tokens)
         row.slots.extend(range(start, start + n))
         return True
+
+    def _append_row(self, j: int, start: int, own: list) -> None:
+        """Append one row's cached keys/values (``own``: its layers, [1, heads, n, head_dim] each)
+        as n new slots of every shared layer, live in batch entry ``j`` only."""
+        for layer, mine in zip(self.cache.layers, own, strict=True):
+            n = mine.keys.shape[-2]
+            if not layer.is_initialized:
+                layer.lazy_initialization(mine.keys, mine.values)
+                empty = mine.keys.new_zeros(len(self.live), mine.keys.shape[1], start, mine.keys.shape[3])
+                layer.keys, layer.values = empty, empty.clone()  # [B', heads, S, head_dim], S = self.width
+            dead = layer.keys.new_zeros(*layer.keys.shape[:2], n, layer.keys.shape[3])  # [B', heads, n, head_dim]
+            layer.update(dead, dead)  # n new slots for every row, in place where the layer grows in place
+            layer.keys[j, :, start:] = mine.keys[0]  # [heads, n, head_dim]: this row's slots come alive
+            layer.values[j, :, start:] = mine.values[0]
 
     def clear_row(self, row: int) -> RowCache:
         """Forget row ``row``'s tokens (a refill); its old slots become dead."""
