@@ -1,16 +1,18 @@
 """The batch planner: how many draft tokens each row of a batched step verifies.
 
 Pure functions and data, no models (the batched counterpart of :mod:`specgen.planner`).
-A batched step runs ONE target forward over every row's feed, and every row pays
-for the widest feed (shorter feeds are padded, see :mod:`specgen.batch`). So a
-row's draft length is not its own business: one row drafting 8 tokens makes the
-whole batch forward 9 tokens wide. The step's cost, in units of one single-row
+A batched step runs ONE target forward over every row's feed, padded to the widest
+feed (see :mod:`specgen.batch`). Linear layers skip the padding where they can
+(:func:`specgen.models.packed_linear.real_tokens`), attention does not: so a row's
+draft length is not its own business, since one row drafting 8 tokens makes every
+row's attention 9 queries wide. The step's cost, in units of one single-row
 single-token forward (``step_s``), is
 
-    verify(B, w, K) + sum_i draft_i(k_i) + sunk
+    verify(B, w, K, T) + sum_i draft_i(k_i) + sunk
 
-for B rows, width w = max_i(feed_i + k_i), K = sum_i (k_i + 1) logits rows
-(:class:`BatchCostTable`, measured by :func:`specgen.costmodel.measure_batch`), and
+for B rows, width w = max_i(feed_i + k_i), T = sum_i (feed_i + k_i) real tokens,
+K = sum_i (k_i + 1) logits rows (:class:`BatchCostTable`, measured by
+:func:`specgen.costmodel.measure_batch`: uniform and ragged forwards), and
 it commits sum_i E_i(k_i) tokens in expectation (E_i from row i's own
 per-position acceptance estimates, :func:`specgen.planner.expected_tokens`).
 :func:`plan_batch` chooses the k_i that maximise committed tokens per unit of cost.
@@ -42,6 +44,10 @@ class BatchCostTable:
     head: each further logits row (a row verifying k drafts reads k + 1).
     wide, slots: where measured, the same forwards with ``slots[1]`` shared slots (a forward's
     attention and cache append grow with the shared width); :meth:`at` interpolates between.
+    ragged[i][j]: where measured, the forward of sizes[i] rows where one row feeds widths[j]
+    tokens and the others one each (padded to widths[j]: linear layers skip the padding,
+    attention does not), on ``slots[0]`` slots. Between that and ``body``, a forward's cost is
+    linear in its real tokens (:meth:`verify`'s ``tokens``).
     facts: what the table was measured on (the cache key).
     """
 
@@ -53,6 +59,7 @@ class BatchCostTable:
     facts: dict = field(default_factory=dict, compare=False)
     wide: tuple[tuple[float, ...], ...] = ()
     slots: tuple[int, ...] = ()
+    ragged: tuple[tuple[float, ...], ...] = ()
 
     def at(self, slots: int) -> BatchCostTable:
         """The table for a shared cache ``slots`` wide: each entry linear in the width between the
@@ -63,15 +70,34 @@ class BatchCostTable:
         share = max(0.0, (slots - self.slots[0]) / (self.slots[1] - self.slots[0]))
         body = tuple(tuple(max(n, n + (w - n) * share) for n, w in zip(narrow, wide, strict=True))
                      for narrow, wide in zip(self.body, self.wide, strict=True))
-        return BatchCostTable(self.sizes, self.widths, body, self.head, self.step_s, self.facts)
+        ragged = ()
+        if self.ragged:  # padding saves the same at any width: shift by what the slots add
+            ragged = tuple(tuple(r + (b - n) for r, n, b in zip(line, narrow, wide_line, strict=True))
+                           for line, narrow, wide_line in zip(self.ragged, self.body, body, strict=True))
+        return BatchCostTable(self.sizes, self.widths, body, self.head, self.step_s, self.facts, ragged=ragged)
 
-    def verify(self, rows: int, width: int, logits_rows: int | None = None) -> float:
-        """Cost of one batched forward of ``rows`` rows ``width`` tokens wide reading ``logits_rows``
+    def verify(self, rows: int, width: int, logits_rows: int | None = None, tokens: int | None = None) -> float:
+        """Cost of one batched forward of ``rows`` rows ``width`` tokens wide, ``tokens`` of them
+        real (default: all, rows x width; at least rows - 1 + width), reading ``logits_rows``
         logits rows (default: one per row); bilinear in (rows, width), linear past the table."""
         rows, width = max(1, rows), max(1, width)
         extra = 0 if logits_rows is None else max(0, logits_rows - rows)
-        by_size = [_linear(self.widths, line, width) for line in self.body]
-        return _linear(self.sizes, by_size, rows) + self.head * extra
+        padded = _linear(self.sizes, [_linear(self.widths, line, width) for line in self.body], rows)
+        if tokens is None:
+            return padded + self.head * extra
+        return padded - self.padding_saving(rows, width) * (rows * width - max(tokens, rows - 1 + width)) \
+            + self.head * extra
+
+    def padding_saving(self, rows: int, width: int) -> float:
+        """What each padded (not real) token of a ``rows`` x ``width`` forward saves against a real
+        one: 0 without a ragged table or where padding saves nothing measurable."""
+        rows, width = max(1, rows), max(1, width)
+        span = (rows - 1) * (width - 1)  # rows x width minus the ragged shape's rows - 1 + width tokens
+        if not self.ragged or not span:
+            return 0.0
+        padded = _linear(self.sizes, [_linear(self.widths, line, width) for line in self.body], rows)
+        ragged = _linear(self.sizes, [_linear(self.widths, line, width) for line in self.ragged], rows)
+        return max(0.0, padded - ragged) / span
 
     @classmethod
     def from_chain(cls, chain: Sequence[float], sizes: Sequence[int] = (1, 2, 4, 8), max_width: int = 9,
@@ -123,7 +149,8 @@ class RowPlan:
 def batch_cost(costs: BatchCostTable, rows: Sequence[RowPlan], lengths: Sequence[int], sunk: float = 0.0) -> float:
     """The step's cost with row i verifying lengths[i] drafts."""
     width = max(row.feed + k for row, k in zip(rows, lengths, strict=True))
-    verify = costs.verify(len(rows), width, sum(k + 1 for k in lengths))
+    tokens = sum(row.feed + k for row, k in zip(rows, lengths, strict=True))
+    verify = costs.verify(len(rows), width, sum(k + 1 for k in lengths), tokens)
     return verify + sunk + sum(row.draft(k) for row, k in zip(rows, lengths, strict=True))
 
 
@@ -137,9 +164,10 @@ def plan_batch(costs: BatchCostTable, rows: Sequence[RowPlan], sunk: float = 0.0
     """Drafts to verify per row (0 = a plain row) maximising the batch's committed tokens per cost.
 
     For every width the batch could have, each row's length is chosen by Dinkelbach's
-    iteration (given the width the cost is a constant plus per-row terms, so each row
-    on its own maximises expected tokens minus rate x its own cost); the best width
-    wins. Ties keep the shorter plan: speculation must pay to be chosen.
+    iteration (given the width the cost is a constant plus per-row terms: a row's drafting,
+    its logits rows and its real tokens, so each row on its own maximises expected tokens
+    minus rate x its own cost); the best width wins. Ties keep the shorter plan:
+    speculation must pay to be chosen.
     """
     if not rows:
         return []
@@ -150,7 +178,8 @@ def plan_batch(costs: BatchCostTable, rows: Sequence[RowPlan], sunk: float = 0.0
 
     def rate_of(lengths: list[int]) -> float:
         width = max(row.feed + k for row, k in zip(rows, lengths))
-        cost = costs.verify(size, width) + sunk
+        tokens = sum(row.feed + k for row, k in zip(rows, lengths))
+        cost = costs.verify(size, width, tokens=tokens) + sunk
         return sum(gain[k] for gain, k in zip(gains, lengths)) / \
             (cost + sum(head * k + row.draft(k) for row, k in zip(rows, lengths)))
 
@@ -160,12 +189,13 @@ def plan_batch(costs: BatchCostTable, rows: Sequence[RowPlan], sunk: float = 0.0
     ceiling = max(row.feed + len(row.rates) for row in rows)
     for width in range(floor, ceiling + 1):
         rate, lengths = best_rate, best
+        per_token = head + costs.padding_saving(size, width)  # a real token's cost over a padded one
         for _ in range(8):  # Dinkelbach: converges in a few steps
             chosen = []
             for row, gain in zip(rows, gains):
                 top, pick = None, row.low
                 for k in range(row.low, min(len(row.rates), width - row.feed) + 1):
-                    value = gain[k] - rate * (row.draft(k) + head * k)
+                    value = gain[k] - rate * (row.draft(k) + per_token * k)
                     if top is None or value > top + 1e-12:
                         top, pick = value, k
                 chosen.append(pick)

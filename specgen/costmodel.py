@@ -49,10 +49,11 @@ CONTEXT_TOKENS = 192
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 BATCH_WIDTHS = (1, 2, 3, 5, 9)
 BATCH_CONTEXT_TOKENS = 96
-#: Part of a batched table's cache key: 2 = measured on a compacted and on a wide cache (tables of
-#: method 1 were measured only with every row's prefill slots side by side, 8 contexts wide, and
-#: priced every batch as if one of its rows were that long).
-BATCH_METHOD = 2
+#: Part of a batched table's cache key: 3 = measured on a compacted and on a wide cache, and ragged
+#: (one row wide, the others one token: linear layers skip padding). Method 2 had no ragged table;
+#: method 1 measured only with every row's prefill slots side by side, 8 contexts wide, and
+#: priced every batch as if one of its rows were that long.
+BATCH_METHOD = 3
 #: Names a JSON cost table that replaces measurement for every pipeline (unset or empty: measure).
 FIXED_TABLE_ENV = "SPECGEN_COST_TABLE"
 _MEMO: dict[str, CostTable | BatchCostTable] = {}
@@ -189,16 +190,17 @@ def measure_batch(pipe, size: int, *, clock: Callable[[], float] | None = None, 
     with one long row has for every row. Units: the 1-row 1-token forward on the compacted
     cache; each entry is the fastest of ``repeats``, each shape after one untimed forward of
     its own (a shape's first forward can cost several times the later ones). Sizes run
-    largest first (a smaller batch drops rows). SmolLM2-135M float32 on this project's
-    2-core CPU (one thread): about 25 s for size 8."""
+    largest first (a smaller batch drops rows). On the compacted cache also the ragged
+    forwards (one row w tokens, the others 1: ``ragged``). SmolLM2-135M float32 on this
+    project's 2-core CPU (one thread): about 30 s for size 8."""
     from specgen.stats import Clock
 
     clock = clock or Clock(pipe.device)
     sizes, widths = _batch_shape(size, max_width)
     context = _context(pipe, max_width)[:BATCH_CONTEXT_TOKENS]
     feed = [context[-1]] + context[: max_width - 1]
-    wide, _, wide_slots = _time_batches(pipe, sizes, widths, context, feed, False, repeats, clock)
-    narrow, full, narrow_slots = _time_batches(pipe, sizes, widths, context, feed, True, repeats, clock)
+    wide, _, _, wide_slots = _time_batches(pipe, sizes, widths, context, feed, False, repeats, clock)
+    narrow, full, ragged, narrow_slots = _time_batches(pipe, sizes, widths, context, feed, True, repeats, clock)
     step = min(narrow[(1, 1)]) or 1e-9
 
     def table(times):
@@ -208,24 +210,26 @@ def measure_batch(pipe, size: int, *, clock: Callable[[], float] | None = None, 
     head = max(0.0, (min(full) - min(narrow[(sizes[-1], widths[-1])])) / step / extra) if extra else 0.0
     return BatchCostTable(tuple(sizes), tuple(widths), table(narrow), head, step,
                           dict(facts(pipe), batch_size=size, max_width=max_width, method=BATCH_METHOD),
-                          wide=table(wide), slots=(narrow_slots, wide_slots))
+                          wide=table(wide), slots=(narrow_slots, wide_slots), ragged=table(ragged))
 
 
 def _time_batches(pipe, sizes, widths, context, feed, compacted: bool, repeats: int, clock):
-    """-> ({(b, w): seconds of each timed forward}, full-logits timings, shared slots) on a fresh
-    batched cache of sizes[-1] prefilled rows, compacted or as the prefills leave it. The
-    full-logits forwards (which price ``head``) run on the compacted cache only."""
+    """-> ({(b, w): seconds of each timed forward}, full-logits timings, {(b, w): seconds of the
+    ragged forward (one row w tokens, the rest 1)}, shared slots) on a fresh batched cache of
+    sizes[-1] prefilled rows, compacted or as the prefills leave it. The full-logits and
+    ragged forwards run on the compacted cache only (ragged: where w > 1 and b > 1; else the
+    uniform forward is its own ragged one)."""
     from specgen.batch.kv import BatchKV
 
     kv = BatchKV(pipe.target, sizes[-1])
     for r in range(sizes[-1]):
-        kv.prefill(r, context[:-1])
+        kv.prefill(r, context[:-1], reuse=False)  # side by side: the wide cache of a batch with one long row
     if compacted:
         kv.compact()
     base, width0 = len(kv.rows[0]), kv.width
 
-    def timed(b: int, w: int, keep: int) -> float:
-        feeds = [feed[:w]] * b + [[]] * (sizes[-1] - b)
+    def timed(b: int, w: int, keep: int, ragged: bool = False) -> float:
+        feeds = [feed[:w]] + [feed[:1 if ragged else w]] * (b - 1) + [[]] * (sizes[-1] - b)
         start = clock()
         kv.forward(feeds, [keep] * b + [0] * (sizes[-1] - b))
         spent = clock() - start
@@ -235,16 +239,22 @@ def _time_batches(pipe, sizes, widths, context, feed, compacted: bool, repeats: 
         return spent
 
     times: dict[tuple[int, int], list[float]] = {}
+    ragged: dict[tuple[int, int], list[float]] = {}
     full: list[float] = []
     for b in reversed(sizes):
         for w in widths:  # warm-up (for a smaller b it also drops the other rows)
             timed(b, w, 1)
+            if compacted and b > 1 and w > 1:
+                timed(b, w, 1, ragged=True)
         for _ in range(max(1, repeats)):
             for w in widths:
                 times.setdefault((b, w), []).append(timed(b, w, 1))
+                if compacted:
+                    ragged.setdefault((b, w), []).append(timed(b, w, 1, ragged=True) if b > 1 and w > 1
+                                                         else times[(b, w)][-1])
             if compacted and b == sizes[-1] and widths[-1] > 1:
                 full.append(timed(b, widths[-1], widths[-1]))
-    return times, full, width0
+    return times, full, ragged, width0
 
 
 def batch_cost_table(pipe, size: int, *, refresh: bool = False,
@@ -273,6 +283,7 @@ def batch_to_dict(table: BatchCostTable) -> dict:
     return {"sizes": list(table.sizes), "widths": list(table.widths), "body": [list(line) for line in table.body],
             "head": table.head, "step_s": table.step_s, "facts": table.facts,
             "wide": [list(line) for line in table.wide], "slots": list(table.slots),
+            "ragged": [list(line) for line in table.ragged],
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
@@ -281,12 +292,15 @@ def batch_from_dict(data: dict) -> BatchCostTable:
     body = tuple(tuple(float(x) for x in line) for line in data["body"])
     wide = tuple(tuple(float(x) for x in line) for line in data.get("wide") or ())
     slots = tuple(int(s) for s in data.get("slots") or ())
+    ragged = tuple(tuple(float(x) for x in line) for line in data.get("ragged") or ())
     if len(body) != len(sizes) or any(len(line) != len(widths) for line in body):
         raise ValueError("batch table: body is not sizes x widths")
+    if ragged and (len(ragged) != len(sizes) or any(len(line) != len(widths) for line in ragged)):
+        raise ValueError("batch table: ragged is not sizes x widths")
     if wide and (len(wide) != len(sizes) or any(len(line) != len(widths) for line in wide) or len(slots) != 2):
         raise ValueError("batch table: wide is not sizes x widths with two slot counts")
     return BatchCostTable(sizes, widths, body, float(data.get("head", 0.0)), float(data.get("step_s", 0.0)),
-                          dict(data.get("facts") or {}), wide, slots)
+                          dict(data.get("facts") or {}), wide, slots, ragged)
 
 
 def cost_table(pipe, *, refresh: bool = False, clock: Callable[[], float] | None = None) -> CostTable:
@@ -367,6 +381,8 @@ def describe_batch(table: BatchCostTable) -> str:
 
     text = (f"batch cost table (unit {1e3 * table.step_s:.1f} ms; widths {','.join(map(str, table.widths))}; "
             f"+{table.head:.3f} per extra logits row)")
+    ragged = f"; one row w wide, the others 1: {cells(table.ragged)}" if table.ragged else ""
     if table.wide and len(table.slots) == 2:
-        return f"{text}: {table.slots[0]} shared slots: {cells(table.body)}; {table.slots[1]} slots: {cells(table.wide)}"
-    return f"{text}: {cells(table.body)}"
+        return (f"{text}: {table.slots[0]} shared slots: {cells(table.body)}; {table.slots[1]} slots: "
+                f"{cells(table.wide)}{ragged}")
+    return f"{text}: {cells(table.body)}{ragged}"

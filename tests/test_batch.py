@@ -99,6 +99,7 @@ def test_failed_step_rolls_every_row_back_and_the_batch_continues(monkeypatch):
     kv = BatchKV(pipe.target, 3)
     rows = [admit(pipe, kv, r, prepare(pipe, p, {}, r)) for r, p in enumerate(prompts)]
     step(kv, list(enumerate(rows)))
+    kv.maybe_compact()  # what the next step does first, outside its transaction
     before = [_state(row) for row in rows]
     width = kv.width
     last_layer = pipe.target.model.model.layers[-1]
@@ -138,27 +139,56 @@ def test_compaction_keeps_outputs():
     assert [list(row.request.generated) for row in rows] == expected[:3]
 
 
-def test_refill_prefill_appends_in_place_and_keeps_other_rows():
-    """A refilled row's prompt lands in the shared buffers' spare capacity (no copy of the
-    other rows), other rows' entries stay as they were, and the new slots hold exactly the
-    keys/values of the row's own forward."""
+def test_trim_and_tight_compaction_keep_outputs_and_the_cache_narrow():
+    """Each step first trims the slots no row lists off the end and compacts once dead slots
+    pass an eighth of the longest row: outputs are unchanged and the shared cache stays
+    within that bound of the longest row."""
+    pipe = tiny_pipeline("drafter.num_tokens=4", drafter="ngram")
+    prompts = _ragged_prompts(3)
+    expected = [g.token_ids for g in pipe.generate_batch(prompts, batch_size=3)]
+    kv = BatchKV(pipe.target, 3)
+    rows = [admit(pipe, kv, r, prepare(pipe, p, {}, r)) for r, p in enumerate(prompts)]
+    trimmed = 0
+    while any(row.request.finish_reason is None for row in rows):
+        before = kv.width
+        kv.maybe_compact()
+        listed = [row.slots for row in kv.rows if row.slots]
+        if listed:
+            longest = max(len(row) for row in kv.rows)
+            assert kv.width == max(slots[-1] + 1 for slots in listed), "nothing unlisted at the end"
+            assert kv.width <= longest + max(16, longest // 8)
+        trimmed += kv.width < before
+        step(kv, [(r, row) for r, row in enumerate(rows) if row.request.finish_reason is None])
+    assert trimmed > 0
+    assert [list(row.request.generated) for row in rows] == expected
+
+
+def test_a_refill_takes_over_dead_slots_and_appends_in_place():
+    """A fresh row's prompt goes into its batch entry's dead slots first (a refill costs no
+    width), the rest into the shared buffers' spare capacity (no copy of the other rows);
+    other rows' entries stay as they were and the row's slots hold exactly the keys/values
+    of its own forward."""
     pipe = tiny_pipeline()
     kv = BatchKV(pipe.target, 2)
-    assert kv.prefill(0, [1, 2, 3, 4, 5]) and kv.prefill(1, [6, 7, 8])
+    assert kv.prefill(0, [1, 2, 3, 4, 5]) and kv.prefill(1, [6, 7, 8, 9, 10, 11])
+    assert kv.width == 6 and kv.rows[1].slots == [0, 1, 2, 3, 4, 5], "5 of entry 1's dead slots, 1 appended"
     kv.clear_row(1)  # row 1 finished; the same slot is refilled: the live rows stay {0, 1}
     layer = kv.cache.layers[0]
-    store, before = layer._key_store, layer.keys.clone()  # [2, heads, 8, head_dim]
-    fresh = [9, 10, 11, 12]
+    store, before = layer._key_store, layer.keys.clone()  # [2, heads, 6, head_dim]
+    fresh = [9, 10, 11, 12, 13, 14, 15]
     assert kv.prefill(1, fresh)
+    assert kv.rows[1].slots == [0, 1, 2, 3, 4, 5, 6] and kv.width == 7, "6 reused, 1 appended"
     assert store is not None and layer._key_store is store, "appended into the existing buffer"
     assert layer.keys.data_ptr() == store.data_ptr()
-    assert torch.equal(layer.keys[:, :, :8], before), "earlier slots unchanged"
-    assert kv.rows[1].slots == [8, 9, 10, 11] and kv.width == 12
+    assert torch.equal(layer.keys[0, :, :6], before[0]), "row 0 unchanged"
     own = pipe.target.new_cache()
     pipe.target.forward(own, fresh, keep=1, check=False)
     for shared, mine in zip(kv.cache.layers, own.cache.layers, strict=True):
-        assert torch.equal(shared.keys[1, :, 8:], mine.keys[0]) and torch.equal(shared.values[1, :, 8:], mine.values[0])
-        assert not shared.keys[0, :, 8:].any(), "row 0 gets dead zero slots"
+        assert torch.equal(shared.keys[1], mine.keys[0]) and torch.equal(shared.values[1], mine.values[0])
+        assert not shared.keys[0, :, 5:].any(), "row 0's appended slots are dead zeros"
+    wide = BatchKV(pipe.target, 2)
+    assert wide.prefill(0, [1, 2, 3]) and wide.prefill(1, [4, 5], reuse=False)
+    assert wide.width == 5 and wide.rows[1].slots == [3, 4]
 
 
 def test_tree_drafter_is_refused(tiny_eagle_head):

@@ -45,6 +45,34 @@ def test_table_interpolates_and_extrapolates():
     assert stand_in.verify(2, 2) == pytest.approx(2.0 + 0.5)  # 4 tokens: the chain's slope continued
 
 
+#: MEASURED with linear layers skipping padding: one row w wide and the rest 1 token cost less.
+RAGGED = BatchCostTable(MEASURED.sizes, MEASURED.widths, MEASURED.body, head=MEASURED.head,
+                        ragged=((1.0, 1.58, 1.79, 2.17, 2.48), (1.43, 2.0, 2.1, 2.3, 2.8),
+                                (2.32, 2.6, 2.9, 3.2, 3.6), (3.04, 3.4, 3.6, 4.0, 4.6)))
+
+
+def test_real_tokens_price_between_ragged_and_uniform():
+    assert RAGGED.verify(8, 3) == MEASURED.verify(8, 3) == pytest.approx(8.64)  # no tokens given: all real
+    assert RAGGED.verify(8, 3, tokens=10) == pytest.approx(3.6)  # one row 3 wide, seven 1: the ragged cell
+    assert RAGGED.verify(8, 3, tokens=24) == pytest.approx(8.64)
+    assert RAGGED.verify(8, 3, tokens=17) == pytest.approx(3.6 + (8.64 - 3.6) * 7 / 14)  # linear in between
+    assert RAGGED.padding_saving(8, 3) == pytest.approx((8.64 - 3.6) / 14)
+    assert MEASURED.padding_saving(8, 3) == 0.0 and MEASURED.verify(8, 3, tokens=10) == pytest.approx(8.64)
+    assert RAGGED.padding_saving(1, 5) == 0.0 and RAGGED.padding_saving(8, 1) == 0.0
+    wide = BatchCostTable((1, 8), (1, 2), ((1.0, 1.2), (1.5, 2.0)), wide=((1.4, 2.0), (3.0, 5.0)),
+                          slots=(100, 800), ragged=((1.0, 1.2), (1.5, 1.6)))
+    assert [v for line in wide.at(800).ragged for v in line] == pytest.approx([1.4, 2.0, 3.0, 4.6])  # slots cost both alike
+    assert wide.at(800).verify(8, 2, tokens=9) == pytest.approx(4.6)
+
+
+def test_a_ragged_table_lets_one_good_row_draft_alone():
+    rows = _rows([0.95] + [0.05] * 7)
+    assert plan_batch(MEASURED, rows) == [0] * 8  # padded: one good row cannot widen 8
+    plan = plan_batch(RAGGED, rows)
+    assert plan[0] >= 4 and plan[1:] == [0] * 7  # ragged: it drafts, the others stay plain
+    assert batch_rate(RAGGED, rows, plan) > batch_rate(RAGGED, rows, [0] * 8)
+
+
 def test_expensive_batched_verify_and_low_acceptance_run_plain():
     assert plan_batch(MEASURED, _rows([0.3] * 8)) == [0] * 8
     assert plan_batch(MEASURED, _rows([0.6] * 8)) == [0] * 8  # 2.5 tokens a row cannot pay 10.7 / 3.04
@@ -66,7 +94,7 @@ def test_plan_is_optimal_and_never_below_plain():
         rows = [RowPlan(tuple(rng.random() for _ in range(rng.randint(0, 3))), feed=rng.choice((1, 1, 2)),
                         draft_fixed=rng.choice((0.0, 0.1)), draft_per_token=rng.choice((0.0, 0.05, 0.3)))
                 for _ in range(rng.randint(1, 3))]
-        table = rng.choice((MEASURED, FLAT, BatchCostTable.from_chain(tuple(1 + 0.3 * n for n in range(30)))))
+        table = rng.choice((MEASURED, FLAT, RAGGED, BatchCostTable.from_chain(tuple(1 + 0.3 * n for n in range(30)))))
         plan = plan_batch(table, rows)
         best = max(batch_rate(table, rows, lengths)
                    for lengths in itertools.product(*[range(len(row.rates) + 1) for row in rows]))

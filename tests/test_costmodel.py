@@ -160,6 +160,8 @@ def test_measure_batch_shapes(monkeypatch):
     assert table.sizes == (1, 2, 3) and table.widths == (1, 2, 3, 4)
     assert table.body[0][0] == pytest.approx(1.0) and table.head == 0.0
     assert len(table.wide) == 3 and table.slots[1] > table.slots[0] > 0  # a compacted and a wide cache
+    assert len(table.ragged) == 3 and all(len(line) == 4 for line in table.ragged)
+    assert table.ragged[0] == table.body[0] and [line[0] for line in table.ragged] == [line[0] for line in table.body]
     assert table.facts["batch_size"] == 3
 
 
@@ -209,6 +211,9 @@ def test_batch_table_prices_the_shared_width_between_its_two_measurements():
     assert single.at(5000) is single
     again = costmodel.batch_from_dict(json.loads(json.dumps(costmodel.batch_to_dict(table))))
     assert again == table and again.wide == table.wide and again.slots == (100, 800)
+    ragged = BatchCostTable((1, 8), (1, 2), ((1.0, 1.2), (1.5, 2.0)), ragged=((1.0, 1.2), (1.5, 1.7)))
+    assert costmodel.batch_from_dict(json.loads(json.dumps(costmodel.batch_to_dict(ragged)))).ragged == ragged.ragged
+    assert "one row w wide, the others 1: B=1: 1.00 1.20; B=8: 1.50 1.70" in costmodel.describe_batch(ragged)
     assert "800 slots: B=1: 1.40 2.00" in costmodel.describe_batch(table)
     with pytest.raises(ValueError, match="wide"):
         costmodel.batch_from_dict(dict(costmodel.batch_to_dict(table), slots=[100]))

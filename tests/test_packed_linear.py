@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_pipeline
 
 import specgen
 from specgen.models import packed_linear
@@ -36,6 +37,48 @@ def test_same_product_as_linear_on_the_packed_path(rows, bias):
     assert fast.packed.packed is not None  # the packed path ran
     assert out.shape == expected.shape == (1, rows, 300)
     assert torch.allclose(out, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_real_tokens_skips_padding_and_keeps_every_real_product(enabled):
+    """Inside real_tokens a [B, w, in] input of that shape multiplies its real tokens only:
+    each real token's output is its own product, padding comes out zero; other shapes, and
+    everything outside the context, run as before."""
+    layer, generator = _layer(4, True)
+    fast = PackedLinear.of(layer)
+    fast.enabled = enabled
+    x = torch.randn(3, 4, 64, generator=generator)  # [B, w, in]
+    real = torch.tensor([[True, True, True, True], [True, False, False, False], [True, True, False, False]])
+    with torch.inference_mode():
+        full = fast(x)
+        with packed_linear.real_tokens(real):
+            out = fast(x)
+            other = fast(x[:2])  # not the batch's shape: every row computed
+        after = fast(x)
+    assert torch.allclose(out[real], full[real], rtol=1e-5, atol=1e-4)
+    assert not out[~real].any(), "padding is zero, not computed"
+    assert torch.allclose(other, full[:2], rtol=1e-5, atol=1e-4) and torch.equal(after, full)
+    products = []
+    with torch.inference_mode(), packed_linear.real_tokens(real):
+        original = fast._product
+        fast._product = lambda flat: products.append(flat.shape[0]) or original(flat)
+        fast(x)
+    assert products == [int(real.sum())], "only the 7 real tokens were multiplied"
+
+
+def test_real_tokens_in_a_batched_step_keeps_greedy_rows():
+    """A ragged batched step (rows drafting different lengths) gives the same tokens with
+    linear layers skipping the padding as without."""
+    pipe = tiny_pipeline("drafter.num_tokens=3", drafter="ngram")
+    prompts = [dict(prompt_ids=[1 + i, 2, 3, 1 + i, 2, 3][: 3 + i], max_new_tokens=12) for i in range(4)]
+    with_skip = [g.token_ids for g in pipe.generate_batch(prompts, batch_size=4)]
+    original = packed_linear.real_tokens
+    try:
+        packed_linear.real_tokens = lambda real: original(torch.ones_like(real))
+        padded = [g.token_ids for g in pipe.generate_batch(prompts, batch_size=4)]
+    finally:
+        packed_linear.real_tokens = original
+    assert with_skip == padded == [pipe.generate(**p).token_ids for p in prompts]
 
 
 def test_follows_its_weight_changed_in_place_or_replaced():

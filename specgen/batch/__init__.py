@@ -12,7 +12,11 @@ stack, grammar and RNG -- the same functions :mod:`specgen.round` uses for a
 single request, so a row's output law equals a single-request run's.
 
 The shared cache: each forward appends the same number w of slots to every row
-(w = the widest feed; shorter feeds are padded with dummies nobody attends to).
+(w = the widest feed; shorter feeds are padded with dummies nobody attends to, and
+linear layers skip them where they can, :func:`specgen.models.packed_linear.real_tokens`).
+A fresh row's prompt is prefilled in a forward of its own and stored in its batch
+entry's dead slots (a refill takes over the finished row's), appending only what
+does not fit.
 A row lists the slots holding its tokens (``RowCache.slots``); the 4D additive
 mask lets each new token see its row's listed slots and its own feed causally;
 positions are per row (token i of a row sits at position i). Rolling a row back

@@ -10,8 +10,12 @@ from specgen.errors import ConfigError
 from specgen.models import CausalLM, KVCache
 from specgen.models.growing_cache import growing_cache
 
-#: Compact once the shared cache holds this many slots more than twice the longest row.
+#: Compact once the shared cache is this many slots, plus COMPACT_SHARE of the longest row, wider
+#: than the longest row. Every batched step attends over every shared slot of every row, dead
+#: ones included, so dead slots cost each step what live ones do; a compaction costs about two
+#: copies of the live cache, a few steps' worth of reading the dead ones back.
 COMPACT_SLACK = 16
+COMPACT_SHARE = 1 / 8
 
 
 @dataclass
@@ -63,13 +67,16 @@ class BatchKV:
             layer.values = layer.values.index_select(0, index)
         self.live = list(wanted)
 
-    def prefill(self, r: int, tokens: list[int]) -> bool:
+    def prefill(self, r: int, tokens: list[int], reuse: bool = True) -> bool:
         """Feed a fresh row's ``tokens`` (its prompt but the last token) in a forward of its
-        own, then append their keys/values as new slots of the shared tensors (the other
-        rows' entries there stay dead zeros; empty shared tensors are created; layers that
-        grow in place, :class:`~specgen.models.growing_cache.GrowingLayer`, copy nothing else), so batched steps
-        never pad the other rows to a prompt's length. -> False, doing nothing, when the row
-        already has slots or the cache's layers are not plain 4D key/value tensors."""
+        own and store their keys/values in the row's batch entry: first in the slots the
+        shared tensors already have (all dead for a row without slots, e.g. a finished
+        row's, so a refill costs no width), then, for the rest, in new slots appended for
+        every row (dead zeros for the others; in place where the layers grow in place,
+        :class:`~specgen.models.growing_cache.GrowingLayer`). Batched steps never pad the
+        other rows to a prompt's length. reuse=False appends every token (the cost model's
+        wide cache). -> False, doing nothing, when the row already has slots or the cache's
+        layers are not plain 4D key/value tensors."""
         row = self.rows[r]
         layers = self.cache.layers
         if row.slots or not tokens or not all(hasattr(layer, "lazy_initialization") for layer in layers):
@@ -79,27 +86,33 @@ class BatchKV:
         self._hold(sorted({*self.live, r}))
         own = self.lm.new_cache()
         self.lm.forward(own, tokens, keep=1, check=False)  # its keys/values; the logits are not used
-        j, start, n = self.live.index(r), self.width, len(tokens)
+        j, width, n = self.live.index(r), self.width, len(tokens)
+        reused = min(n, width) if reuse else 0
         with torch.inference_mode():  # the buffers are inference tensors (made by forwards)
-            self._append_row(j, start, own.cache.layers)
-        self.width = start + n
+            self._store_row(j, reused, width, own.cache.layers)
+        self.width = width + n - reused
         row.tokens.extend(tokens)
-        row.slots.extend(range(start, start + n))
+        row.slots.extend(range(reused))
+        row.slots.extend(range(width, self.width))
         return True
 
-    def _append_row(self, j: int, start: int, own: list) -> None:
-        """Append one row's cached keys/values (``own``: its layers, [1, heads, n, head_dim] each)
-        as n new slots of every shared layer, live in batch entry ``j`` only."""
+    def _store_row(self, j: int, reused: int, width: int, own: list) -> None:
+        """Store one row's keys/values (``own``: its layers, [1, heads, n, head_dim] each) in batch
+        entry ``j``: the first ``reused`` in slots 0.. (dead ones), the rest in n - reused new
+        slots appended after ``width`` for every row (live in entry j only)."""
         for layer, mine in zip(self.cache.layers, own, strict=True):
             n = mine.keys.shape[-2]
             if not layer.is_initialized:
                 layer.lazy_initialization(mine.keys, mine.values)
-                empty = mine.keys.new_zeros(len(self.live), mine.keys.shape[1], start, mine.keys.shape[3])
+                empty = mine.keys.new_zeros(len(self.live), mine.keys.shape[1], width, mine.keys.shape[3])
                 layer.keys, layer.values = empty, empty.clone()  # [B', heads, S, head_dim], S = self.width
-            dead = layer.keys.new_zeros(*layer.keys.shape[:2], n, layer.keys.shape[3])  # [B', heads, n, head_dim]
-            layer.update(dead, dead)  # n new slots for every row, in place where the layer grows in place
-            layer.keys[j, :, start:] = mine.keys[0]  # [heads, n, head_dim]: this row's slots come alive
-            layer.values[j, :, start:] = mine.values[0]
+            layer.keys[j, :, :reused] = mine.keys[0, :, :reused]  # [heads, reused, head_dim]
+            layer.values[j, :, :reused] = mine.values[0, :, :reused]
+            if n > reused:
+                dead = layer.keys.new_zeros(*layer.keys.shape[:2], n - reused, layer.keys.shape[3])
+                layer.update(dead, dead)  # [B', heads, S + n - reused, head_dim]
+                layer.keys[j, :, width:] = mine.keys[0, :, reused:]
+                layer.values[j, :, width:] = mine.values[0, :, reused:]
 
     def clear_row(self, row: int) -> RowCache:
         """Forget row ``row``'s tokens (a refill); its old slots become dead."""
@@ -117,12 +130,14 @@ class BatchKV:
         allowed = torch.zeros(size, w, start + w, dtype=torch.bool)  # [B', w, S + w]
         causal = torch.ones(w, w, dtype=torch.bool).tril()  # [w, w]
         diagonal = torch.eye(w, dtype=torch.bool)  # [w, w]: a pad query sees itself only
+        real = torch.zeros(size, w, dtype=torch.bool)  # [B', w]: not padding
         picks: list[tuple[int, int]] = []
         limit = self.lm.context_length - 1
         for j, r in enumerate(self.live):  # batch entry j holds row r
             row, feed, keep = self.rows[r], feeds[r], keeps[r]
             n = len(feed)
             ids[j, :n] = torch.tensor(feed, dtype=torch.long)
+            real[j, :n] = True
             positions[j] = torch.arange(len(row), len(row) + w).clamp(max=limit)
             if row.slots:
                 allowed[j, :n, torch.tensor(row.slots)] = True
@@ -131,7 +146,7 @@ class BatchKV:
             picks.extend((j, c) for c in range(n - keep, n))
         rows = torch.tensor([p[0] for p in picks], dtype=torch.long)  # [K]
         cols = torch.tensor([p[1] for p in picks], dtype=torch.long)  # [K]
-        logits = self.lm.forward_batch(self.cache, ids, positions, allowed, rows, cols)  # [K, vocab]
+        logits = self.lm.forward_batch(self.cache, ids, positions, allowed, rows, cols, real.to(self.lm.device))  # [K, vocab]
         self.width = start + w
         out: list[torch.Tensor | None] = []
         used = 0
@@ -153,10 +168,19 @@ class BatchKV:
                 layer.values = layer.values[..., :width, :]
         self.width = min(self.width, width)
 
+    def trim(self) -> None:
+        """Cut the shared tensors back past the last slot any row lists (free: prefix views;
+        the slots a step's rejected drafts and padding left at the end are written over)."""
+        end = max((row.slots[-1] + 1 for row in self.rows if row.slots), default=0)
+        if end < self.width:
+            self.rewind(end)
+
     def maybe_compact(self) -> None:
-        """Compact when the shared cache is more than twice the longest row (plus slack)."""
+        """Trim; then compact when the shared cache is more than COMPACT_SLACK slots plus
+        COMPACT_SHARE of the longest row wider than the longest row."""
+        self.trim()
         longest = max((len(self.rows[r]) for r in self.live), default=0)
-        if self.width > 2 * longest + COMPACT_SLACK:
+        if self.width > longest + max(COMPACT_SLACK, int(longest * COMPACT_SHARE)):
             self.compact()
 
     def compact(self) -> None:

@@ -195,13 +195,13 @@ def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None 
     feeds: list[list[int]] = [[] for _ in kv.rows]
     keeps = [0] * len(kv.rows)
     results: list[tuple[int, Row, object]] = []
+    kv.maybe_compact()  # a relayout that keeps every row's contents: before the transaction, which restores slot lists
     with ExitStack() as transaction:
         for r, row in live:
             transaction.enter_context(row.request.transaction())
             row.ctx.clock.take_laps()
             if not row.request.target_cache.slots:  # a fresh row: its prompt in a forward of its own
                 kv.prefill(r, row.request.committed.tokens[:-1])
-        kv.maybe_compact()  # after the prefills (each appended slots for every row) and past removals
         drafted = plan_rows(None if costs is None else costs.at(kv.width), live)  # plan + draft: lengths chosen together
         for r, row in live:
             request = row.request

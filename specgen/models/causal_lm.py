@@ -8,6 +8,7 @@ common prefix of the cached tokens and the committed sequence, drop the rest.
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -276,7 +277,7 @@ class CausalLM:
 
     def _checked(self, logits: torch.Tensor, position: int) -> torch.Tensor:
         logits = logits.float()
-        if torch.isnan(logits).any():
+        if logits.numel() and torch.isnan(logits.max()):  # max propagates NaN: one pass, no [rows, vocab] mask
             raise NumericalError(f"{self.name} produced NaN logits at position {position}")
         return logits
 
@@ -329,13 +330,15 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward_batch(self, cache: DynamicCache, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
-                      rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+                      rows: torch.Tensor, cols: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
         """One forward of B rows sharing a batch-B DynamicCache (see :mod:`specgen.batch`).
 
         ids: [B, w] token ids; positions: [B, w] each row's own positions;
         allowed: [B, w, S + w] bool, which of the S cached slots and w new slots each
         new token sees (every query must see at least one key). rows, cols: [K] the
-        (row, column) outputs wanted. Returns raw logits [K, vocab_size] (float32),
+        (row, column) outputs wanted. real: [B, w] bool, the tokens that are not padding
+        (None: all); linear layers skip the padding (:func:`packed_linear.real_tokens`), whose
+        outputs must then be neither wanted nor seen by a real token. Returns raw logits [K, vocab_size] (float32),
         refusing NaN (NumericalError). Appends w slots to every row of ``cache``; on
         any exception the cache is cut back to S slots before re-raising.
         """
@@ -347,11 +350,14 @@ class CausalLM:
         inputs = dict(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask[:, None],
                       use_cache=True, **{self._cache_kwarg: cache})
         try:
-            if self._plain_lm_head:
-                hidden = self.model.get_decoder()(**inputs).last_hidden_state  # [B, w, d]
+            with packed_linear.real_tokens(real) if real is not None else nullcontext():
+                if self._plain_lm_head:
+                    hidden = self.model.get_decoder()(**inputs).last_hidden_state  # [B, w, d]
+                else:
+                    hidden = None
+                    logits = self.model(**inputs).logits[rows.to(device), cols.to(device), : self.vocab_size]  # [K, vocab]
+            if hidden is not None:
                 logits = self._head(hidden[rows.to(device), cols.to(device)])  # [K, vocab]
-            else:
-                logits = self.model(**inputs).logits[rows.to(device), cols.to(device), : self.vocab_size]  # [K, vocab]
             return self._checked(logits, start)
         except BaseException:
             for layer in cache.layers:

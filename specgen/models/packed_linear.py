@@ -40,6 +40,10 @@ devices, autograd, a torch build without oneDNN, ``packed_weights=false`` --
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 import torch.nn.functional as F
 
@@ -57,6 +61,26 @@ def available() -> bool:
 
 
 _AVAILABLE = available()
+
+#: Set by :func:`real_tokens`: the padded batch's [B, w] shape and the flat indices of its real tokens.
+_REAL: ContextVar[tuple[torch.Size, torch.Tensor] | None] = ContextVar("specgen_real_tokens", default=None)
+
+
+@contextmanager
+def real_tokens(real: torch.Tensor) -> Iterator[None]:
+    """Within this context a :class:`PackedLinear` fed a padded batch ``[B, w, in]`` multiplies
+    only its real tokens (``real``: [B, w] bool) and returns zeros for the padding.
+
+    A ragged batched step pads every row's feed to the widest (:mod:`specgen.batch`); on a
+    CPU, where a forward of a few dozen tokens is compute-bound, the padding would cost as
+    much as real tokens. The caller must not read what padded positions compute. Real
+    tokens' outputs are each row's own product, whatever the padding."""
+    index = real.reshape(-1).nonzero().squeeze(1)  # [T]
+    token = _REAL.set((real.shape, index) if index.numel() < real.numel() else None)
+    try:
+        yield
+    finally:
+        _REAL.reset(token)
 
 
 class PackedWeight:
@@ -116,6 +140,16 @@ class PackedLinear(torch.nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        real = _REAL.get()
+        if real is not None and x.dim() == 3 and x.shape[:2] == real[0]:
+            (batch, width), index = real
+            flat = x.reshape(batch * width, x.shape[-1]).index_select(0, index)  # [T, in]: the real tokens
+            out = self._product(flat)  # [T, out]
+            full = out.new_zeros(batch * width, out.shape[-1])  # padding stays zero
+            return full.index_copy_(0, index, out).reshape(batch, width, out.shape[-1])  # [B, w, out]
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         out = packed_product(x, self.weight, self.bias, self.packed) if self.enabled else None
         return F.linear(x, self.weight, self.bias) if out is None else out
 

@@ -119,7 +119,7 @@ def argmax_codes(logits: torch.Tensor) -> torch.Tensor:
     [N] long: the argmax id (ties to the lowest), NAN_CODE for a row with a NaN logit,
     NONE_ALLOWED_CODE for a row with every logit -inf."""
     best = logits.max(dim=-1)  # values [N], indices [N]
-    nan = torch.isnan(logits).any(dim=-1)  # [N]
+    nan = torch.isnan(best.values)  # [N]: max propagates NaN, so this reads one value per row, not the whole row again
     return torch.where(nan, NAN_CODE, torch.where(best.values == float("-inf"), NONE_ALLOWED_CODE, best.indices))
 
 
