@@ -61,7 +61,8 @@ def test_real_tokens_price_between_ragged_and_uniform():
     assert RAGGED.padding_saving(1, 5) == 0.0 and RAGGED.padding_saving(8, 1) == 0.0
     wide = BatchCostTable((1, 8), (1, 2), ((1.0, 1.2), (1.5, 2.0)), wide=((1.4, 2.0), (3.0, 5.0)),
                           slots=(100, 800), ragged=((1.0, 1.2), (1.5, 1.6)))
-    assert [v for line in wide.at(800).ragged for v in line] == pytest.approx([1.4, 2.0, 3.0, 4.6])  # slots cost both alike
+    ragged = [v for line in wide.at(800).ragged for v in line]
+    assert ragged == pytest.approx([1.4, 2.0, 3.0, 4.6])  # the slots cost padded and ragged forwards alike
     assert wide.at(800).verify(8, 2, tokens=9) == pytest.approx(4.6)
 
 

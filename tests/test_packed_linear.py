@@ -66,18 +66,23 @@ def test_real_tokens_skips_padding_and_keeps_every_real_product(enabled):
     assert products == [int(real.sum())], "only the 7 real tokens were multiplied"
 
 
-def test_real_tokens_in_a_batched_step_keeps_greedy_rows():
+def test_real_tokens_in_a_batched_step_keeps_greedy_rows(monkeypatch):
     """A ragged batched step (rows drafting different lengths) gives the same tokens with
-    linear layers skipping the padding as without."""
+    linear layers skipping the padding as without, and as single requests."""
     pipe = tiny_pipeline("drafter.num_tokens=3", drafter="ngram")
     prompts = [dict(prompt_ids=[1 + i, 2, 3, 1 + i, 2, 3][: 3 + i], max_new_tokens=12) for i in range(4)]
-    with_skip = [g.token_ids for g in pipe.generate_batch(prompts, batch_size=4)]
     original = packed_linear.real_tokens
-    try:
-        packed_linear.real_tokens = lambda real: original(torch.ones_like(real))
-        padded = [g.token_ids for g in pipe.generate_batch(prompts, batch_size=4)]
-    finally:
-        packed_linear.real_tokens = original
+    padded_steps = []
+
+    def counting(real, device=None):
+        padded_steps.append(not bool(real.all()))
+        return original(real, device)
+
+    monkeypatch.setattr(packed_linear, "real_tokens", counting)
+    with_skip = [g.token_ids for g in pipe.generate_batch(prompts, batch_size=4)]
+    assert any(padded_steps), "some step had padding to skip"
+    monkeypatch.setattr(packed_linear, "real_tokens", lambda real, device=None: original(torch.ones_like(real), device))
+    padded = [g.token_ids for g in pipe.generate_batch(prompts, batch_size=4)]
     assert with_skip == padded == [pipe.generate(**p).token_ids for p in prompts]
 
 

@@ -146,7 +146,7 @@ class BatchKV:
             picks.extend((j, c) for c in range(n - keep, n))
         rows = torch.tensor([p[0] for p in picks], dtype=torch.long)  # [K]
         cols = torch.tensor([p[1] for p in picks], dtype=torch.long)  # [K]
-        logits = self.lm.forward_batch(self.cache, ids, positions, allowed, rows, cols, real.to(self.lm.device))  # [K, vocab]
+        logits = self.lm.forward_batch(self.cache, ids, positions, allowed, rows, cols, real)  # [K, vocab]
         self.width = start + w
         out: list[torch.Tensor | None] = []
         used = 0

@@ -336,8 +336,8 @@ class CausalLM:
         ids: [B, w] token ids; positions: [B, w] each row's own positions;
         allowed: [B, w, S + w] bool, which of the S cached slots and w new slots each
         new token sees (every query must see at least one key). rows, cols: [K] the
-        (row, column) outputs wanted. real: [B, w] bool, the tokens that are not padding
-        (None: all); linear layers skip the padding (:func:`packed_linear.real_tokens`), whose
+        (row, column) outputs wanted. real: [B, w] bool on the host, the tokens that are not
+        padding (None: all); linear layers skip the padding (:func:`packed_linear.real_tokens`), whose
         outputs must then be neither wanted nor seen by a real token. Returns raw logits [K, vocab_size] (float32),
         refusing NaN (NumericalError). Appends w slots to every row of ``cache``; on
         any exception the cache is cut back to S slots before re-raising.
@@ -350,12 +350,13 @@ class CausalLM:
         inputs = dict(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask[:, None],
                       use_cache=True, **{self._cache_kwarg: cache})
         try:
-            with packed_linear.real_tokens(real) if real is not None else nullcontext():
+            with packed_linear.real_tokens(real, device) if real is not None else nullcontext():
                 if self._plain_lm_head:
                     hidden = self.model.get_decoder()(**inputs).last_hidden_state  # [B, w, d]
                 else:
                     hidden = None
-                    logits = self.model(**inputs).logits[rows.to(device), cols.to(device), : self.vocab_size]  # [K, vocab]
+                    out = self.model(**inputs).logits  # [B, w, vocab']
+                    logits = out[rows.to(device), cols.to(device), : self.vocab_size]  # [K, vocab]
             if hidden is not None:
                 logits = self._head(hidden[rows.to(device), cols.to(device)])  # [K, vocab]
             return self._checked(logits, start)

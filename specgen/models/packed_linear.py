@@ -67,15 +67,18 @@ _REAL: ContextVar[tuple[torch.Size, torch.Tensor] | None] = ContextVar("specgen_
 
 
 @contextmanager
-def real_tokens(real: torch.Tensor) -> Iterator[None]:
+def real_tokens(real: torch.Tensor, device: torch.device | str | None = None) -> Iterator[None]:
     """Within this context a :class:`PackedLinear` fed a padded batch ``[B, w, in]`` multiplies
     only its real tokens (``real``: [B, w] bool) and returns zeros for the padding.
 
     A ragged batched step pads every row's feed to the widest (:mod:`specgen.batch`); on a
     CPU, where a forward of a few dozen tokens is compute-bound, the padding would cost as
     much as real tokens. The caller must not read what padded positions compute. Real
-    tokens' outputs are each row's own product, whatever the padding."""
+    tokens' outputs are each row's own product, whatever the padding. Pass ``real`` on the
+    host (reading it is free there) and the model's ``device``: the indices go over once."""
     index = real.reshape(-1).nonzero().squeeze(1)  # [T]
+    if device is not None:
+        index = index.to(device)
     token = _REAL.set((real.shape, index) if index.numel() < real.numel() else None)
     try:
         yield
