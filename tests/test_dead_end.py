@@ -15,7 +15,7 @@ from exact import exact_outcomes, goodness_of_fit, sample_outcomes
 from grammar_helpers import allowed_rows, history
 
 import specgen
-from specgen.errors import ConfigError, DeadEndError
+from specgen.errors import ConfigError, DeadEndError, NumericalError
 from specgen.events import FinishEvent
 from specgen.grammar import grammar_processor
 from specgen.sampling import (
@@ -87,6 +87,26 @@ def test_argmax_or_none_reports_empty_rows_in_one_read():
     assert argmax_or_none(logits) == [1, None]
     with pytest.raises(NoAllowedToken):
         argmax_tokens(logits)
+
+
+def test_one_nan_anywhere_in_a_row_is_caught_and_infinities_are_not_nan():
+    """The NaN check reads each row's max (max propagates NaN): a single NaN, before or after
+    the row's largest value, is caught; +inf is a token, an all -inf row is empty."""
+    for where in (0, 3, 7):
+        logits = torch.zeros(3, 8)
+        logits[1, 5] = 4.0
+        logits[1, where] = float("nan")
+        with pytest.raises(NumericalError):
+            argmax_or_none(logits)
+    logits = torch.full((2, 8), float("-inf"))
+    logits[0, 6] = float("inf")
+    assert argmax_or_none(logits) == [6, None]
+    pipe = tiny_pipeline()
+    raw = torch.zeros(4, 16)
+    raw[2, 9] = float("nan")
+    with pytest.raises(NumericalError, match="NaN logits at position 7"):
+        pipe.target._checked(raw, 7)
+    assert pipe.target._checked(torch.zeros(0, 16), 7).shape == (0, 16)
 
 
 def _tree_rows(rows: dict[int, list[float]]):
