@@ -82,22 +82,25 @@ class BatchCostTable:
         logits rows (default: one per row); bilinear in (rows, width), linear past the table."""
         rows, width = max(1, rows), max(1, width)
         extra = 0 if logits_rows is None else max(0, logits_rows - rows)
-        padded = _linear(self.sizes, [_linear(self.widths, line, width) for line in self.body], rows)
-        if tokens is None:
-            return padded + self.head * extra
-        return padded - self.padding_saving(rows, width) * (rows * width - max(tokens, rows - 1 + width)) \
-            + self.head * extra
+        padded = self._cell(self.body, rows, width)
+        if tokens is not None:
+            padded -= self.padding_saving(rows, width, padded) * (rows * width - max(tokens, rows - 1 + width))
+        return padded + self.head * extra
 
-    def padding_saving(self, rows: int, width: int) -> float:
+    def padding_saving(self, rows: int, width: int, padded: float | None = None) -> float:
         """What each padded (not real) token of a ``rows`` x ``width`` forward saves against a real
-        one: 0 without a ragged table or where padding saves nothing measurable."""
+        one: 0 without a ragged table or where padding saves nothing measurable. padded: that
+        forward's uniform cost when the caller has it."""
         rows, width = max(1, rows), max(1, width)
         span = (rows - 1) * (width - 1)  # rows x width minus the ragged shape's rows - 1 + width tokens
         if not self.ragged or not span:
             return 0.0
-        padded = _linear(self.sizes, [_linear(self.widths, line, width) for line in self.body], rows)
-        ragged = _linear(self.sizes, [_linear(self.widths, line, width) for line in self.ragged], rows)
-        return max(0.0, padded - ragged) / span
+        padded = self._cell(self.body, rows, width) if padded is None else padded
+        return max(0.0, padded - self._cell(self.ragged, rows, width)) / span
+
+    def _cell(self, table: tuple[tuple[float, ...], ...], rows: int, width: int) -> float:
+        """``table`` (sizes x widths) at (rows, width), bilinear, linear past either end."""
+        return _linear(self.sizes, [_linear(self.widths, line, width) for line in table], rows)
 
     @classmethod
     def from_chain(cls, chain: Sequence[float], sizes: Sequence[int] = (1, 2, 4, 8), max_width: int = 9,

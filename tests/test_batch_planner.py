@@ -116,7 +116,7 @@ def test_truncation_is_a_stopping_time():
     for _ in range(40):
         rows = [DraftedRow(tuple(rng.random() for _ in range(n)), tuple(0.5 for _ in range(n)))
                 for n in (rng.randint(0, 6) for _ in range(rng.randint(1, 4)))]
-        table = rng.choice((MEASURED, FLAT, BatchCostTable.from_chain(tuple(1 + 0.2 * n for n in range(30)))))
+        table = rng.choice((MEASURED, FLAT, RAGGED, BatchCostTable.from_chain(tuple(1 + 0.2 * n for n in range(30)))))
         kept = truncate_batch(table, rows)
         for i, row in enumerate(rows):
             if kept[i] + 1 < len(row.known):
@@ -163,7 +163,13 @@ def _p_value(pipe) -> tuple[float, list]:
     return goodness_of_fit(counts, exact_distribution(pipe, PROMPT, LENGTH))[0], gens
 
 
-def test_sampled_auto_rows_follow_their_law():
+@pytest.mark.parametrize("table", ["measured here", "ragged"])
+def test_sampled_auto_rows_follow_their_law(table, monkeypatch):
+    """Rows planned together follow their exact law; with a ragged table (real tokens priced,
+    padding skipped) rows draft different lengths in one step, and still do."""
+    if table == "ragged":
+        flat_ragged = BatchCostTable((1, 8), (1, 9), ((1.0, 1.1), (1.2, 1.8)), ragged=((1.0, 1.1), (1.2, 1.3)))
+        monkeypatch.setattr("specgen.costmodel.batch_cost_table", lambda pipe, size, **kwargs: flat_ragged)
     pipe = tiny_pipeline(*VOCAB8, "sampling.temperature=1.0")
     assert pipe.guarantee == "exact" and pipe.drafter.num_tokens == "auto"
     p_value, gens = _p_value(pipe)

@@ -23,7 +23,8 @@ class RowCache(KVCache):
     """One row of a :class:`BatchKV` behind the single-request KVCache interface.
 
     tokens: this row's cached ids; slots: the shared cache's slot of each, in order
-    (len(slots) == len(tokens)). ``cache`` is the owning BatchKV.
+    (len(slots) == len(tokens); increasing: new tokens only ever get slots past the row's
+    last one). ``cache`` is the owning BatchKV.
     """
 
     slots: list[int] = field(default_factory=list)
@@ -160,7 +161,7 @@ class BatchKV:
     def rewind(self, width: int) -> None:
         """Cut the shared tensors back to ``width`` slots (no row may list a slot past it):
         undoes forwards whose rows were cropped, e.g. a timed forward of the cost model."""
-        if any(slot >= width for row in self.rows for slot in row.slots):
+        if any(row.slots and row.slots[-1] >= width for row in self.rows):  # slots increase along a row
             raise ValueError("a row still lists a slot past the cut")
         for layer in self.cache.layers:
             if getattr(layer, "keys", None) is not None and layer.keys.dim() == 4:

@@ -351,14 +351,12 @@ class CausalLM:
                       use_cache=True, **{self._cache_kwarg: cache})
         try:
             with packed_linear.real_tokens(real, device) if real is not None else nullcontext():
-                if self._plain_lm_head:
+                if self._plain_lm_head:  # the head's input [K, d] is not the padded shape: every row computed
                     hidden = self.model.get_decoder()(**inputs).last_hidden_state  # [B, w, d]
+                    logits = self._head(hidden[rows.to(device), cols.to(device)])  # [K, vocab]
                 else:
-                    hidden = None
-                    out = self.model(**inputs).logits  # [B, w, vocab']
-                    logits = out[rows.to(device), cols.to(device), : self.vocab_size]  # [K, vocab]
-            if hidden is not None:
-                logits = self._head(hidden[rows.to(device), cols.to(device)])  # [K, vocab]
+                    full = self.model(**inputs).logits  # [B, w, vocab']
+                    logits = full[rows.to(device), cols.to(device), : self.vocab_size]  # [K, vocab]
             return self._checked(logits, start)
         except BaseException:
             for layer in cache.layers:
