@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specgen.bench import prompts as prompt_sets
-from specgen.bench.baselines import assistant_settings, generate_kwargs, run_hf, unsupported_sampling
+from specgen.bench.baselines import assistant_settings, generate_kwargs, hf_kernels, run_hf, unsupported_sampling
 from specgen.bench.calibrate import from_cost_table, verify_ratio
 from specgen.bench.cli import compose_bench, run_bench
 from specgen.bench.plots import PLOT_FILES
@@ -225,6 +225,44 @@ def test_hf_baselines_match_plain_greedy_on_tiny():
     with assistant_settings(assistant, 5):
         assert assistant.generation_config.num_assistant_tokens == 5
         assert assistant.generation_config.assistant_confidence_threshold == 0.0
+
+
+def test_hf_kernels_switch_and_restore(monkeypatch):
+    import specgen
+    from specgen.models import packed_linear
+
+    pipe = specgen.pipeline("target=tiny", "drafter=tiny", "threads=1", "dtype=float32", "sampling.min_new_tokens=8",
+                            progress=False)
+    model, assistant = pipe.target.model, pipe.drafter.lm.model
+    layers = [m for net in (model, assistant) for m in net.modules() if isinstance(m, packed_linear.PackedLinear)]
+    if not layers:
+        pytest.skip("no oneDNN: nothing is packed, stock and specgen kernels are the same")
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    plain = pipe.generate(prompt_ids=ids, max_new_tokens=8, seed=0, speculative=False).token_ids
+    kwargs = generate_kwargs(pipe.config["sampling"], temperature=0.0, max_new_tokens=8, ignore_eos=True,
+                             eos_ids=pipe.tokenizer.eos_ids)
+    attention = model.config._attn_implementation
+    calls = []
+    real_product = packed_linear.packed_product
+    monkeypatch.setattr(packed_linear, "packed_product", lambda *a, **k: calls.append(1) or real_product(*a, **k))
+    for kernels, packed_calls in (("stock", False), ("specgen", True)):
+        calls.clear()
+        result = run_hf("hf_assisted", model, ids, kwargs, clock=Clock(pipe.device), seed=0, gamma=3,
+                        assistant=assistant, kernels=kernels)
+        assert result["token_ids"] == plain, kernels
+        assert bool(calls) is packed_calls, kernels
+    with pytest.raises(RuntimeError, match="boom"), hf_kernels((model, None, assistant), "stock"):
+        assert not any(layer.enabled for layer in layers) and model.config._attn_implementation == "sdpa"
+        raise RuntimeError("boom")
+    assert all(layer.enabled for layer in layers) and model.config._attn_implementation == attention
+    with pytest.raises(ValueError, match="kernels"), hf_kernels((model,), "fast"):
+        pass
+
+
+def test_settings_reject_unknown_hf_kernels():
+    cfg = compose_bench([*TINY, "bench.hf_kernels=triton"])
+    with pytest.raises(ConfigError, match="hf_kernels"):
+        Settings.from_config(cfg.bench)
 
 
 def test_bench_runs_tiny_matrix_end_to_end(tmp_path):

@@ -1,7 +1,7 @@
 """Hugging Face ``generate()`` baselines on the very models a pipeline holds.
 
 Three methods run here, each on ``pipe.target.model`` (same weights, dtype,
-device and threads as specgen):
+device and threads as specgen), under :func:`hf_kernels`:
 
 ``hf_generate``        plain greedy or sampling decoding;
 ``hf_assisted``        assisted generation with ``assistant_model`` = the
@@ -14,6 +14,12 @@ In transformers 5 the assistant's round size and early stop are read from the
 ``num_assistant_tokens_schedule``, ``assistant_confidence_threshold``), not from
 the ``generate()`` arguments; :func:`assistant_settings` sets them for one call
 (constant schedule, no confidence early stop) and restores them afterwards.
+
+``bench.hf_kernels`` chooses the kernels HF runs on: ``stock`` (the default) is
+transformers as users run it, ``nn.Linear`` and its ``sdpa`` attention;
+``specgen`` lends HF specgen's packed linear layers and packed grouped-query
+attention, so a comparison isolates how tokens are planned from how fast one
+forward is.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 HF_METHODS = ("hf_generate", "hf_assisted", "hf_prompt_lookup")
+HF_KERNELS = ("stock", "specgen")
 _ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 
@@ -76,6 +83,38 @@ def assistant_settings(assistant: torch.nn.Module, gamma: int):
             setattr(config, key, value)
 
 
+@contextmanager
+def hf_kernels(models: Sequence[torch.nn.Module | None], kernels: str):
+    """Run the HF methods on ``kernels`` (one of HF_KERNELS) for the models given; None entries are skipped.
+
+    ``stock`` switches every :class:`~specgen.models.packed_linear.PackedLinear` to
+    ``F.linear`` (its packed copy is kept, so specgen's next forward does not
+    repack) and the attention implementation to transformers' ``sdpa``; both are
+    restored on exit, also on error.
+    """
+    if kernels not in HF_KERNELS:
+        raise ValueError(f"unknown HF kernels {kernels!r}; expected one of {HF_KERNELS}")
+    held = [m for m in models if m is not None]
+    if kernels == "specgen" or not held:
+        yield
+        return
+    from specgen.models.packed_linear import PackedLinear
+
+    layers = [(m, m.enabled) for model in held for m in model.modules() if isinstance(m, PackedLinear)]
+    attention = [(model, model.config._attn_implementation) for model in held]
+    try:
+        for layer, _ in layers:
+            layer.enabled = False
+        for model, _ in attention:
+            model.set_attn_implementation("sdpa")
+        yield
+    finally:
+        for layer, enabled in layers:
+            layer.enabled = enabled
+        for model, name in attention:
+            model.set_attn_implementation(name)
+
+
 class FirstTokenTimer(BaseStreamer):
     """Streamer that records when ``generate()`` pushes its first new token.
 
@@ -99,9 +138,10 @@ class FirstTokenTimer(BaseStreamer):
 
 def run_hf(method: str, model: torch.nn.Module, prompt_ids: Sequence[int], kwargs: Mapping, *,
            clock: Callable[[], float], seed: int, gamma: int | None = None,
-           assistant: torch.nn.Module | None = None, max_ngram: int = 3) -> dict:
+           assistant: torch.nn.Module | None = None, max_ngram: int = 3, kernels: str = "stock") -> dict:
     """Run one HF method on one prompt; return ``{token_ids, wall, ttft}``.
 
+    kernels: see :func:`hf_kernels` (switched before the clock starts).
     clock: a synchronising timer (CUDA is synchronised before each reading).
     The global torch RNG is seeded with ``seed`` (HF samples from it).
     """
@@ -119,7 +159,7 @@ def run_hf(method: str, model: torch.nn.Module, prompt_ids: Sequence[int], kwarg
     torch.manual_seed(seed)
     timer = FirstTokenTimer(clock)
     call["streamer"] = timer
-    with torch.inference_mode():
+    with torch.inference_mode(), hf_kernels((model, assistant), kernels):
         if method == "hf_assisted":
             with assistant_settings(assistant, gamma):
                 start = clock()

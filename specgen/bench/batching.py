@@ -6,7 +6,7 @@ methods, in an order that rotates each repeat so none always runs first:
 ``plain``        specgen's ``generate_batch(..., speculative=False)`` (continuous batching);
 ``specgen``      ``generate_batch`` with the pipeline's drafter and γ (chain drafters only);
 ``hf_generate``  HF ``generate()`` on the same weights, the prompts in padded batches of B
-                 (left padding, attention mask), chunk after chunk.
+                 (left padding, attention mask), chunk after chunk, on ``bench.hf_kernels``.
 
 A sample is one method over the whole list: its tokens/s (all new tokens over the
 wall time) and every prompt's latency (from the start of the list to that prompt's
@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from specgen.bench.baselines import hf_kernels
 from specgen.events import FinishEvent
 
 BATCH_METHODS = ("plain", "specgen", "hf_generate")
@@ -57,24 +58,28 @@ def run_specgen(pipe, prompts: list[list[int]], batch_size: int, *, speculative:
 
 
 def run_hf_batches(model: torch.nn.Module, prompts: list[list[int]], batch_size: int, kwargs: Mapping, *,
-                   pad_id: int, seed: int, clock: Callable[[], float]) -> dict:
-    """All ``prompts`` through HF ``generate()`` in left-padded chunks of ``batch_size``."""
+                   pad_id: int, seed: int, clock: Callable[[], float], kernels: str = "stock") -> dict:
+    """All ``prompts`` through HF ``generate()`` in left-padded chunks of ``batch_size``.
+
+    kernels: see :func:`specgen.bench.baselines.hf_kernels` (switched before the clock starts)."""
     device = next(model.parameters()).device
     outputs: list[list[int]] = []
     latency: list[float] = []
     torch.manual_seed(seed)
-    start = clock()
-    for first in range(0, len(prompts), batch_size):
-        chunk = prompts[first: first + batch_size]
-        width = max(len(ids) for ids in chunk)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in chunk], device=device)  # [b, width]
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)  # [b, width]
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)  # [b, width + new]
-        done = clock() - start
-        outputs += [row[width:].tolist() for row in out]
-        latency += [done] * len(chunk)
-    return {"outputs": outputs, "wall": clock() - start, "latency": latency}
+    with hf_kernels((model,), kernels):
+        start = clock()
+        for first in range(0, len(prompts), batch_size):
+            chunk = prompts[first: first + batch_size]
+            width = max(len(ids) for ids in chunk)
+            ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in chunk], device=device)  # [b, width]
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)  # [b, width]
+            with torch.inference_mode():
+                out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)  # [b, width + new]
+            done = clock() - start
+            outputs += [row[width:].tolist() for row in out]
+            latency += [done] * len(chunk)
+        wall = clock() - start
+    return {"outputs": outputs, "wall": wall, "latency": latency}
 
 
 def summarise_batches(samples: Sequence[Mapping]) -> list[dict]:

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specgen.bench.baselines import HF_METHODS, generate_kwargs, run_hf, unsupported_sampling
+from specgen.bench.baselines import HF_KERNELS, HF_METHODS, generate_kwargs, run_hf, unsupported_sampling
 from specgen.bench.batching import BATCH_METHODS, batch_methods, run_hf_batches, run_specgen
 from specgen.bench.calibrate import from_cost_table
 from specgen.bench.prompts import BenchPrompt, load_prompt_sets
@@ -66,12 +66,13 @@ class Settings:
     remeasure_costs: bool = False
     batch_sizes: list[int] = field(default_factory=list)
     batch_repeats: int = 2
+    hf_kernels: str = "stock"
 
     @classmethod
     def from_config(cls, bench: Mapping) -> Settings:
         names = ("prompts", "num_prompts", "max_prompt_tokens", "max_new_tokens", "gammas", "temperatures",
                  "baselines", "warmup", "ignore_eos", "seed", "calibration_repeats", "remeasure_costs",
-                 "batch_sizes", "batch_repeats")
+                 "batch_sizes", "batch_repeats", "hf_kernels")
         settings = cls(**{name: bench[name] for name in names if name in bench})
         settings.batch_sizes = sorted({parse_int(b, "bench.batch_sizes", minimum=1)
                                        for b in _as_list(settings.batch_sizes or [])})
@@ -98,6 +99,9 @@ class Settings:
         settings.seed = parse_seed(settings.seed, "bench.seed")
         settings.ignore_eos = parse_bool(settings.ignore_eos, "bench.ignore_eos")
         settings.remeasure_costs = parse_bool(settings.remeasure_costs, "bench.remeasure_costs")
+        settings.hf_kernels = str(settings.hf_kernels).strip().lower()
+        if settings.hf_kernels not in HF_KERNELS:
+            raise ConfigError(f"bench.hf_kernels: unknown {settings.hf_kernels!r}; choose from {list(HF_KERNELS)}")
         return settings
 
 
@@ -197,10 +201,11 @@ def encode_prompts(pipe, prompts: Sequence[BenchPrompt], settings: Settings, not
 
 
 def run_arm(pipe, arm: Arm, ids: list[int], *, max_new: int, seed: int, hf_kwargs: Mapping,
-            clock: Callable[[], float]) -> dict:
+            clock: Callable[[], float], hf_kernels: str = "stock") -> dict:
     """One timed generation; returns the sample (with ``token_ids``, dropped before storing).
 
-    hf_kwargs: ``generate()`` arguments for the HF methods, for the same ``max_new``.
+    hf_kwargs: ``generate()`` arguments for the HF methods, for the same ``max_new``;
+    hf_kernels: the kernels they run on (``bench.hf_kernels``).
     specgen samples also carry ``first_round``: the engine's live counters when the
     first token arrived (the round that prefilled the prompt), so summaries can
     report the decode phase on its own, and ``mask_us``: under a grammar, the mask
@@ -208,7 +213,8 @@ def run_arm(pipe, arm: Arm, ids: list[int], *, max_new: int, seed: int, hf_kwarg
     """
     if arm.method in HF_METHODS:
         result = run_hf(arm.method, pipe.target.model, ids, hf_kwargs, clock=clock, seed=seed, gamma=arm.gamma,
-                        assistant=draft_model(pipe), max_ngram=getattr(pipe.drafter, "max_ngram", 3))
+                        assistant=draft_model(pipe), max_ngram=getattr(pipe.drafter, "max_ngram", 3),
+                        kernels=hf_kernels)
         memory = pipe.drafter.extra_memory_bytes if arm.method == "hf_assisted" else 0  # the same draft weights
         return dict(result, drafter_memory_bytes=memory)
     speculative = arm.method == "specgen"
@@ -254,6 +260,8 @@ def run_matrix(cfg: DictConfig, settings: Settings, *, progress: bool = True) ->
                 encoded = encode_prompts(pipe, prompts, settings, run.notes)
                 arms, notes = plan_arms(pipe, settings)
                 run.notes += notes
+                if any(arm.method in HF_METHODS for arm in arms) or "hf_generate" in settings.baselines:
+                    run.notes.append(f"HF methods ran on {settings.hf_kernels} kernels (bench.hf_kernels)")
                 run.hf_spec_method = hf_spec_method(pipe) if pipe.speculative else None
                 run.environment = environment(pipe)
                 bar.total = len(settings.temperatures) * (
@@ -296,7 +304,8 @@ def _warm_up(pipe, arms: list[Arm], ids: list[int], temperature: float, settings
     for _ in range(settings.warmup):
         for arm in arms:
             bar.set_postfix_str(f"T={temperature:g} warm-up {arm.method}")
-            run_arm(pipe, arm, ids, max_new=max_new, seed=settings.seed, hf_kwargs=hf_kwargs, clock=clock)
+            run_arm(pipe, arm, ids, max_new=max_new, seed=settings.seed, hf_kwargs=hf_kwargs, clock=clock,
+                    hf_kernels=settings.hf_kernels)
             bar.update()
 
 
@@ -310,7 +319,7 @@ def _measure(pipe, arms: list[Arm], encoded: list[tuple], temperature: float, se
             bar.set_postfix_str(f"T={temperature:g} {prompt.task} #{index} {arm.method}"
                                 + (f" gamma={arm.gamma}" if arm.gamma else ""))
             results[arm] = run_arm(pipe, arm, ids, max_new=settings.max_new_tokens, seed=settings.seed + index,
-                                   hf_kwargs=measured, clock=clock)
+                                   hf_kwargs=measured, clock=clock, hf_kernels=settings.hf_kernels)
             bar.update()
         plain_ids = results[Arm("plain")]["token_ids"] if Arm("plain") in results and temperature == 0 else None
         for arm, result in results.items():
@@ -333,7 +342,7 @@ def _measure_batches(pipe, encoded: list[tuple], temperature: float, settings: S
         bar.set_postfix_str(f"T={temperature:g} batch {size} {method}")
         if method == "hf_generate":
             return run_hf_batches(pipe.target.model, prompts, size, hf_kwargs, pad_id=pad_id, seed=settings.seed,
-                                  clock=clock)
+                                  clock=clock, kernels=settings.hf_kernels)
         return run_specgen(pipe, prompts, size, speculative=method == "specgen", max_new=settings.max_new_tokens,
                            seed=settings.seed, clock=clock)
 
