@@ -38,6 +38,7 @@ from collections.abc import Callable
 import torch
 
 from specgen.batch_planner import BatchCostTable
+from specgen.costfit import fit_forwards
 from specgen.errors import ConfigError
 from specgen.planner import CostTable
 from specgen.sampling import ancestor_matrix, tree_depths
@@ -49,11 +50,12 @@ CONTEXT_TOKENS = 192
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 BATCH_WIDTHS = (1, 2, 3, 5, 9)
 BATCH_CONTEXT_TOKENS = 96
-#: Part of a batched table's cache key: 3 = measured on a compacted and on a wide cache, and ragged
-#: (one row wide, the others one token: linear layers skip padding). Method 2 had no ragged table;
+#: Part of a batched table's cache key: 4 = cells read from a least-squares fit of the timings
+#: (specgen.costfit), not each shape's fastest timing. 3 = measured on a compacted and on a wide
+#: cache, and ragged (one row wide, the others one token: linear layers skip padding). Method 2 had no ragged table;
 #: method 1 measured only with every row's prefill slots side by side, 8 contexts wide, and
 #: priced every batch as if one of its rows were that long.
-BATCH_METHOD = 3
+BATCH_METHOD = 4
 #: Names a JSON cost table that replaces measurement for every pipeline (unset or empty: measure).
 FIXED_TABLE_ENV = "SPECGEN_COST_TABLE"
 _MEMO: dict[str, CostTable | BatchCostTable] = {}
@@ -187,12 +189,15 @@ def measure_batch(pipe, size: int, *, clock: Callable[[], float] | None = None, 
     it twice: on the compacted cache (the shared tensors one context wide: ``body``), and as
     the prefills leave it (every row's slots side by side, ``size`` contexts wide: ``wide``),
     since a forward's attention and cache append grow with the shared width, which a batch
-    with one long row has for every row. Units: the 1-row 1-token forward on the compacted
-    cache; each entry is the fastest of ``repeats``, each shape after one untimed forward of
-    its own (a shape's first forward can cost several times the later ones). Sizes run
-    largest first (a smaller batch drops rows). On the compacted cache also the ragged
-    forwards (one row w tokens, the others 1: ``ragged``). SmolLM2-135M float32 on this
-    project's 2-core CPU (one thread): about 30 s for size 8."""
+    with one long row has for every row. On the compacted cache also the ragged forwards (one
+    row w tokens, the others 1: ``ragged``). Each shape is timed ``repeats`` times after one
+    untimed forward of its own (a shape's first forward can cost several times the later
+    ones); sizes run largest first (a smaller batch drops rows). The table's cells are not
+    the timings themselves but :func:`specgen.costfit.fit_forwards` over each shape's
+    fastest: one fit for the compacted cache (uniform and ragged forwards together), one for
+    the wide cache (never below the compacted one), which irons out cells read high or low
+    by a shared machine. Units: the fitted 1-row 1-token forward on the compacted cache.
+    SmolLM2-135M float32 on this project's 2-core CPU (one thread): about 30 s for size 8."""
     from specgen.stats import Clock
 
     clock = clock or Clock(pipe.device)
@@ -201,16 +206,21 @@ def measure_batch(pipe, size: int, *, clock: Callable[[], float] | None = None, 
     feed = [context[-1]] + context[: max_width - 1]
     wide, _, _, wide_slots = _time_batches(pipe, sizes, widths, context, feed, False, repeats, clock)
     narrow, full, ragged, narrow_slots = _time_batches(pipe, sizes, widths, context, feed, True, repeats, clock)
-    step = min(narrow[(1, 1)]) or 1e-9
-
-    def table(times):
-        return tuple(tuple(min(times[(b, w)]) / step for w in widths) for b in sizes)
-
+    fastest = {key: min(times) for key, times in narrow.items()}
+    fit = fit_forwards([(b, w, b * w, t) for (b, w), t in fastest.items()]
+                       + [(b, w, b - 1 + w, min(t)) for (b, w), t in ragged.items() if b > 1 and w > 1])
+    fit_wide = fit_forwards([(b, w, b * w, min(t)) for (b, w), t in wide.items()])
+    step = fit(1, 1, 1) or 1e-9
+    body = tuple(tuple(fit(b, w, b * w) / step for w in widths) for b in sizes)
     extra = sizes[-1] * (widths[-1] - 1)
-    head = max(0.0, (min(full) - min(narrow[(sizes[-1], widths[-1])])) / step / extra) if extra else 0.0
-    return BatchCostTable(tuple(sizes), tuple(widths), table(narrow), head, step,
+    head = max(0.0, (min(full) - fastest[(sizes[-1], widths[-1])]) / step / extra) if extra else 0.0
+    return BatchCostTable(tuple(sizes), tuple(widths), body, head, step,
                           dict(facts(pipe), batch_size=size, max_width=max_width, method=BATCH_METHOD),
-                          wide=table(wide), slots=(narrow_slots, wide_slots), ragged=table(ragged))
+                          wide=tuple(tuple(max(fit_wide(b, w, b * w) / step, cell) for w, cell in zip(widths, line))
+                                     for b, line in zip(sizes, body)),
+                          slots=(narrow_slots, wide_slots),
+                          ragged=tuple(tuple(fit(b, w, b - 1 + w) / step for w in widths)
+                                       for b in sizes))
 
 
 def _time_batches(pipe, sizes, widths, context, feed, compacted: bool, repeats: int, clock):

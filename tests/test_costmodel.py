@@ -165,6 +165,43 @@ def test_measure_batch_shapes(monkeypatch):
     assert table.facts["batch_size"] == 3
 
 
+def test_measure_batch_reads_its_cells_from_a_fit(monkeypatch):
+    """Timings with one shape read high (2 rows x 1 token) still give a table that never falls with
+    more rows or width, ragged forwards no dearer than uniform ones, the wide cache no cheaper."""
+    from specgen.batch.kv import BatchKV
+
+    pipe = tiny_pipeline(drafter="ngram")
+    timer = SpanTimer()
+    real_forward = BatchKV.forward
+
+    def forward(self, feeds, keeps):
+        rows = [len(f) for f in feeds if f]
+        b, w, tokens = len(rows), max(rows), sum(rows)
+        timer.span = (1.0 + 0.1 * tokens + 0.05 * b + 0.02 * b * w) * (1.6 if (b, w) == (2, 1) else 1.0)
+        return real_forward(self, feeds, keeps)
+
+    monkeypatch.setattr(BatchKV, "forward", forward)
+    table = costmodel.measure_batch(pipe, 4, clock=timer, max_width=3)
+    assert table.body[1][0] < table.body[1][1]  # 2 x 1 no longer priced above 2 x 2
+    for body, ragged, wide in zip(table.body, table.ragged, table.wide, strict=True):
+        assert list(body) == sorted(body) and all(r <= u + 1e-12 <= x + 2e-12 for r, u, x in zip(ragged, body, wide))
+    for column in zip(*table.body, strict=True):
+        assert list(column) == sorted(column)
+    assert table.body[0][0] == pytest.approx(1.0)
+
+
+class SpanTimer:
+    """A clock that advances by ``span`` (set by the code under test) at the reading after it is set."""
+
+    def __init__(self):
+        self.now, self.span = 0.0, None
+
+    def __call__(self) -> float:
+        if self.span is not None:
+            self.now, self.span = self.now + self.span, None
+        return self.now
+
+
 def test_batch_table_is_cached_and_fixed_by_the_environment(real_cost_table, monkeypatch):
     from specgen.batch_planner import BatchCostTable
 

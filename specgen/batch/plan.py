@@ -11,7 +11,7 @@ the row's own target draws): the plan is non-anticipating, so each row stays exa
 
 from __future__ import annotations
 
-from specgen.batch_planner import BatchCostTable, DraftedRow, RowPlan, plan_batch, truncate_batch
+from specgen.batch_planner import BatchCostTable, DraftedRow, RowPlan, plan_batch, token_values, truncate_batch
 from specgen.drafters import Proposal
 from specgen.drafters.base import EMPTY
 from specgen.planner import AUTO
@@ -24,10 +24,11 @@ def stand_in_costs(rows) -> BatchCostTable:
     return BatchCostTable.from_chain(chain, max_width=len(chain))
 
 
-def plan_rows(costs: BatchCostTable | None, live: list) -> dict[int, tuple[Proposal, float]]:
+def plan_rows(costs: BatchCostTable | None, live: list, draining: bool = False) -> dict[int, tuple[Proposal, float]]:
     """Plan and draft every row of ``live`` ((row index, Row) pairs); -> for each row with a
     drafter, its proposal and predicted tree tokens (0.0 for chains). Call inside the step's
-    transaction: the drafters' sessions advance here."""
+    transaction: the drafters' sessions advance here. draining: no request waits for a free
+    row, so the batch's end is what counts (:func:`specgen.batch_planner.token_values`)."""
     auto = [(r, row) for r, row in live if row.request.draft is not None and row.spec.gamma == AUTO]
     for _, row in auto:
         if row.ctx.costs is None:
@@ -37,14 +38,16 @@ def plan_rows(costs: BatchCostTable | None, live: list) -> dict[int, tuple[Propo
     drafted: dict[int, tuple[Proposal, float]] = {}
     plans: list[RowPlan] = []
     budgets: dict[int, int] = {}
-    for r, row in live:  # fixed γ rows draft now; auto rows get a plan input
+    values = token_values(costs, [row.request.remaining for _, row in live], draining) if auto else []
+    for j, (r, row) in enumerate(live):  # fixed γ rows draft now; auto rows get a plan input
         request, feed = row.request, len(row.request.target_cache.uncached(row.request.committed.tokens))
+        value = values[j] if values else 1.0
         if request.draft is None:
-            plans.append(RowPlan(feed=feed))
+            plans.append(RowPlan(feed=feed, value=value))
         elif row.spec.gamma != AUTO:
             drafted[r] = plan_and_draft(request, row.ctx, row.spec.gamma)
             size = len(drafted[r][0])
-            plans.append(RowPlan((0.0,) * size, size, feed))
+            plans.append(RowPlan((0.0,) * size, size, feed, value=value))
         else:
             ctx = row.ctx
             limit = min(ctx.max_tokens, ctx.costs.max_tokens, costs.widths[-1] - 1)
@@ -53,12 +56,13 @@ def plan_rows(costs: BatchCostTable | None, live: list) -> dict[int, tuple[Propo
             bases = ctx.history.bases(budget)
             rates = tuple(ctx.history.optimistic(i, base) for i, base in enumerate(bases)) if cheap else tuple(bases)
             scale = ctx.costs.step_s / costs.step_s if ctx.costs.step_s and costs.step_s else 1.0
-            plans.append(RowPlan(rates, 0, feed, ctx.costs.draft_fixed * scale, ctx.costs.draft_per_token * scale))
+            plans.append(RowPlan(rates, 0, feed, ctx.costs.draft_fixed * scale, ctx.costs.draft_per_token * scale,
+                                 value))
     if not auto:
         return drafted
     probing = [row.ctx.history.probe_due for r, row in auto if budgets[r]]
     if probing and all(probing):  # a probe widens every row's forward: the batch probes once all rows are due
-        plans = [RowPlan(p.rates, 1, p.feed, p.draft_fixed, p.draft_per_token) if r in budgets and budgets[r]
+        plans = [RowPlan(p.rates, 1, p.feed, p.draft_fixed, p.draft_per_token, p.value) if r in budgets and budgets[r]
                  else p for (r, _), p in zip(live, plans, strict=True)]
     lengths = plan_batch(costs, plans)
     sunk = 0.0
@@ -77,16 +81,16 @@ def plan_rows(costs: BatchCostTable | None, live: list) -> dict[int, tuple[Propo
 
 def _drafted_row(row, plan: RowPlan, drafted, auto: bool) -> DraftedRow:
     if drafted is None:
-        return DraftedRow(feed=plan.feed)
+        return DraftedRow(feed=plan.feed, value=plan.value)
     proposal = drafted[0]
     size = len(proposal)
     if not auto:
-        return DraftedRow((0.0,) * size, (0.0,) * size, size, plan.feed)
+        return DraftedRow((0.0,) * size, (0.0,) * size, size, plan.feed, plan.value)
     history = row.ctx.history
     confidence = proposal.confidence or [None] * size
     later = tuple(history.bases(size))
     known = tuple(history.estimate(t, confidence[t], later[t]) for t in range(size))
-    return DraftedRow(known, later, min(plan.low, size), plan.feed)
+    return DraftedRow(known, later, min(plan.low, size), plan.feed, plan.value)
 
 
 def _prefix(proposal: Proposal, keep: int) -> Proposal:

@@ -112,12 +112,14 @@ class Batch:
     def rows(self) -> list[Row]:
         return [row for row in self.slots if row is not None]
 
-    def step(self) -> Iterator[tuple[Row, TokenEvent | FinishEvent]]:
+    def step(self, draining: bool = False) -> Iterator[tuple[Row, TokenEvent | FinishEvent]]:
         """One step over every active row (a transaction: on an exception nothing is yielded and
         every row is as before); then each row's events, a finished row's FinishEvent last (its
-        slot is free by then)."""
+        slot is free by then). draining: no request waits for a free row (a batch job's tail:
+        its end is what counts, not its throughput; a server keeps False, each request's own
+        latency counting)."""
         live = [(r, row) for r, row in enumerate(self.slots) if row is not None]
-        for r, events in step(self.kv, live, self.costs):
+        for r, events in step(self.kv, live, self.costs, draining):
             row = self.slots[r]
             stats = row.ctx.stats
             if stats.ttft is None:
@@ -152,7 +154,7 @@ def stream_batch(pipe, prompts: Sequence, *, batch_size: int = 8,
     while queue or batch.active:
         while queue and not batch.full:
             batch.add(queue.pop())
-        for row, event in batch.step():
+        for row, event in batch.step(draining=not queue):
             yield row.spec.index, event
 
 
@@ -187,11 +189,12 @@ def _finish(row: Row) -> FinishEvent:
     return FinishEvent(tail, reason, generation)
 
 
-def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None = None
+def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None = None, draining: bool = False
          ) -> list[tuple[int, list[TokenEvent]]]:
     """One batched step over the ``live`` (row index, Row) pairs, as one transaction;
     -> (row index, events) for each live row. costs: the batched cost table the auto rows
-    are planned with (None: a stand-in from their single-request table)."""
+    are planned with (None: a stand-in from their single-request table); draining: no
+    request waits for a row (see :func:`specgen.batch.plan.plan_rows`)."""
     feeds: list[list[int]] = [[] for _ in kv.rows]
     keeps = [0] * len(kv.rows)
     results: list[tuple[int, Row, object]] = []
@@ -202,7 +205,7 @@ def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None 
             row.ctx.clock.take_laps()
             if not row.request.target_cache.slots:  # a fresh row: its prompt in a forward of its own
                 kv.prefill(r, row.request.committed.tokens[:-1])
-        drafted = plan_rows(None if costs is None else costs.at(kv.width), live)  # plan + draft: lengths chosen together
+        drafted = plan_rows(None if costs is None else costs.at(kv.width), live, draining)  # lengths chosen together
         for r, row in live:
             request = row.request
             if r not in drafted:
