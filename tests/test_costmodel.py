@@ -73,6 +73,24 @@ def test_measure_keeps_every_width_as_measured(monkeypatch):
     assert table.chain[3] < table.chain[2]
 
 
+def test_a_one_token_forward_read_high_does_not_set_the_unit(monkeypatch):
+    """Every 1-token timing read high (a busy machine) must not price longer verifies below a
+    plain step: the unit is the fastest forward of any size, and v(n) >= v(1) = 1."""
+    pipe = tiny_pipeline(drafter="ngram")
+    timer = ShapedTimer()
+    real_forward = type(pipe.target).forward
+
+    def forward(self, cache, feed, keep=1, **kwargs):
+        timer.width = len(feed) if len(cache) else None
+        return real_forward(self, cache, feed, keep=keep, **kwargs)
+
+    monkeypatch.setattr(type(pipe.target), "forward", forward)
+    monkeypatch.setitem(ShapedTimer.COSTS, 1, 1.5)  # above 2-6 tokens' 1.36-1.6
+    table = costmodel.measure(pipe, clock=timer, repeats=1, max_tokens=6)
+    assert table.chain[0] == 1.0 and min(table.chain) == 1.0
+    assert table.chain[3] == pytest.approx(1.0) and table.chain[2] == pytest.approx(1.6 / 1.36)
+
+
 def test_measure_shapes():
     pipe = tiny_pipeline(drafter="tiny")
     table = costmodel.measure(pipe, clock=FakeTimer(), repeats=1, max_tokens=6)
