@@ -216,7 +216,7 @@ def measure_batch(pipe, size: int, *, clock: Callable[[], float] | None = None, 
     narrow, full, ragged, narrow_slots = _time_batches(pipe, sizes, widths, context, feed, True, repeats, clock)
     fastest = {key: min(times) for key, times in narrow.items()}
     fit = fit_forwards([(b, w, b * w, t) for (b, w), t in fastest.items()]
-                       + [(b, w, b - 1 + w, min(t)) for (b, w), t in ragged.items() if b > 1 and w > 1])
+                       + [(b, w, b - 1 + w, min(t)) for (b, w), t in ragged.items()])
     fit_wide = fit_forwards([(b, w, b * w, min(t)) for (b, w), t in wide.items()])
     step = fit(1, 1, 1) or 1e-9
     body = tuple(tuple(fit(b, w, b * w) / step for w in widths) for b in sizes)
@@ -235,8 +235,8 @@ def _time_batches(pipe, sizes, widths, context, feed, compacted: bool, repeats: 
     """-> ({(b, w): seconds of each timed forward}, full-logits timings, {(b, w): seconds of the
     ragged forward (one row w tokens, the rest 1)}, shared slots) on a fresh batched cache of
     sizes[-1] prefilled rows, compacted or as the prefills leave it. The full-logits and
-    ragged forwards run on the compacted cache only (ragged: where w > 1 and b > 1; else the
-    uniform forward is its own ragged one)."""
+    ragged forwards run on the compacted cache only (ragged: where w > 1 and b > 1, the only
+    shapes where the two differ)."""
     from specgen.batch.kv import BatchKV
 
     kv = BatchKV(pipe.target, sizes[-1])
@@ -267,9 +267,8 @@ def _time_batches(pipe, sizes, widths, context, feed, compacted: bool, repeats: 
         for _ in range(max(1, repeats)):
             for w in widths:
                 times.setdefault((b, w), []).append(timed(b, w, 1))
-                if compacted:
-                    ragged.setdefault((b, w), []).append(timed(b, w, 1, ragged=True) if b > 1 and w > 1
-                                                         else times[(b, w)][-1])
+                if compacted and b > 1 and w > 1:
+                    ragged.setdefault((b, w), []).append(timed(b, w, 1, ragged=True))
             if compacted and b == sizes[-1] and widths[-1] > 1:
                 full.append(timed(b, widths[-1], widths[-1]))
     return times, full, ragged, width0

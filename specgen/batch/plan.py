@@ -11,6 +11,8 @@ the row's own target draws): the plan is non-anticipating, so each row stays exa
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from specgen.batch_planner import BatchCostTable, DraftedRow, RowPlan, plan_batch, token_values, truncate_batch
 from specgen.drafters import Proposal
 from specgen.drafters.base import EMPTY
@@ -62,8 +64,7 @@ def plan_rows(costs: BatchCostTable | None, live: list, draining: bool = False) 
         return drafted
     probing = [row.ctx.history.probe_due for r, row in auto if budgets[r]]
     if probing and all(probing):  # a probe widens every row's forward: the batch probes once all rows are due
-        plans = [RowPlan(p.rates, 1, p.feed, p.draft_fixed, p.draft_per_token, p.value) if r in budgets and budgets[r]
-                 else p for (r, _), p in zip(live, plans, strict=True)]
+        plans = [replace(p, low=1) if r in budgets and budgets[r] else p for (r, _), p in zip(live, plans, strict=True)]
     lengths = plan_batch(costs, plans)
     sunk = 0.0
     for (r, row), plan, length in zip(live, plans, lengths, strict=True):  # draft

@@ -98,21 +98,17 @@ def hf_kernels(models: Sequence[torch.nn.Module | None], kernels: str):
     if kernels == "specgen" or not held:
         yield
         return
-    from specgen.models.packed_linear import PackedLinear
+    from specgen.models import packed_linear
 
-    layers = [(m, m.enabled) for model in held for m in model.modules() if isinstance(m, PackedLinear)]
     attention = [(model, model.config._attn_implementation) for model in held]
-    try:
-        for layer, _ in layers:
-            layer.enabled = False
-        for model, _ in attention:
-            model.set_attn_implementation("sdpa")
-        yield
-    finally:
-        for layer, enabled in layers:
-            layer.enabled = enabled
-        for model, name in attention:
-            model.set_attn_implementation(name)
+    with packed_linear.suspended(held):
+        try:
+            for model, _ in attention:
+                model.set_attn_implementation("sdpa")
+            yield
+        finally:
+            for model, name in attention:
+                model.set_attn_implementation(name)
 
 
 class FirstTokenTimer(BaseStreamer):

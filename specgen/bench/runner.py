@@ -260,7 +260,9 @@ def run_matrix(cfg: DictConfig, settings: Settings, *, progress: bool = True) ->
                 encoded = encode_prompts(pipe, prompts, settings, run.notes)
                 arms, notes = plan_arms(pipe, settings)
                 run.notes += notes
-                if any(arm.method in HF_METHODS for arm in arms) or "hf_generate" in settings.baselines:
+                hf_runs = ("hf_generate" in settings.baselines if settings.batch_sizes  # batch_methods' rule
+                           else any(arm.method in HF_METHODS for arm in arms))
+                if hf_runs:
                     run.notes.append(f"HF methods ran on {settings.hf_kernels} kernels (bench.hf_kernels)")
                 run.hf_spec_method = hf_spec_method(pipe) if pipe.speculative else None
                 run.environment = environment(pipe)

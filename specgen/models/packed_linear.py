@@ -40,7 +40,7 @@ devices, autograd, a torch build without oneDNN, ``packed_weights=false`` --
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -178,6 +178,20 @@ def set_enabled(model: torch.nn.Module, enabled: bool) -> None:
             module.enabled = bool(enabled)
             if not enabled:
                 module.packed.drop()
+
+
+@contextmanager
+def suspended(models: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """Run every :class:`PackedLinear` of ``models`` on ``F.linear`` inside the block, keeping the
+    packed copies (the next packed forward after it does not repack); restored on exit, also on error."""
+    layers = [(m, m.enabled) for model in models for m in model.modules() if isinstance(m, PackedLinear)]
+    try:
+        for layer, _ in layers:
+            layer.enabled = False
+        yield
+    finally:
+        for layer, enabled in layers:
+            layer.enabled = enabled
 
 
 def enabled_in(model: torch.nn.Module) -> bool:
