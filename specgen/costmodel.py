@@ -51,12 +51,13 @@ CONTEXT_TOKENS = 192
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 BATCH_WIDTHS = (1, 2, 3, 5, 9)
 BATCH_CONTEXT_TOKENS = 96
-#: Part of a batched table's cache key: 4 = cells read from a least-squares fit of the timings
-#: (specgen.costfit), not each shape's fastest timing. 3 = measured on a compacted and on a wide
+#: Part of a batched table's cache key: 5 = ragged forwards timed with attention cut to each
+#: row's real queries (specgen.models.attention.row_lengths). 4 = cells read from a least-squares
+#: fit of the timings (specgen.costfit), not each shape's fastest timing. 3 = measured on a compacted and on a wide
 #: cache, and ragged (one row wide, the others one token: linear layers skip padding). Method 2 had no ragged table;
 #: method 1 measured only with every row's prefill slots side by side, 8 contexts wide, and
 #: priced every batch as if one of its rows were that long.
-BATCH_METHOD = 4
+BATCH_METHOD = 5
 #: Part of every table's cache key: 2 = the unit is the fastest forward of any size (1: the fastest
 #: 1-token forward, which a busy machine could read above longer ones).
 UNIT_METHOD = 2

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specgen.models.attention import NAME, attention_implementation, packed_gqa_sdpa
+from specgen.models.attention import NAME, attention_implementation, packed_gqa_sdpa, row_lengths
 from specgen.models.tiny import build_tiny_model
 
 
@@ -86,3 +86,45 @@ def test_models_load_with_it_and_match_sdpa_on_a_tree_mask(monkeypatch):
         model.set_attn_implementation("sdpa")
         reference = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
     torch.testing.assert_close(packed, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads,groups", [(2, 2), (3, 1)])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_row_lengths_attend_each_rows_real_queries_only(kv_heads, groups, kind):
+    """Under row_lengths each row's real queries get what transformers' padded call gives
+    them (grouped or not) and the padding stays zero; lengths of another batch are ignored."""
+    generator = torch.Generator().manual_seed(11 + groups)
+    batch, width, slots, dim = 3, 5, 14, 8
+    lengths = [5, 1, 3]
+    query = torch.randn(batch, kv_heads * groups, width, dim, generator=generator)  # [B, H, w, d]
+    key = torch.randn(batch, kv_heads, slots, dim, generator=generator)
+    value = torch.randn(batch, kv_heads, slots, dim, generator=generator)
+    keep = _ragged_mask(batch, width, slots, generator)
+    mask = keep if kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    module = _module(groups)
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask)  # [B, w, H, d]
+    with row_lengths(lengths):
+        got, _ = packed_gqa_sdpa(module, query, key, value, mask)
+    for j, n in enumerate(lengths):
+        torch.testing.assert_close(got[j, :n], expected[j, :n], rtol=1e-5, atol=1e-6)
+        assert not got[j, n:].any(), "padding is not attended"
+    with row_lengths([5, 1]):  # not this batch: every query attended
+        whole, _ = packed_gqa_sdpa(module, query, key, value, mask)
+    torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_row_lengths_skip_attention_calls_over_padding(monkeypatch):
+    """Only a padded batch is cut per row; uniform lengths keep the one batched call."""
+    from specgen.models import attention
+
+    calls = []
+    grouped = attention._grouped
+    monkeypatch.setattr(attention, "_grouped", lambda q, *a: calls.append(tuple(q.shape[::2])) or grouped(q, *a))
+    query = torch.randn(2, 4, 3, 8)
+    key = value = torch.randn(2, 2, 6, 8)
+    mask = torch.ones(2, 1, 3, 6, dtype=torch.bool)
+    with row_lengths([3, 3]):
+        packed_gqa_sdpa(_module(2), query, key, value, mask)
+    with row_lengths([3, 2]):
+        packed_gqa_sdpa(_module(2), query, key, value, mask)
+    assert calls == [(2, 3), (1, 3), (1, 2)]  # (rows, queries) per call

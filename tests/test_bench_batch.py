@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import TINY
-from specgen.bench.batching import _quantile, summarise_batches
+from specgen.bench.batching import _quantile, batch_markdown, summarise_batches
 from specgen.bench.cli import compose_bench, run_bench
 from specgen.errors import ConfigError
 
@@ -44,3 +44,16 @@ def test_bad_batch_sizes_are_refused():
     cfg = compose_bench([*TINY, "drafter=ngram", "bench.batch_sizes=[0]"])
     with pytest.raises(ConfigError, match="bench.batch_sizes"):
         run_bench(cfg, out=io.StringIO(), err=io.StringIO())
+
+
+def test_batch_summary_pairs_each_repeat_with_plain():
+    """×plain per repeat divides by plain's rate in the same repeat, not by plain's median."""
+    rates = {("plain", 0): 100.0, ("specgen", 0): 110.0, ("plain", 1): 50.0, ("specgen", 1): 52.0,
+             ("plain", 2): 80.0, ("specgen", 2): 76.0, ("specgen", 3): 1.0}  # repeat 3 has no plain: left out
+    samples = [{"temperature": 0.0, "method": m, "batch_size": 8, "repeat": k, "tok_s": t, "latency": [1.0],
+                "matches_single": None} for (m, k), t in rates.items()]
+    rows = {r["method"]: r for r in summarise_batches(samples)}
+    assert rows["specgen"]["paired"] == pytest.approx([1.10, 1.04, 0.95])
+    assert rows["specgen"]["x_plain_paired"] == pytest.approx(1.04)
+    assert rows["plain"]["paired"] == [] and rows["plain"]["x_plain_paired"] is None
+    assert "1.04 [0.95–1.10]" in batch_markdown(list(rows.values()))

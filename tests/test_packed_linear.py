@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from conftest import tiny_pipeline
 
 import specgen
-from specgen.models import packed_linear
+from specgen.models import attention, packed_linear
+from specgen.models.causal_lm import _prefix_lengths
 from specgen.models.packed_linear import PackedLinear
 from specgen.models.tiny import build_tiny_model
 
@@ -68,7 +69,7 @@ def test_real_tokens_skips_padding_and_keeps_every_real_product(enabled):
 
 def test_real_tokens_in_a_batched_step_keeps_greedy_rows(monkeypatch):
     """A ragged batched step (rows drafting different lengths) gives the same tokens with
-    linear layers skipping the padding as without, and as single requests."""
+    linear layers and attention skipping the padding as without, and as single requests."""
     pipe = tiny_pipeline("drafter.num_tokens=3", drafter="ngram")
     prompts = [dict(prompt_ids=[1 + i, 2, 3, 1 + i, 2, 3][: 3 + i], max_new_tokens=12) for i in range(4)]
     original = packed_linear.real_tokens
@@ -79,9 +80,14 @@ def test_real_tokens_in_a_batched_step_keeps_greedy_rows(monkeypatch):
         return original(real, device)
 
     monkeypatch.setattr(packed_linear, "real_tokens", counting)
+    cut = []
+    lengths = attention.row_lengths
+    monkeypatch.setattr(attention, "row_lengths", lambda given: cut.append(given is not None) or lengths(given))
     with_skip = [g.token_ids for g in pipe.generate_batch(prompts, batch_size=4)]
     assert any(padded_steps), "some step had padding to skip"
+    assert cut == [True] * len(padded_steps), "attention was told each row's real length"
     monkeypatch.setattr(packed_linear, "real_tokens", lambda real, device=None: original(torch.ones_like(real), device))
+    monkeypatch.setattr(attention, "row_lengths", lambda given: lengths(None))
     padded = [g.token_ids for g in pipe.generate_batch(prompts, batch_size=4)]
     assert with_skip == padded == [pipe.generate(**p).token_ids for p in prompts]
 
@@ -182,3 +188,10 @@ def test_a_packed_head_drafts_what_the_unpacked_head_drafts(kind):
             expected, got = torch.cat(expected, -1), torch.cat(got, -1)
     assert packed.packed_lm_rows.packed is not None
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_prefix_lengths_read_real_tokens_only_when_they_lead_each_row():
+    real = torch.tensor([[True, True, False], [True, False, False], [True, True, True]])
+    assert _prefix_lengths(real) == [2, 1, 3]
+    real[1, 2] = True  # a hole: not a prefix
+    assert _prefix_lengths(real) is None

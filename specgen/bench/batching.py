@@ -85,7 +85,11 @@ def run_hf_batches(model: torch.nn.Module, prompts: list[list[int]], batch_size:
 def summarise_batches(samples: Sequence[Mapping]) -> list[dict]:
     """One row per (temperature, method, batch size): median tok/s over repeats, ×(the same
     method at batch size 1), ×(plain at the same batch size), latency p50/p99 over every
-    prompt of every repeat, and whether greedy outputs equalled plain B = 1."""
+    prompt of every repeat, and whether greedy outputs equalled plain B = 1.
+
+    ``paired``: this method's tok/s over plain's in the same repeat, per repeat (the two ran
+    minutes apart at most, so a machine's slow drift cancels; the ratio of medians does not
+    pair them), and ``x_plain_paired`` their median."""
     keys = sorted({(s["temperature"], s["method"], s["batch_size"]) for s in samples},
                   key=lambda k: (k[0], BATCH_METHODS.index(k[1]), k[2]))
     rate = {}
@@ -97,21 +101,35 @@ def summarise_batches(samples: Sequence[Mapping]) -> list[dict]:
         latencies = sorted(x for s in samples if _key(s) == key for x in s["latency"])
         same = [s["matches_single"] for s in samples if _key(s) == key and s["matches_single"] is not None]
         one, plain = rate.get((temperature, method, 1)), rate.get((temperature, "plain", size))
+        paired = _paired(samples, key) if method != "plain" else []
         rows.append({"temperature": temperature, "method": method, "batch_size": size, "tok_s": rate[key],
                      "x_batch1": rate[key] / one if one else None, "x_plain": rate[key] / plain if plain else None,
                      "latency_p50": _quantile(latencies, 0.5), "latency_p99": _quantile(latencies, 0.99),
-                     "matches_single": all(same) if same else None, "repeats": sum(_key(s) == key for s in samples)})
+                     "matches_single": all(same) if same else None, "repeats": sum(_key(s) == key for s in samples),
+                     "paired": paired, "x_plain_paired": statistics.median(paired) if paired else None})
     return rows
 
 
+def _paired(samples: Sequence[Mapping], key: tuple) -> list[float]:
+    """tok/s of ``key``'s samples over plain's at the same temperature, batch size and repeat,
+    in repeat order (repeats without both are left out)."""
+    temperature, _, size = key
+    plain = {s.get("repeat"): s["tok_s"] for s in samples if _key(s) == (temperature, "plain", size)}
+    return [s["tok_s"] / plain[s.get("repeat")] for s in sorted(
+        (s for s in samples if _key(s) == key), key=lambda s: s.get("repeat", 0)) if s.get("repeat") in plain]
+
+
 def batch_markdown(rows: Sequence[Mapping]) -> str:
-    lines = ["| T | method | batch | tok/s | ×batch 1 | ×plain (same batch) | latency p50 s | p99 s | = single |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| T | method | batch | tok/s | ×batch 1 | ×plain (same batch) | ×plain per repeat: median [min–max] "
+             "| latency p50 s | p99 s | = single |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         same = "" if r["matches_single"] is None else ("yes" if r["matches_single"] else "no")
+        paired = r.get("paired") or []
+        spread = f"{r['x_plain_paired']:.2f} [{min(paired):.2f}–{max(paired):.2f}]" if paired else "–"
         lines.append(f"| {r['temperature']:g} | {r['method']} | {r['batch_size']} | {r['tok_s']:.1f} | "
-                     f"{_x(r['x_batch1'])} | {_x(r['x_plain'])} | {r['latency_p50']:.2f} | {r['latency_p99']:.2f} | "
-                     f"{same} |")
+                     f"{_x(r['x_batch1'])} | {_x(r['x_plain'])} | {spread} | {r['latency_p50']:.2f} | "
+                     f"{r['latency_p99']:.2f} | {same} |")
     return "\n".join(lines) + "\n"
 
 

@@ -16,9 +16,18 @@ its own group's keys under its own row of the mask), so outputs equal the
 against each other. Anything else (one query token, no groups, a per-head
 mask, extra kwargs such as sinks or softcapping) goes to transformers' own
 function unchanged.
+
+A ragged batched step pads every row's feed to the widest (:mod:`specgen.batch`).
+Within :func:`row_lengths` each row's query is cut to its own real tokens and
+attended in a call of its own (views, no copies), so the padding costs no
+attention; a row's real outputs are the same arithmetic as in the padded call.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +37,28 @@ NAME = "specgen_sdpa"
 
 _UNSUPPORTED = ("s_aux", "sinks", "softcap", "position_bias")
 
+#: Set by :func:`row_lengths`: each batch row's real query tokens (a prefix of the row).
+_LENGTHS: ContextVar[tuple[int, ...] | None] = ContextVar("specgen_row_lengths", default=None)
 
-def _packable(query: torch.Tensor, key: torch.Tensor, attention_mask, kwargs) -> bool:
+
+@contextmanager
+def row_lengths(lengths: Sequence[int] | None) -> Iterator[None]:
+    """Within this context a packed attention call over a batch of ``len(lengths)`` rows
+    attends only row j's first ``lengths[j]`` queries (the rest are padding, left at zero:
+    the caller must neither read them nor let a real token see their keys). None, or no
+    padding at all: every query is attended, as outside the context."""
+    padded = lengths is not None and len(set(lengths)) > 1
+    token = _LENGTHS.set(tuple(int(n) for n in lengths) if padded else None)
+    try:
+        yield
+    finally:
+        _LENGTHS.reset(token)
+
+
+def _packable(query: torch.Tensor, key: torch.Tensor, attention_mask, kwargs, ragged: bool = False) -> bool:
     heads, width = query.shape[1], query.shape[2]
     kv_heads = key.shape[1]
-    if kv_heads == heads or heads % kv_heads or width == 1:
+    if (kv_heads == heads and not ragged) or heads % kv_heads or width == 1:
         return False
     if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
         return False
@@ -49,9 +75,29 @@ def packed_gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if not _packable(query, key, attention_mask, kwargs):
+    lengths = _LENGTHS.get()
+    if lengths is not None and (len(lengths) != query.shape[0] or max(lengths) > query.shape[2]):
+        lengths = None  # not this call's batch
+    if not _packable(query, key, attention_mask, kwargs, lengths is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
+    dropout = dropout if module.training else 0.0
+    if lengths is None:
+        out = _grouped(query, key, value, attention_mask, dropout, scaling)  # [B, H, w, d]
+        return out.transpose(1, 2).contiguous(), None
+    batch, heads, width, dim = query.shape
+    out = query.new_zeros(batch, width, heads, dim)  # [B, w, H, d]; padding stays zero
+    shared = attention_mask.shape[0] == 1
+    for j, n in enumerate(lengths):
+        mask = attention_mask[0 if shared else j, None, :, :n]  # [1, 1, n, S]
+        row = _grouped(query[j, None, :, :n], key[j, None], value[j, None], mask, dropout, scaling)  # [1, H, n, d]
+        out[j, :n] = row[0].transpose(0, 1)
+    return out, None
+
+
+def _grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
+             dropout: float, scaling: float | None) -> torch.Tensor:
+    """query [B, H, w, d], key/value [B, kv, S, d], mask [B or 1, 1, w, S] -> [B, H, w, d]."""
     batch, heads, width, dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -59,10 +105,8 @@ def packed_gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     mask_batch = attention_mask.shape[0]
     mask = attention_mask[:, :, None].expand(mask_batch, 1, groups, width, slots)
     mask = mask.reshape(mask_batch, 1, groups * width, slots)  # [B or 1, 1, groups·w, S]
-    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask,
-                                         dropout_p=dropout if module.training else 0.0, scale=scaling)
-    out = out.reshape(batch, heads, width, dim)  # [B, H, w, d]
-    return out.transpose(1, 2).contiguous(), None
+    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return out.reshape(batch, heads, width, dim)
 
 
 def attention_implementation() -> str:

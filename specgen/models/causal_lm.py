@@ -8,14 +8,14 @@ common prefix of the cached tokens and the committed sequence, drop the rest.
 from __future__ import annotations
 
 import inspect
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, StaticCache
 
 from specgen.errors import ConfigError, NumericalError
-from specgen.models import packed_linear
+from specgen.models import attention, packed_linear
 from specgen.models.compiled import (BUCKETS, FIRST_CAPACITY, CompiledDecoder, bucket_for, grown, keep_static_rows,
                                      new_static_cache)
 from specgen.models.growing_cache import growing_cache
@@ -337,8 +337,9 @@ class CausalLM:
         allowed: [B, w, S + w] bool, which of the S cached slots and w new slots each
         new token sees (every query must see at least one key). rows, cols: [K] the
         (row, column) outputs wanted. real: [B, w] bool on the host, the tokens that are not
-        padding (None: all); linear layers skip the padding (:func:`packed_linear.real_tokens`), whose
-        outputs must then be neither wanted nor seen by a real token. Returns raw logits [K, vocab_size] (float32),
+        padding (None: all); linear layers skip the padding (:func:`packed_linear.real_tokens`), and
+        so does attention where each row's real tokens are a prefix (:func:`attention.row_lengths`);
+        padded outputs must then be neither wanted nor seen by a real token. Returns raw logits [K, vocab_size] (float32),
         refusing NaN (NumericalError). Appends w slots to every row of ``cache``; on
         any exception the cache is cut back to S slots before re-raising.
         """
@@ -350,7 +351,10 @@ class CausalLM:
         inputs = dict(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask[:, None],
                       use_cache=True, **{self._cache_kwarg: cache})
         try:
-            with packed_linear.real_tokens(real, device) if real is not None else nullcontext():
+            with ExitStack() as padding:
+                if real is not None:
+                    padding.enter_context(packed_linear.real_tokens(real, device))
+                    padding.enter_context(attention.row_lengths(_prefix_lengths(real)))
                 if self._plain_lm_head:  # the head's input [K, d] is not the padded shape: every row computed
                     hidden = self.model.get_decoder()(**inputs).last_hidden_state  # [B, w, d]
                     logits = self._head(hidden[rows.to(device), cols.to(device)])  # [K, vocab]
@@ -364,3 +368,11 @@ class CausalLM:
                     layer.keys = layer.keys[..., :start, :]  # [B, heads, S, head_dim]
                     layer.values = layer.values[..., :start, :]
             raise
+
+
+def _prefix_lengths(real: torch.Tensor) -> list[int] | None:
+    """Each row's count of real tokens when they are a prefix of the row (real: [B, w] bool
+    on the host); None otherwise."""
+    lengths = real.sum(dim=1)  # [B]
+    prefix = torch.arange(real.shape[1]) < lengths[:, None]  # [B, w]
+    return lengths.tolist() if torch.equal(prefix, real) else None
