@@ -1,13 +1,15 @@
 """What skipping the padding of a ragged batched step saves, interleaved in one process.
 
 Times one batched forward (:meth:`specgen.batch.BatchKV.forward`) of 8 rows after
-250-285-token prefills (compacted) for several feed shapes, once with the linear layers
-multiplying only the real tokens (``packed_linear.real_tokens``, the default) and once
-with them multiplying the padding too. Prints the fastest and the median of the timed
-forwards per cell (the first of each cell is a warm-up). Wall-clock figures depend on
-machine load: report the load with them (docs/benchmarks.md, "Ragged steps").
+prefills of ``--prefill`` to ``--prefill`` + 35 tokens (compacted) for several feed shapes,
+three ways: everything computed on the padded shape; linear layers multiplying only
+the real tokens (``packed_linear.real_tokens``); and attention also cut to each row's
+real queries (``attention.row_lengths``; with both, the default). Prints the fastest
+and the median of the timed forwards per cell (the first of each cell is a warm-up).
+Wall-clock figures depend on machine load: report the load with them
+(docs/benchmarks.md, "Ragged steps" and "Ragged attention").
 
-    python scripts/ragged_bench.py --threads 1 --dtype float32
+    python scripts/ragged_bench.py --threads 1 --dtype float32 [--prefill 450]
 """
 
 from __future__ import annotations
@@ -20,15 +22,17 @@ import torch
 
 import specgen
 from specgen.batch.kv import BatchKV
-from specgen.models import packed_linear
+from specgen.models import attention, packed_linear
 
 SHAPES = {
     "8 x 5 tokens (no padding)": [5] * 8,
     "one row 5, seven rows 1": [5] + [1] * 7,
     "5, 3, 2 and five rows of 1": [5, 3, 2] + [1] * 5,
     "one row 9, seven rows 1": [9] + [1] * 7,
+    "4, 3, 6, 1, 5, 2, 4, 1 (26 tokens)": [4, 3, 6, 1, 5, 2, 4, 1],
     "8 x 1 token": [1] * 8,
 }
+MODES = ("padded", "linear skips padding", "linear and attention skip padding")
 
 
 def main() -> None:
@@ -36,22 +40,24 @@ def main() -> None:
     parser.add_argument("--threads", default="1")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--prefill", type=int, default=250, help="the shortest row's prefill (tokens)")
     args = parser.parse_args()
     pipe = specgen.pipeline(f"threads={args.threads}", f"dtype={args.dtype}", progress=False)
     vocab = pipe.tokenizer.vocab_size
-    context = [(7919 * i + 11) % vocab for i in range(300)]
+    context = [(7919 * i + 11) % vocab for i in range(args.prefill + 50)]
     kv = BatchKV(pipe.target, 8)
     for r in range(8):
-        kv.prefill(r, context[: 250 + 5 * r])
+        kv.prefill(r, context[: args.prefill + 5 * r])
     kv.compact()
     lengths, width = [len(row) for row in kv.rows], kv.width
-    skipping = packed_linear.real_tokens
+    skipping, cutting = packed_linear.real_tokens, attention.row_lengths
 
     def padded(real: torch.Tensor, device=None):
         return skipping(torch.ones_like(real), device)
 
-    def timed(feeds: list[list[int]], skip: bool) -> float:
-        packed_linear.real_tokens = skipping if skip else padded
+    def timed(feeds: list[list[int]], mode: int) -> float:
+        packed_linear.real_tokens = skipping if mode >= 1 else padded
+        attention.row_lengths = cutting if mode >= 2 else (lambda lengths: cutting(None))
         start = time.perf_counter()
         kv.forward(feeds, [len(feed) for feed in feeds])
         spent = time.perf_counter() - start
@@ -60,22 +66,22 @@ def main() -> None:
         kv.rewind(width)
         return spent
 
-    times: dict[tuple[str, bool], list[float]] = {}
+    times: dict[tuple[str, int], list[float]] = {}
     try:
         for _ in range(args.repeats):
             for name, widths in SHAPES.items():
-                for skip in (False, True):
-                    times.setdefault((name, skip), []).append(timed([context[:w] for w in widths], skip))
+                for mode in range(len(MODES)):
+                    times.setdefault((name, mode), []).append(timed([context[:w] for w in widths], mode))
     finally:
-        packed_linear.real_tokens = skipping
+        packed_linear.real_tokens, attention.row_lengths = skipping, cutting
     print(f"threads={args.threads} dtype={args.dtype}, 8 rows, {width} shared slots; ms: fastest [median]")
-    print("| feeds | padded | padding skipped |\n|---|---|---|")
+    print(f"| feeds | {' | '.join(MODES)} |\n|---|{'---|' * len(MODES)}")
     for name in SHAPES:
         cells = []
-        for skip in (False, True):
-            kept = times[(name, skip)][1:]
+        for mode in range(len(MODES)):
+            kept = times[(name, mode)][1:]
             cells.append(f"{1e3 * min(kept):.0f} [{1e3 * statistics.median(kept):.0f}]")
-        print(f"| {name} | {cells[0]} | {cells[1]} |")
+        print(f"| {name} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":

@@ -57,3 +57,31 @@ def test_batch_summary_pairs_each_repeat_with_plain():
     assert rows["specgen"]["x_plain_paired"] == pytest.approx(1.04)
     assert rows["plain"]["paired"] == [] and rows["plain"]["x_plain_paired"] is None
     assert "1.04 [0.95–1.10]" in batch_markdown(list(rows.values()))
+
+
+def test_batch_section_leaves_out_the_baselines_not_named(tmp_path):
+    """Without plain in bench.baselines only specgen batches run; greedy rows are checked
+    against specgen's own batch-1 outputs. With nothing batchable the bench says so."""
+    cfg = compose_bench([*TINY, "drafter=ngram", "bench.batch_sizes=[1,2]", "bench.temperatures=[0]",
+                         "bench.num_prompts=2", "bench.max_new_tokens=6", "bench.warmup=0", "bench.batch_repeats=1",
+                         "bench.baselines=[]", f"bench.out_dir={tmp_path}"])
+    result = run_bench(cfg, {"target": "tiny", "drafter": "ngram"}, out=io.StringIO(), err=io.StringIO())
+    assert {(r["method"], r["batch_size"]) for r in result.rows} == {("specgen", 1), ("specgen", 2)}
+    assert all(r["matches_single"] is True and r["x_plain"] is None for r in result.rows)
+    cfg = compose_bench([*TINY, "drafter=ngram", "speculative=false", "bench.batch_sizes=[1]", "bench.baselines=[]",
+                         f"bench.out_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="no method to batch"):
+        run_bench(cfg, out=io.StringIO(), err=io.StringIO())
+
+
+def test_batch_section_under_a_grammar_skips_hf_generate_and_says_why(tmp_path):
+    pattern = "[eaoiu]{3,10}( [tnshrdlcm]{1,4}){0,3}"  # over the tiny alphabet
+    cfg = compose_bench([*TINY, "drafter=ngram", "grammar=regex", f"grammar.pattern={pattern}",
+                         "bench.batch_sizes=[2]", "bench.temperatures=[0]", "bench.num_prompts=2",
+                         "bench.max_new_tokens=6", "bench.warmup=0", "bench.batch_repeats=1",
+                         "bench.baselines=[plain,hf_generate]", f"bench.out_dir={tmp_path}"])
+    result = run_bench(cfg, {"target": "tiny", "drafter": "ngram"}, out=io.StringIO(), err=io.StringIO())
+    assert {r["method"] for r in result.rows} == {"plain", "specgen"}
+    skipped = [n for n in result.notes if n.startswith("hf_generate skipped")]
+    assert skipped == ["hf_generate skipped: HF generate() has no equivalent of grammar=regex"]
+    assert not any("kernels" in n for n in result.notes), "no HF method ran"

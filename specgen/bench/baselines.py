@@ -44,6 +44,15 @@ def unsupported_sampling(sampling: Mapping) -> str | None:
     return None
 
 
+def hf_unavailable(pipe) -> str | None:
+    """Why HF ``generate()`` cannot run what ``pipe`` runs (a grammar, or sampling it cannot
+    reproduce), or None when it can."""
+    grammar = (pipe.config.get("grammar") or {}).get("kind", "none")
+    if grammar != "none":
+        return f"HF generate() has no equivalent of grammar={grammar}"
+    return unsupported_sampling(pipe.config["sampling"])
+
+
 def generate_kwargs(sampling: Mapping, *, temperature: float, max_new_tokens: int, ignore_eos: bool,
                     eos_ids: Sequence[int]) -> dict:
     """``generate()`` keyword arguments equivalent to specgen's sampling config.

@@ -11,7 +11,8 @@ methods, in an order that rotates each repeat so none always runs first:
 A sample is one method over the whole list: its tokens/s (all new tokens over the
 wall time) and every prompt's latency (from the start of the list to that prompt's
 last token: the wait for a free row included, as a server's queue would see it).
-Greedy batched outputs are compared with the plain B = 1 outputs of the same repeat.
+Greedy batched outputs are compared with the plain B = 1 outputs of the same repeat
+(specgen's B = 1 outputs when ``bench.baselines`` leaves plain out).
 """
 
 from __future__ import annotations
@@ -22,21 +23,31 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from specgen.bench.baselines import hf_kernels
+from specgen.bench.baselines import hf_kernels, hf_unavailable
+from specgen.errors import ConfigError
 from specgen.events import FinishEvent
 
 BATCH_METHODS = ("plain", "specgen", "hf_generate")
 
 
 def batch_methods(pipe, baselines: Sequence[str]) -> tuple[list[str], list[str]]:
-    """The methods this pipeline can batch, and a note for each it cannot."""
-    methods, notes = ["plain"], []
+    """The methods this pipeline can batch, and a note for each it cannot: plain and
+    hf_generate when ``baselines`` names them, specgen when the pipeline speculates with a
+    chain drafter. ConfigError when that leaves nothing to run."""
+    methods, notes = ["plain"] if "plain" in baselines else [], []
     if pipe.speculative and pipe.drafter.feature_layers is None and pipe.drafter.tree_width == 1:
         methods.append("specgen")
     elif pipe.speculative:
         notes.append(f"batched specgen skipped: {pipe.drafter.name} is a tree drafter (not batched yet)")
     if "hf_generate" in baselines:
-        methods.append("hf_generate")
+        reason = hf_unavailable(pipe)
+        if reason:
+            notes.append(f"hf_generate skipped: {reason}")
+        else:
+            methods.append("hf_generate")
+    if not methods:
+        raise ConfigError("bench.batch_sizes: no method to batch (this pipeline does not speculate with a chain "
+                          "drafter and bench.baselines names neither plain nor hf_generate)")
     return methods, notes
 
 

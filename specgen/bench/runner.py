@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specgen.bench.baselines import HF_KERNELS, HF_METHODS, generate_kwargs, run_hf, unsupported_sampling
-from specgen.bench.batching import BATCH_METHODS, batch_methods, run_hf_batches, run_specgen
+from specgen.bench.baselines import HF_KERNELS, HF_METHODS, generate_kwargs, hf_unavailable, run_hf
+from specgen.bench.batching import batch_methods, run_hf_batches, run_specgen
 from specgen.bench.calibrate import from_cost_table
 from specgen.bench.prompts import BenchPrompt, load_prompt_sets
 from specgen.errors import ConfigError
@@ -138,10 +138,7 @@ def plan_arms(pipe, settings: Settings) -> tuple[list[Arm], list[str]]:
         arms += [Arm("specgen", g) for g in settings.gammas]
     else:
         notes.append(f"specgen speculative rows skipped: {pipe.guarantee}")
-    grammar = (pipe.config.get("grammar") or {}).get("kind", "none")
-    hf_reason = unsupported_sampling(pipe.config["sampling"])
-    if grammar != "none":
-        hf_reason = f"HF generate() has no equivalent of grammar={grammar}"
+    hf_reason = hf_unavailable(pipe)
     for name in settings.baselines:
         if name == "plain":
             arms.append(Arm("plain"))
@@ -260,14 +257,15 @@ def run_matrix(cfg: DictConfig, settings: Settings, *, progress: bool = True) ->
                 encoded = encode_prompts(pipe, prompts, settings, run.notes)
                 arms, notes = plan_arms(pipe, settings)
                 run.notes += notes
-                hf_runs = ("hf_generate" in settings.baselines if settings.batch_sizes  # batch_methods' rule
+                batched = batch_methods(pipe, settings.baselines)[0] if settings.batch_sizes else []
+                hf_runs = ("hf_generate" in batched if settings.batch_sizes
                            else any(arm.method in HF_METHODS for arm in arms))
                 if hf_runs:
                     run.notes.append(f"HF methods ran on {settings.hf_kernels} kernels (bench.hf_kernels)")
                 run.hf_spec_method = hf_spec_method(pipe) if pipe.speculative else None
                 run.environment = environment(pipe)
                 bar.total = len(settings.temperatures) * (
-                    len(settings.batch_sizes) * len(BATCH_METHODS) * (settings.batch_repeats + settings.warmup)
+                    len(settings.batch_sizes) * len(batched) * (settings.batch_repeats + settings.warmup)
                     if settings.batch_sizes else len(arms) * (settings.warmup + len(encoded)))
                 bar.refresh()
             clock = Clock(pipe.device)
@@ -334,8 +332,7 @@ def _measure_batches(pipe, encoded: list[tuple], temperature: float, settings: S
     list, ``bench.batch_repeats`` times with the method order rotating (after ``bench.warmup``
     untimed passes at the smallest size)."""
     methods, notes = batch_methods(pipe, settings.baselines)
-    if temperature == settings.temperatures[0]:
-        run.notes += notes
+    run.notes += [note for note in notes if note not in run.notes]  # plan_arms may have said it already
     prompts = [ids for _, ids in encoded]
     hf_kwargs = _hf_kwargs(pipe, temperature, settings, settings.max_new_tokens)
     pad_id = (pipe.tokenizer.eos_ids or [0])[0]
@@ -372,7 +369,7 @@ def _measure_batches(pipe, encoded: list[tuple], temperature: float, settings: S
                 results[method] = once(method, size)
                 bar.update()
             if size == 1 and temperature == 0:
-                single = results["plain"]["outputs"]
+                single = results.get("plain", results.get("specgen", {})).get("outputs")
             for method, result in results.items():
                 tokens = sum(len(o) for o in result["outputs"])
                 matches = None if single is None or temperature != 0 else result["outputs"] == single
