@@ -1,11 +1,14 @@
 """The short bench of scripts/gpu_check.sh: plain vs speculative tokens/s, host reads per
-round, and greedy identity, on one device.
+round, and greedy identity, on one device; then batches of 8 prompts.
 
     python scripts/gpu_check.py --device cuda --target smollm2-135m --tokens 64
 
-Prints one line per (dtype, drafter) and a last line ``gpu_check bench: ok`` when
-every greedy speculative output equals plain decoding token for token (in float32;
-bfloat16 is ``approximate`` and only reported). Exit status 1 on a float32 mismatch.
+Prints one line per (dtype, drafter), a line per batched method (float32, ngram: 8
+prompts one after another on ``pipe.generate`` against ``generate_batch`` at batch 8,
+plain and speculative) and a last line ``gpu_check bench: ok`` when every greedy
+speculative output and every batched row equals single-request plain decoding token for
+token (in float32; bfloat16 is ``approximate`` and only reported). Exit status 1 on a
+float32 mismatch.
 """
 
 from __future__ import annotations
@@ -47,6 +50,29 @@ def timed(pipe, prompt_ids: list[int], tokens: int, speculative: bool, device: s
     return len(gen.token_ids) / (time.perf_counter() - start), gen.token_ids
 
 
+def batched(pipe, prompts: list[list[int]], tokens: int, device: str) -> bool:
+    """Batch 8 against one at a time, plain and speculative; -> every greedy row equal."""
+    rows = [{"prompt_ids": ids, "seed": 0} for ids in prompts]
+    pipe.generate_batch(rows[:2], batch_size=2, max_new_tokens=4)  # warm-up (batched kernels)
+    _synchronize(device)
+    start = time.perf_counter()
+    single = [list(pipe.generate(**row, max_new_tokens=tokens, speculative=False).token_ids) for row in rows]
+    _synchronize(device)
+    one = sum(map(len, single)) / (time.perf_counter() - start)
+    ok = True
+    for speculative in (False, True):
+        _synchronize(device)
+        start = time.perf_counter()
+        gens = pipe.generate_batch(rows, batch_size=8, max_new_tokens=tokens, speculative=speculative)
+        _synchronize(device)
+        rate = sum(len(g.token_ids) for g in gens) / (time.perf_counter() - start)
+        same = [list(g.token_ids) for g in gens] == single
+        ok &= same
+        print(f"{device} batch 8 {'speculative' if speculative else 'plain':11s} {rate:7.1f} tokens/s "
+              f"(x{rate / one:.2f} plain one at a time, {one:.1f} tokens/s)  rows = single: {same}", flush=True)
+    return ok
+
+
 def bench(target: str, drafters: list[str], device: str, dtypes: list[str], tokens: int, gamma: int) -> bool:
     import specgen
 
@@ -72,6 +98,9 @@ def bench(target: str, drafters: list[str], device: str, dtypes: list[str], toke
                   f"(x{spec / plain:.2f})  reads/round {reads[True]:.1f} (read_once; CPU rounds {reads[False]:.1f})  "
                   f"greedy identical: {same}  [{pipe.guarantee}]",
                   flush=True)
+            if dtype == "float32" and drafter == "ngram":
+                prompts = [ids + ids[: 1 + i] for i in range(8)]  # ragged lengths
+                ok &= batched(pipe, prompts, tokens, device)
     return ok
 
 

@@ -11,7 +11,8 @@
 #     drafter kind, learned heads in bfloat16, exactness on tiny models (chi-square), and greedy identity of
 #     the float32 verify pass with single-token steps with TF32 off -- the measurement behind the
 #     "greedy"/"exact" claim on CUDA (specgen.models.cuda_condition); then tests/test_syncs.py;
-#  3. the bench (scripts/gpu_check.py): plain vs speculative tokens/s, host reads per round, greedy identity.
+#  3. the bench (scripts/gpu_check.py): plain vs speculative tokens/s, host reads per round, greedy identity;
+#     then 8 prompts at batch 8 (plain and speculative) against one at a time, rows = single-request greedy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f .venv/bin/activate ] && . .venv/bin/activate

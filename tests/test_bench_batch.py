@@ -85,3 +85,24 @@ def test_batch_section_under_a_grammar_skips_hf_generate_and_says_why(tmp_path):
     skipped = [n for n in result.notes if n.startswith("hf_generate skipped")]
     assert skipped == ["hf_generate skipped: HF generate() has no equivalent of grammar=regex"]
     assert not any("kernels" in n for n in result.notes), "no HF method ran"
+
+
+def test_batch_size_one_runs_the_single_request_engine(monkeypatch):
+    """B = 1 is one request at a time on pipe.generate (what the CLI's batch_size=1 runs), and
+    gives the outputs B = 2 gives on the batched engine."""
+    import specgen.batch
+    from conftest import tiny_pipeline
+    from specgen.bench.batching import run_specgen
+
+    pipe = tiny_pipeline("drafter.num_tokens=3", drafter="ngram")
+    prompts = [[1, 2, 3, 1, 2], [4, 5, 6, 4]]
+    ticks = iter(range(100))
+    batched = run_specgen(pipe, prompts, 2, speculative=True, max_new=8, seed=0, clock=lambda: next(ticks))
+    monkeypatch.setattr(specgen.batch, "stream_batch", lambda *a, **k: pytest.fail("B = 1 went to stream_batch"))
+    calls = []
+    generate = type(pipe).generate
+    monkeypatch.setattr(type(pipe), "generate", lambda self, *a, **k: calls.append(k) or generate(self, *a, **k))
+    single = run_specgen(pipe, prompts, 1, speculative=True, max_new=8, seed=0, clock=lambda: next(ticks))
+    assert [c["seed"] for c in calls] == [0, 1] and all(c["speculative"] for c in calls)
+    assert single["outputs"] == batched["outputs"] and len(single["outputs"][0]) == 8
+    assert single["latency"][0] < single["latency"][1] <= single["wall"]

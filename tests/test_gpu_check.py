@@ -119,4 +119,6 @@ def test_gpu_check_script_runs_its_cpu_safe_parts():
                           timeout=240, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "reads/round" in done.stdout and "greedy identical: True" in done.stdout
+    batch_lines = [line for line in done.stdout.splitlines() if " batch 8 " in line]
+    assert len(batch_lines) == 2 and all("rows = single: True" in line for line in batch_lines)
     assert "gpu_check bench: ok" in done.stdout

@@ -5,6 +5,8 @@ methods, in an order that rotates each repeat so none always runs first:
 
 ``plain``        specgen's ``generate_batch(..., speculative=False)`` (continuous batching);
 ``specgen``      ``generate_batch`` with the pipeline's drafter and γ (chain drafters only);
+                 at B = 1 both run the prompts one after another on ``pipe.generate`` (the
+                 single-request engine), which is what one request at a time means to a user;
 ``hf_generate``  HF ``generate()`` on the same weights, the prompts in padded batches of B
                  (left padding, attention mask), chunk after chunk, on ``bench.hf_kernels``.
 
@@ -53,13 +55,20 @@ def batch_methods(pipe, baselines: Sequence[str]) -> tuple[list[str], list[str]]
 
 def run_specgen(pipe, prompts: list[list[int]], batch_size: int, *, speculative: bool, max_new: int, seed: int,
                 clock: Callable[[], float]) -> dict:
-    """All ``prompts`` (token ids) through ``stream_batch``; prompt i uses seed + i."""
+    """All ``prompts`` (token ids) through ``stream_batch``, or at batch size 1 one after
+    another through ``pipe.generate`` (the single-request engine: what a user running one
+    request at a time gets, e.g. the CLI's ``batch_size=1``); prompt i uses seed + i."""
     from specgen.batch import stream_batch
 
     rows = [{"prompt_ids": ids, "seed": seed + i} for i, ids in enumerate(prompts)]
     outputs: list[list[int]] = [[] for _ in prompts]
     latency = [0.0] * len(prompts)
     start = clock()
+    if batch_size == 1:
+        for i, row in enumerate(rows):
+            outputs[i] = list(pipe.generate(**row, max_new_tokens=max_new, speculative=speculative).token_ids)
+            latency[i] = clock() - start
+        return {"outputs": outputs, "wall": clock() - start, "latency": latency}
     for index, event in stream_batch(pipe, rows, batch_size=batch_size, max_new_tokens=max_new,
                                      speculative=speculative):
         if isinstance(event, FinishEvent):
