@@ -45,10 +45,9 @@ _LENGTHS: ContextVar[tuple[int, ...] | None] = ContextVar("specgen_row_lengths",
 def row_lengths(lengths: Sequence[int] | None) -> Iterator[None]:
     """Within this context a packed attention call over a batch of ``len(lengths)`` rows
     attends only row j's first ``lengths[j]`` queries (the rest are padding, left at zero:
-    the caller must neither read them nor let a real token see their keys). None, or no
-    padding at all: every query is attended, as outside the context."""
-    padded = lengths is not None and len(set(lengths)) > 1
-    token = _LENGTHS.set(tuple(int(n) for n in lengths) if padded else None)
+    the caller must neither read them nor let a real token see their keys). None, lengths
+    of another batch, or no padding at all: every query is attended, as outside the context."""
+    token = _LENGTHS.set(None if lengths is None else tuple(int(n) for n in lengths))
     try:
         yield
     finally:
@@ -76,8 +75,9 @@ def packed_gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     lengths = _LENGTHS.get()
-    if lengths is not None and (len(lengths) != query.shape[0] or max(lengths) > query.shape[2]):
-        lengths = None  # not this call's batch
+    if lengths is not None and (len(lengths) != query.shape[0] or max(lengths) > query.shape[2]
+                                or min(lengths) == query.shape[2]):
+        lengths = None  # not this call's batch, or no padding
     if not _packable(query, key, attention_mask, kwargs, lengths is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
