@@ -2,7 +2,7 @@
 
 Every JSONL row is self-describing: the cell, its metrics (see summary.py),
 the run's config (target, drafter, sampling, bench settings) and environment
-(torch/transformers versions, threads, dtype, device).
+(torch/transformers versions, threads, dtype, device, the CPU's capability: specgen.models.cpu).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from specgen.bench.summary import STAGES
+from specgen.models import cpu
 
 
 def environment(pipe) -> dict:
@@ -34,7 +35,7 @@ def environment(pipe) -> dict:
         "python": platform.python_version(), "platform": platform.platform(),
         "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "dtype": str(next(pipe.target.model.parameters()).dtype).replace("torch.", ""),
-        "device": str(device), "device_name": device_name,
+        "device": str(device), "device_name": device_name, "cpu": cpu.describe(),
     }
 
 
@@ -95,7 +96,8 @@ def _model_caption(calibration: Mapping | None) -> str:
 def header(config: Mapping, env: Mapping, num_prompts: int | None) -> str:
     """One line naming the models, machine and run size (``num_prompts`` None: left out)."""
     size = "" if num_prompts is None else f"{num_prompts} prompt(s), "
-    return (f"target={config['target']} drafter={config['drafter']} | {env['device']} ({env['device_name']}), "
+    kernels = f" {env['cpu']['torch_capability']}" if env.get("cpu") and env["device"] == "cpu" else ""
+    return (f"target={config['target']} drafter={config['drafter']} | {env['device']} ({env['device_name']}{kernels}), "
             f"{env['dtype']}, {env['threads']} thread(s) | torch {env['torch']}, transformers "
             f"{env['transformers']} | {size}{config['bench']['max_new_tokens']} new tokens each")
 

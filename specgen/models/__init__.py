@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from specgen.errors import ConfigError
+from specgen.models import cpu
 from specgen.models.causal_lm import CausalLM, KVCache
 from specgen.models.tiny import TinyTokenizer, build_tiny_model
 from specgen.models.tokenizer import TokenizerInfo
@@ -53,17 +53,11 @@ def native_bfloat16(device: torch.device) -> bool:
         return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-@functools.cache
 def native_cpu_bfloat16() -> bool:
-    """Whether this CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX-BF16), with
-    which oneDNN runs a bfloat16 forward faster than float32; without them bfloat16 is emulated
-    and slower (1.27x float32's step on an AVX2 EPYC, docs/benchmarks.md). Linux only (False elsewhere)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
-            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """Whether bfloat16 is the fast dtype on this CPU (:func:`specgen.models.cpu.fast_bfloat16`:
+    native bfloat16 instructions and a packed bfloat16 linear path); without them bfloat16 is
+    emulated and slower than float32 (docs/drafters.md)."""
+    return cpu.fast_bfloat16()
 
 
 def cuda_condition(guarantee: str, device: torch.device, dtype: torch.dtype) -> str:

@@ -32,10 +32,11 @@ order), as those of any two batch shapes already do.
 
 The packed copy costs as much memory as the weights it packs (SmolLM2-135M:
 about 540 MB more; packing it all takes ~0.4 s), is made on a layer's first eligible call and made again when
-its weight changes in place or is replaced. bfloat16 is packed too (a 1-token
+its weight changes in place or is replaced. bfloat16 is packed too where this CPU's
+oneDNN packs it (:func:`specgen.models.cpu.packs`: AVX-512 or AVX-NE-CONVERT; a 1-token
 SmolLM2 forward: 0.79x bfloat16 ``linear``'s). Elsewhere -- other dtypes or
-devices, autograd, a torch build without oneDNN, ``packed_weights=false`` --
-``linear`` runs as before.
+devices, a dtype this CPU cannot pack, autograd, a torch build without oneDNN,
+``packed_weights=false`` -- ``linear`` runs as before.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ from contextvars import ContextVar
 import torch
 import torch.nn.functional as F
 
-#: The dtypes served packed (on a CPU).
+from specgen.models import cpu
+
+#: The dtypes served packed (on a CPU that packs them: :func:`packable`).
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 #: The row count the weights are packed for (a hint: every count runs on it; 8 measured fastest here).
 PACK_ROWS = 8
@@ -55,9 +58,12 @@ PACK_ROWS = 8
 
 def available() -> bool:
     """Whether this torch build has oneDNN's packed linear."""
-    mkldnn = torch.ops.mkldnn
-    return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
-            and hasattr(mkldnn, "_linear_pointwise"))
+    return cpu.onednn_linear_available()
+
+
+def packable(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is served packed on this CPU (decided once per process, :func:`specgen.models.cpu.packs`)."""
+    return dtype in PACKED_DTYPES and cpu.packs(dtype)
 
 
 _AVAILABLE = available()
@@ -111,10 +117,10 @@ class PackedWeight:
 def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    cache: PackedWeight) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` on ``cache``'s packed copy of ``weight``, or None where that
-    does not apply (not a CPU, not float32 or bfloat16, autograd needed, no oneDNN).
+    does not apply (not a CPU, a dtype this CPU does not pack, autograd needed, no oneDNN).
     x: [..., in]; weight: [out, in]."""
-    if not (x.device.type == "cpu" and x.dtype in PACKED_DTYPES and weight.dtype == x.dtype
-            and x.numel() > 0 and x.shape[-1] == weight.shape[-1] and _AVAILABLE
+    if not (x.device.type == "cpu" and weight.dtype == x.dtype and x.numel() > 0
+            and x.shape[-1] == weight.shape[-1] and _AVAILABLE and packable(x.dtype)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return None
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [rows, in]
