@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
@@ -126,13 +127,9 @@ def check_jsonl_paths(cfg: Mapping) -> None:
     if not source.is_file():
         raise ConfigError(f"prompt_file {prompt_file} does not exist" if not source.exists()
                           else f"prompt_file {prompt_file} is not a file")
-    if target.is_dir():
-        raise ConfigError(f"output={output} is a directory; give a file path such as {target / 'results.jsonl'}")
-    if target.exists() and target.samefile(source):
+    if target.exists() and not target.is_dir() and target.samefile(source):
         raise ConfigError(f"output={output} is the prompt_file itself; write the results to another file")
-    if target.exists() and not target.is_file():
-        raise ConfigError(f"output={output} is not a regular file; give the path of a .jsonl file")
-    check_output_file(target, "output")
+    check_output_file(target, "output", example="results.jsonl")
     if not resume and target.is_file() and target.stat().st_size > 0:
         raise ConfigError(f"output={output} already holds results; add resume=true to continue it, "
                           "or choose another file")
@@ -180,13 +177,31 @@ def check_source(source: Mapping, where: str) -> None:
             check_source(value, f"{where}.{key}")
 
 
-def check_output_file(path: Path, name: str) -> None:
-    """ConfigError unless ``path`` can be written as a file (checked before any work, nothing created)."""
+def check_output_file(path: Path, name: str, *, create_parents: bool = False, example: str = "out.jsonl") -> None:
+    """ConfigError (one line naming ``name``) unless ``path`` can be written as a regular file.
+
+    Refused: a directory or another non-regular file (a device, a FIFO), an existing file that
+    cannot be opened for writing, a directory that does not exist (unless ``create_parents``: then
+    its nearest existing ancestor must let a directory be made in it), and a directory in which no
+    file can be created (read-only or pseudo file systems such as /proc and /sys, where even root
+    cannot write). Checked before any work by creating and removing a probe file, so nothing is left
+    behind and an existing file's content is untouched. ``example``: the file name a hint suggests.
+    """
     if path.is_dir():
-        raise ConfigError(f"{name}={path} is a directory; give a file path inside it, e.g. {path / 'head.safetensors'}")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise ConfigError(f"{name}={path} exists and is not writable")
-    _check_creatable(path.parent, name, path)
+        raise ConfigError(f"{name}={path} is a directory; give a file path such as {path / example}")
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"{name}={path} is not a regular file; give the path of a file to write")
+    parent = path.absolute().parent
+    if not create_parents and not parent.is_dir():
+        what = "is a file, not a directory" if parent.exists() else "does not exist; create it first"
+        raise ConfigError(f"{name}={path} cannot be created: {parent} {what}")
+    _check_creatable(parent, name, path)
+    if path.exists():
+        try:
+            with open(path, "ab"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"{name}={path} cannot be written: {exc.strerror or exc}") from None
 
 
 def check_output_dir(path: Path, name: str) -> None:
@@ -197,14 +212,20 @@ def check_output_dir(path: Path, name: str) -> None:
 
 
 def _check_creatable(directory: Path, name: str, value: Path) -> None:
-    """The nearest existing ancestor of ``directory`` must be a directory we can write in."""
+    """The nearest existing ancestor of ``directory`` must be a directory a file can be created in
+    (probed with a temporary file, removed at once)."""
     existing = directory.absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
         raise ConfigError(f"{name}={value} cannot be created: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{name}={value} cannot be written: no write permission in {existing}")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".specgen-probe-", dir=existing)
+    except OSError as exc:
+        raise ConfigError(f"{name}={value} cannot be written: no file can be created in {existing} "
+                          f"({exc.strerror or exc})") from None
+    os.close(handle)
+    os.unlink(probe)
 
 
 def _check_tiny(source: Mapping, where: str) -> None:

@@ -254,6 +254,38 @@ def test_train_out_that_is_a_directory_fails_before_training(monkeypatch, capsys
     assert not (tmp_path / "cache").exists()  # refused before the target was loaded
 
 
+@pytest.mark.parametrize("out", ["/proc/nope/head.safetensors", "/proc/head.safetensors"])
+def test_train_out_that_cannot_be_written_fails_before_loading(monkeypatch, capsys, tmp_path, out):
+    """/proc takes no new files, even from root: refused before the target loads, not after training."""
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
+    code, _, err = run_command(monkeypatch, capsys, train_cli.main, "specgen-train", *TRAIN, f"train.out={out}")
+    assert_one_error_line(code, err, "specgen-train", f"train.out={out} cannot be written: no file can be created in")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_output_checks_create_nothing(tmp_path):
+    from specgen.checks import check_output_file
+
+    check_output_file(tmp_path / "new" / "dir" / "head.safetensors", "train.out", create_parents=True)
+    with pytest.raises(ConfigError, match="new does not exist; create it first"):
+        check_output_file(tmp_path / "new" / "out.jsonl", "output")
+    existing = tmp_path / "kept.jsonl"
+    existing.write_text("earlier\n")
+    check_output_file(existing, "output")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.jsonl"] and existing.read_text() == "earlier\n"
+
+
+def test_jsonl_output_in_a_missing_directory_fails_before_loading(monkeypatch, capsys, tmp_path):
+    import specgen.build
+
+    monkeypatch.setattr(specgen.build, "build_pipeline", lambda cfg: pytest.fail("the model was loaded"))
+    (tmp_path / "rows.jsonl").write_text('"hi"\n')
+    out = tmp_path / "nodir" / "out.jsonl"
+    code, _, err = run_command(monkeypatch, capsys, cli.main, "specgen", *TINY_ARGS,
+                               f"prompt_file={tmp_path / 'rows.jsonl'}", f"output={out}")
+    assert_one_error_line(code, err, "specgen", f"output={out} cannot be created: {out.parent} does not exist")
+
+
 def test_train_ctrl_c_exits_130_naming_the_checkpoint(monkeypatch, capsys, tmp_path):
     import specgen.train.loop as loop
 

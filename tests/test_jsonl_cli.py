@@ -287,6 +287,9 @@ def test_tree_drafter_batches_with_speculation_off(tmp_path):
     (["output={tmp}/rows.jsonl", "prompt_file={tmp}/rows.jsonl"], "is the prompt_file itself"),
     (["output={tmp}", "prompt_file={tmp}/rows.jsonl"], "is a directory; give a file path such as"),
     (["output={tmp}/rows.jsonl/o.jsonl", "prompt_file={tmp}/rows.jsonl"], "cannot be created"),
+    (["output={tmp}/nodir/o.jsonl", "prompt_file={tmp}/rows.jsonl"], "nodir does not exist; create it first"),
+    (["output=/proc/nope/o.jsonl", "prompt_file={tmp}/rows.jsonl"], "/proc/nope does not exist"),
+    (["output=/proc/o.jsonl", "prompt_file={tmp}/rows.jsonl"], "no file can be created in /proc"),
     (["output=/dev/null", "prompt_file={tmp}/rows.jsonl"], "is not a regular file"),
     (["output={tmp}/o.jsonl", "prompt_file={tmp}/rows.jsonl", "resume=maybe"], "resume must be a boolean"),
 ])

@@ -125,7 +125,7 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
     device = resolve_device(str(train.get("device", "auto")))
     dtype = resolve_dtype(str(train.get("dtype", "auto")), device)
     out_path = Path(str(train.get("out") or f"heads/{kind}.safetensors"))
-    check_output_file(out_path, "train.out")
+    check_output_file(out_path, "train.out", create_parents=True, example="head.safetensors")
     export_dir = train_export_dir(train.get("export"), kind, out_path, arch["feature_layers"])  # train.export=eagle3
     checkpoint = out_path.with_name(out_path.name + ".ckpt")
 
