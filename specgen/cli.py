@@ -29,49 +29,86 @@ from specgen.config import conf_dir, exits_on_error, run_console, to_container
 from specgen.errors import PromptError
 from specgen.events import FinishEvent, Generation
 from specgen.jsonl import Summary
+from specgen.options import check_prompt, check_prompt_size, prompt_size_bound, size_error
 
 _COLOURS = {"accepted": "\033[32m", "resampled": "\033[33m", "bonus": "\033[36m", "plain": ""}
 _RESET = "\033[0m"
 
 
-def read_prompt(cfg: dict, stdin=None) -> str:
-    """The prompt from ``prompt``, ``prompt_file`` or stdin (``prompt=-`` or piped input).
-
-    PromptError when both are given, the file is missing or a directory, or
-    the text is not UTF-8.
-    """
+def check_prompt_source(cfg: dict, stdin=None) -> None:
+    """PromptError for a prompt source that cannot give a prompt, found without reading it: both
+    ``prompt`` and ``prompt_file``, an empty ``prompt``, a ``prompt_file`` that is missing, a
+    directory or empty, or no source at all (nothing given and stdin a terminal)."""
     stdin = sys.stdin if stdin is None else stdin
     prompt, prompt_file = cfg.get("prompt"), cfg.get("prompt_file")
     if prompt is not None and prompt_file is not None:
         raise PromptError("give prompt= or prompt_file=, not both")
     if prompt == "-" or prompt_file == "-":
-        return _read_text(stdin, "stdin")
+        return
     if prompt_file == "":
         raise PromptError("prompt_file is empty; give the path of a text file (or - for stdin)")
     if prompt_file is not None:
         path = Path(prompt_file)
         if path.is_dir():
             raise PromptError(f"prompt_file {prompt_file} is a directory; give the path of a text file")
-        if not path.is_file():
+        if not path.exists():
             raise PromptError(f"prompt_file {prompt_file} does not exist")
-        try:
-            return path.read_bytes().decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise PromptError(f"prompt_file {prompt_file} is not UTF-8 text ({_where(exc)})") from None
-        except OSError as exc:
-            raise PromptError(f"cannot read prompt_file {prompt_file}: {exc.strerror or exc}") from None
-    if prompt is not None:
-        return str(prompt)
-    if stdin is not None and not stdin.isatty():
-        return _read_text(stdin, "stdin")
-    raise PromptError('no prompt: use prompt="...", prompt_file=PATH, or pipe text on stdin')
+        if not path.is_file():
+            raise PromptError(f"prompt_file {prompt_file} is not a regular file; pipe it to stdin (prompt=-) instead")
+        if path.stat().st_size == 0:
+            raise PromptError(f"prompt_file {prompt_file} is empty; give some text to generate from")
+    elif prompt is not None:
+        check_prompt(prompt)
+    elif stdin is None or stdin.isatty():
+        raise PromptError('no prompt: use prompt="...", prompt_file=PATH, or pipe text on stdin')
 
 
-def _read_text(stream, name: str) -> str:
-    """All of ``stream`` as text; PromptError when it is not UTF-8."""
-    raw = getattr(stream, "buffer", None)
+def read_prompt(cfg: dict, stdin=None, *, context_length: int | None = None) -> str:
+    """The prompt from ``prompt``, ``prompt_file`` or stdin (``prompt=-`` or piped input).
+
+    PromptError for what :func:`check_prompt_source` refuses, text that is not UTF-8 or is empty
+    (or only whitespace), and, given the model's ``context_length``, a prompt more than
+    :func:`~specgen.options.prompt_size_bound` bytes long: a file is refused by its size before it
+    is read, stdin after reading at most one byte past the bound.
+    """
+    stdin = sys.stdin if stdin is None else stdin
+    check_prompt_source(cfg, stdin)
+    prompt, prompt_file = cfg.get("prompt"), cfg.get("prompt_file")
+    limit = None if context_length is None else prompt_size_bound(context_length)
+    if prompt == "-" or prompt_file == "-" or (prompt is None and prompt_file is None):
+        text, name = _read_text(stdin, "stdin", limit, context_length), "stdin"
+    elif prompt_file is not None:
+        text, name = _read_file(Path(prompt_file), limit, context_length), f"prompt_file {prompt_file}"
+    else:
+        text, name = str(prompt), "prompt"
+        if context_length is not None:
+            check_prompt_size(text, context_length)
+    return check_prompt(text, name)
+
+
+def _read_file(path: Path, limit: int | None, context_length: int | None) -> str:
+    """The UTF-8 text of ``path``; refused by its size (over ``limit`` bytes) before it is read."""
     try:
-        return raw.read().decode("utf-8") if raw is not None else stream.read()
+        size = path.stat().st_size
+        if limit is not None and size > limit:
+            raise size_error(f"prompt_file {path}", size, "bytes", context_length)
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PromptError(f"prompt_file {path} is not UTF-8 text ({_where(exc)})") from None
+    except OSError as exc:
+        raise PromptError(f"cannot read prompt_file {path}: {exc.strerror or exc}") from None
+
+
+def _read_text(stream, name: str, limit: int | None = None, context_length: int | None = None) -> str:
+    """``stream`` as text, at most ``limit`` bytes (PromptError past them, or when it is not UTF-8)."""
+    raw = getattr(stream, "buffer", None)
+    source = raw if raw is not None else stream
+    data = source.read() if limit is None else source.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        unit = "bytes or more" if raw is not None else "characters or more"
+        raise size_error(name, len(data), unit, context_length)
+    try:
+        return data.decode("utf-8") if raw is not None else data
     except UnicodeDecodeError as exc:
         raise PromptError(f"{name} is not UTF-8 text ({_where(exc)})") from None
 
@@ -115,8 +152,9 @@ def run(cfg: dict, out=None, err=None) -> Generation | Summary | None:
     cfg = check_run_config(cfg)
     if cfg.get("output") is not None:
         return run_jsonl(cfg, err)
-    prompt = read_prompt(cfg)
+    check_prompt_source(cfg)
     pipe = build_pipeline(cfg)
+    prompt = read_prompt(cfg, context_length=pipe.target.context_length)
     ui = cfg.get("ui") or {}
     colour = _use_colour(ui.get("color", "auto"), out)
     stream = pipe.stream(prompt)
@@ -148,8 +186,8 @@ def run_jsonl(cfg: dict, err) -> Summary:
     from specgen.build import build_pipeline
     from specgen.jsonl import job_from_config
 
-    job = job_from_config(cfg)
     pipe = build_pipeline(cfg)
+    job = job_from_config(cfg, pipe.target.context_length)
     ui = cfg.get("ui") or {}
     show = hasattr(err, "isatty") and err.isatty()
     bar = tqdm(total=job.summary.rows, initial=job.summary.finished, unit="row", file=err, disable=not show)

@@ -19,7 +19,12 @@ a prompt longer than the context) gets an error record and the other rows go on.
 Each record is one ``write`` of a whole line to an unbuffered file as soon as its
 row and every row before it have finished, so an interrupted run leaves valid
 JSONL up to the last finished row; a resume keeps those records, drops a torn
-last line and runs only the rows that have none.
+last line and runs only the rows that have none (a resumed file with gaps is put
+back in input order when the run ends; see :mod:`specgen.jsonl_output`).
+
+Rows are read one line at a time, after the model is loaded: a line or prompt too
+big for its context (:func:`specgen.options.prompt_size_bound`) is an error row,
+refused by its size without being tokenised (or, for a line, held in memory).
 
 With ``batch_size`` above 1 the rows run together on the batched engine
 (:func:`specgen.batch.stream_batch`): each row is first checked alone by
@@ -41,7 +46,8 @@ from pathlib import Path
 
 from specgen.errors import ConfigError, PromptError, SpecgenError, first_line
 from specgen.events import FinishEvent, Generation
-from specgen.options import check_prompt, request_options
+from specgen.jsonl_output import RecordWriter, scan_output, sort_records
+from specgen.options import check_prompt, check_prompt_size, prompt_size_bound, request_options
 
 #: The keys a row object may have: the prompt, an id, and the request options.
 ROW_KEYS = ("prompt", "id", "max_new_tokens", "seed", "stop", "schema", "regex", "speculative", "system", "chat")
@@ -61,10 +67,12 @@ class Row:
     error: str | None = None
 
 
-def parse_row(text: str, index: int, line: int, defaults) -> Row:
+def parse_row(text: str, index: int, line: int, defaults, *, context_length: int | None = None) -> Row:
     """One input line as a :class:`Row`; every problem becomes ``Row.error`` (one line naming the line).
 
-    defaults: the pipeline's Defaults (the command line's values) that the row's options override.
+    defaults: the pipeline's Defaults (the command line's values) that the row's options override;
+    context_length: the model's, when given a prompt too big to fit it is an error (by its length,
+    see :func:`~specgen.options.check_prompt_size`).
     """
     try:
         value = json.loads(text)
@@ -83,6 +91,8 @@ def parse_row(text: str, index: int, line: int, defaults) -> Row:
         if "prompt" not in value:
             raise PromptError('a row object needs a "prompt" (text or chat messages)')
         prompt = check_prompt(value["prompt"])
+        if context_length is not None:
+            check_prompt_size(prompt, context_length)
         options = {key: value[key] for key in _OPTION_KEYS if value.get(key) is not None}
         if "schema" in options and not isinstance(options["schema"], dict):
             raise ConfigError(f"schema must be a JSON object (the JSON schema), got {_json_type(options['schema'])}")
@@ -105,22 +115,64 @@ def _json_type(value: object) -> str:
     return names.get(type(value), "a number")
 
 
-def read_rows(path: Path, defaults) -> list[Row]:
-    """Every non-blank line of ``path`` parsed by :func:`parse_row`.
+#: A row's JSON line may be this many times the prompt bound: a JSON escape takes at most six bytes
+#: for each UTF-8 byte it stands for, and the row's other fields need room too.
+ROW_BYTES_PER_PROMPT_BYTE = 8
 
-    PromptError (the whole file is unusable) when it cannot be read, is not UTF-8 or has no rows.
+
+def read_rows(path: Path, defaults, *, context_length: int | None = None) -> list[Row]:
+    """Every non-blank line of ``path`` parsed by :func:`parse_row`, read one line at a time.
+
+    Given the model's ``context_length``, a line longer than :data:`ROW_BYTES_PER_PROMPT_BYTE` times
+    :func:`~specgen.options.prompt_size_bound` becomes an error row without being held in memory
+    or parsed. PromptError (the whole file is unusable) when it cannot be read, is not UTF-8 or has
+    no rows.
     """
+    limit = None if context_length is None else ROW_BYTES_PER_PROMPT_BYTE * prompt_size_bound(context_length)
+    rows: list[Row] = []
     try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PromptError(f"prompt_file {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "
-                          f"at offset {exc.start})") from None
+        with open(path, "rb") as file:
+            for number, offset, line in _lines(file, limit):
+                if isinstance(line, int):
+                    rows.append(Row(len(rows), number, error=f"line {number}: the row is {line:,} bytes; a row "
+                                    f"for this model's {context_length:,}-token context has at most {limit:,}"))
+                    continue
+                text = _decode_line(line, path, offset)
+                if text.strip():
+                    rows.append(parse_row(text, len(rows), number, defaults, context_length=context_length))
     except OSError as exc:
         raise PromptError(f"cannot read prompt_file {path}: {exc.strerror or exc}") from None
-    lines = [(number, line) for number, line in enumerate(text.split("\n"), start=1) if line.strip()]
-    if not lines:
+    if not rows:
         raise PromptError(f"prompt_file {path} has no rows; give one JSON prompt per line")
-    return [parse_row(line, index, number, defaults) for index, (number, line) in enumerate(lines)]
+    return rows
+
+
+def _lines(file, limit: int | None):
+    """(line number, byte offset, line) per line of a binary file; ``line`` is the byte length
+    instead when it is over ``limit`` bytes (the line is skipped, not kept)."""
+    number, offset = 0, 0
+    while True:
+        line = file.readline() if limit is None else file.readline(limit + 1)
+        if not line:
+            return
+        number += 1
+        if limit is not None and len(line) > limit and not line.endswith(b"\n"):
+            size = len(line)
+            while not line.endswith(b"\n") and (line := file.readline(1 << 20)):
+                size += len(line)
+            yield number, offset, size
+            offset += size
+            continue
+        yield number, offset, line
+        offset += len(line)
+
+
+def _decode_line(line: bytes, path: Path, offset: int) -> str:
+    try:
+        return line.decode("utf-8").rstrip("\n")
+    except UnicodeDecodeError as exc:
+        raise PromptError(f"prompt_file {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "
+                          f"at offset {offset + exc.start})") from None
 
 
 def result_record(row: Row, gen: Generation) -> dict:
@@ -158,80 +210,6 @@ def generate_record(pipe, row: Row) -> dict:
     raise RuntimeError("stream ended without a finish event")
 
 
-def scan_output(path: Path, rows: list[Row]) -> tuple[dict[int, dict], int]:
-    """The records already in ``path`` by index, and the byte length of the valid part to keep.
-
-    A last line that is not a complete record (no newline, not JSON: a crash mid-write) is
-    left out of the kept part. ConfigError for anything else that does not fit ``rows``: a
-    bad line before the last, a repeated index, an index past the input's rows, an id that
-    differs from its row's.
-    """
-    data = path.read_bytes() if path.is_file() else b""
-    records: dict[int, dict] = {}
-    kept, number = 0, 0
-    while kept < len(data):
-        end = data.find(b"\n", kept)
-        number += 1
-        record = _parse_record(data[kept:end]) if end >= 0 else None
-        if record is None:
-            if end >= 0 and data[end + 1:].strip():
-                raise ConfigError(f"output={path} line {number} is not a specgen result record; "
-                                  "it cannot be resumed (choose another output file)")
-            break
-        index = record["index"]
-        if index in records:
-            raise ConfigError(f"output={path} holds row {index} twice; it cannot be resumed")
-        if index >= len(rows) or record.get("id") != rows[index].id:
-            raise ConfigError(f"output={path} line {number} (row {index}, id {record.get('id')!r}) does not "
-                              "match prompt_file; it holds results of another input (choose another output file)")
-        records[index] = record
-        kept = end + 1
-    return records, kept
-
-
-def _parse_record(line: bytes) -> dict | None:
-    try:
-        record = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    ok = isinstance(record, dict) and isinstance(record.get("index"), int) and not isinstance(record["index"], bool)
-    ok = ok and record["index"] >= 0 and (isinstance(record.get("text"), str) or isinstance(record.get("error"), str))
-    return record if ok else None
-
-
-class RecordWriter:
-    """Appends records to an open unbuffered binary file in input order.
-
-    ``done``: indices already in the file (skipped). A record whose earlier rows are not all
-    written waits in memory; each written record is one whole line in one ``write`` call.
-    """
-
-    def __init__(self, file, done: set[int]):
-        self._file = file
-        self._done = set(done)
-        self._pending: dict[int, dict] = {}
-        self._next = 0
-        self._advance()
-
-    def put(self, index: int, record: dict) -> list[dict]:
-        """Queue ``record`` for row ``index``; returns the records this call wrote (in order)."""
-        self._pending[index] = record
-        written = []
-        while self._next in self._pending:
-            record = self._pending.pop(self._next)
-            data = memoryview((json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8"))
-            while data:
-                data = data[self._file.write(data):]
-            written.append(record)
-            self._done.add(self._next)
-            self._advance()
-        return written
-
-    def _advance(self) -> None:
-        while self._next in self._done:
-            self._next += 1
-
-
 @dataclass
 class Summary:
     """Counts over every record in the output (``resumed``: how many were there before this run)."""
@@ -262,18 +240,20 @@ class JsonlJob:
     """One ``output=`` run: rows read and the output checked up front (nothing written), then run.
 
     ``prompt_file``/``output``: paths; ``resume``: keep the records already in ``output``;
-    ``defaults``: the pipeline's Defaults. Raises a SpecgenError (one line) for an unreadable
-    input or an output that cannot be resumed, before any model is loaded.
+    ``defaults``: the pipeline's Defaults; ``context_length``: the model's, bounding each row's
+    size (:func:`read_rows`). Raises a SpecgenError (one line) for an unreadable input or an output
+    that cannot be resumed, before any row runs.
     """
 
-    def __init__(self, prompt_file: Path, output: Path, *, resume: bool, defaults):
-        self.rows = read_rows(prompt_file, defaults)
+    def __init__(self, prompt_file: Path, output: Path, *, resume: bool, defaults, context_length: int | None = None):
+        self.rows = read_rows(prompt_file, defaults, context_length=context_length)
         self.output = output
         records, self._kept = scan_output(output, self.rows) if resume else ({}, 0)
         self.summary = Summary(len(self.rows), str(output), resumed=len(records))
         for record in records.values():
             self.summary.count(record)
         self._done = set(records)
+        self._in_order = list(records) == list(range(len(records)))  # the kept records are rows 0..k-1
 
     def run(self, pipe, on_row: Callable[[], None] | None = None, *, batch_size: int = 1) -> Summary:
         """Run every row not yet in the output on ``pipe``, appending records in input order.
@@ -281,23 +261,28 @@ class JsonlJob:
         on_row: called after each row finished (a progress bar). batch_size: rows generated
         together (1 = one after another on ``pipe.stream``). KeyboardInterrupt propagates with
         the file valid up to the last record whose earlier rows had all finished (``summary``
-        counts what is in it).
+        counts what is in it). A resumed output whose kept records were not rows 0..k-1 in order
+        (a gap, rows moved) is rewritten in input order when the run ends, however it ends.
         """
         todo = [row for row in self.rows if row.index not in self._done]
-        with open(self.output, "ab", buffering=0) as file:
-            file.truncate(self._kept)
-            writer = RecordWriter(file, self._done)
+        try:
+            with open(self.output, "ab", buffering=0) as file:
+                file.truncate(self._kept)
+                writer = RecordWriter(file, self._done)
 
-            def put(row: Row, record: dict) -> None:
-                for written in writer.put(row.index, record):
-                    self.summary.count(written)
-                if on_row is not None:
-                    on_row()
+                def put(row: Row, record: dict) -> None:
+                    for written in writer.put(row.index, record):
+                        self.summary.count(written)
+                    if on_row is not None:
+                        on_row()
 
-            if batch_size > 1:
-                todo = _run_batched(pipe, todo, batch_size, put)
-            for row in todo:
-                put(row, generate_record(pipe, row))
+                if batch_size > 1:
+                    todo = _run_batched(pipe, todo, batch_size, put)
+                for row in todo:
+                    put(row, generate_record(pipe, row))
+        finally:
+            if not self._in_order:
+                sort_records(self.output, lambda record: record["index"])
         return self.summary
 
 
@@ -341,10 +326,11 @@ def _batch_prompt(row: Row) -> dict:
     return {"prompt": row.prompt, **row.options}
 
 
-def job_from_config(cfg: Mapping) -> JsonlJob:
-    """The :class:`JsonlJob` a checked run config describes (``output``, ``prompt_file``, ``resume``)."""
+def job_from_config(cfg: Mapping, context_length: int | None = None) -> JsonlJob:
+    """The :class:`JsonlJob` a checked run config describes (``output``, ``prompt_file``, ``resume``)
+    for a model with ``context_length`` tokens of context (None: rows are not bounded by size)."""
     from specgen.engine import Defaults
 
     return JsonlJob(Path(cfg["prompt_file"]), Path(cfg["output"]), resume=cfg["resume"],
-                    defaults=Defaults.from_config(cfg))
+                    defaults=Defaults.from_config(cfg), context_length=context_length)
 

@@ -134,9 +134,26 @@ def parse_stats(value: object, name: str = "stats") -> Stats | None:
     return value
 
 
+#: The chat roles a message may have (what the chat templates of the supported models render).
+CHAT_ROLES = ("system", "user", "assistant")
+
+#: UTF-8 bytes per token of context that a prompt may have: more than any token of a supported
+#: vocabulary spans (SmolLM2's longest is 81 bytes), so a longer prompt cannot fit the context
+#: and is refused by its size alone, before anything is tokenised.
+PROMPT_BYTES_PER_TOKEN = 256
+
+
 def check_prompt(prompt: object, name: str = "prompt") -> str | list[dict]:
-    """A prompt string, or chat messages (a list of mappings with string ``role`` and ``content``)."""
+    """A prompt string, or chat messages (a list of mappings with string ``role`` and ``content``).
+
+    PromptError for an empty or whitespace-only string, a role outside :data:`CHAT_ROLES`, and
+    messages without a user message that holds text (nothing to answer), before any chat template
+    could turn them into a non-empty prompt.
+    """
     if isinstance(prompt, str):
+        if not prompt.strip():
+            what = "is empty" if not prompt else "holds only whitespace"
+            raise PromptError(f"{name} {what}; give some text to generate from")
         return prompt
     if isinstance(prompt, (bytes, bytearray)):
         raise PromptError(f"{name} must be text, got bytes; decode it first (e.g. {name}.decode('utf-8'))")
@@ -152,7 +169,34 @@ def check_prompt(prompt: object, name: str = "prompt") -> str | list[dict]:
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
                 raise PromptError(f"{name}[{index}] needs a string {key!r}, got {message.get(key)!r}")
+        if message["role"] not in CHAT_ROLES:
+            raise PromptError(f"{name}[{index}] has the role {message['role']!r}; a role is one of "
+                              f"{', '.join(CHAT_ROLES)}")
+    if not any(m["role"] == "user" and m["content"].strip() for m in messages):
+        raise PromptError(f"{name} has no user message with text; give the user's message to answer")
     return [dict(message) for message in messages]
+
+
+def prompt_size_bound(context_length: int) -> int:
+    """The most UTF-8 bytes a prompt for a ``context_length``-token context can have and still fit
+    (:data:`PROMPT_BYTES_PER_TOKEN` per token)."""
+    return PROMPT_BYTES_PER_TOKEN * context_length
+
+
+def size_error(what: str, size: int, unit: str, context_length: int) -> PromptError:
+    """The one-line refusal of ``what`` (``size`` ``unit``, e.g. bytes) as too big for the context."""
+    return PromptError(f"{what} is {size:,} {unit}; a prompt for this model's {context_length:,}-token context "
+                       f"has at most {prompt_size_bound(context_length):,} bytes ({PROMPT_BYTES_PER_TOKEN} a token), "
+                       "so it cannot fit; shorten it")
+
+
+def check_prompt_size(prompt: str | list[dict], context_length: int, name: str = "prompt") -> None:
+    """PromptError when ``prompt`` (text, or chat messages checked by :func:`check_prompt`) has more
+    characters than :func:`prompt_size_bound` allows bytes. A character is at least one UTF-8 byte, so
+    a refused prompt cannot fit; only lengths are read (nothing is encoded or tokenised)."""
+    size = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+    if size > prompt_size_bound(context_length):
+        raise size_error(name, size, "characters", context_length)
 
 
 def check_prompt_ids(prompt_ids: object, vocab_size: int, name: str = "prompt_ids") -> list[int]:

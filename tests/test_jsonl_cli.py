@@ -126,6 +126,37 @@ def test_resume_skips_finished_rows_and_repairs_a_torn_line(tmp_path, full_run):
         [r.get("text", r.get("error")) for r in reference[1:]]
 
 
+@pytest.mark.parametrize("batch_size", ["1", "3"])
+def test_resume_over_a_gap_ends_in_input_order(tmp_path, full_run, batch_size):
+    """Rows 0, 1 and 4 kept (4 marked): the missing rows run and the file ends as 0, 1, 2, ..., 6."""
+    reference = read_records(full_run[0] / "out.jsonl")
+    kept = [reference[0], reference[1], {**reference[4], "error": "KEPT FROM THE FIRST RUN"}]
+    (tmp_path / "out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    code, records, err = run_file(tmp_path, "resume=true", f"batch_size={batch_size}")
+    assert code == 1 and err.strip().endswith("(3 resumed)")
+    assert [r["index"] for r in records] == list(range(7))
+    assert records[4]["error"] == "KEPT FROM THE FIRST RUN"
+    assert [r.get("text") for r in records] == [r.get("text") for r in reference]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "rows.jsonl"]
+
+
+def test_an_interrupted_resume_over_a_gap_keeps_every_record_in_order(tmp_path, monkeypatch, full_run):
+    import specgen.jsonl
+
+    reference = read_records(full_run[0] / "out.jsonl")
+    (tmp_path / "out.jsonl").write_text("".join(json.dumps(reference[i]) + "\n" for i in (0, 5)), encoding="utf-8")
+    real_record = specgen.jsonl.generate_record
+
+    def interrupted_at_row_3(pipe, row):
+        if row.index == 3:
+            raise KeyboardInterrupt
+        return real_record(pipe, row)
+
+    monkeypatch.setattr(specgen.jsonl, "generate_record", interrupted_at_row_3)
+    code, records, _ = run_file(tmp_path, "resume=true")
+    assert code == 130 and [r["index"] for r in records] == [0, 1, 2, 5]
+
+
 def test_resume_refuses_the_output_of_another_input(tmp_path):
     (tmp_path / "out.jsonl").write_text('{"index": 1, "id": "not b", "text": "x"}\n', encoding="utf-8")
     with pytest.raises(ConfigError, match="does not match prompt_file"):
