@@ -242,7 +242,7 @@ def check_command_line(args: Sequence[str], config_name: str) -> None:
     from specgen.checks import check_run_config
 
     parser = get_args_parser()
-    parser.error = _argument_error
+    parser.error = lambda message: _argument_error(message, args)
     ns = parser.parse_args(list(args))
     if ns.help or ns.hydra_help or ns.info or ns.shell_completion or ns.experimental_rerun or ns.config_path \
             or ns.config_dir:
@@ -261,9 +261,21 @@ def check_command_line(args: Sequence[str], config_name: str) -> None:
             check_run_config(to_container(cfg))
 
 
-def _argument_error(message: str) -> None:
-    """argparse's error hook: one ConfigError line instead of the usage text and exit status 2."""
-    hint = " (give the overrides after the flags, e.g. --cfg job prompt=hi)" if "unrecognized" in message else ""
+def _argument_error(message: str, args: Sequence[str] = ()) -> None:
+    """argparse's error hook: one ConfigError line instead of the usage text and exit status 2.
+
+    An unrecognized ``--name value`` (or ``--name=value``) is answered with the override to write
+    instead, ``name=value`` (dashes in the name read as underscores)."""
+    hint = ""
+    if message.startswith("unrecognized arguments:"):
+        flags = [arg for arg in message.split(":", 1)[1].split() if arg.startswith("--")]
+        hint = " (give the overrides after the flags, e.g. --cfg job prompt=hi)"
+        if flags:
+            name, _, value = flags[0].lstrip("-").partition("=")
+            if not value:
+                after = list(args)[list(args).index(flags[0]) + 1:] if flags[0] in args else []
+                value = after[0] if after and not after[0].startswith("-") and "=" not in after[0] else "..."
+            hint = f" (overrides are key=value without dashes: write {name.replace('-', '_')}={value})"
     raise ConfigError(f"{message}{hint}; see --help")
 
 

@@ -8,7 +8,9 @@ A request is parsed and checked on the event loop (:mod:`specgen.serve.protocol`
 then handed to the scheduler as a :class:`~specgen.serve.worker.Job`; its events
 come back through an asyncio queue. The response waits for the first item, so
 an error the engine raises before generating (a schema that does not compile, a
-prompt longer than the context) is still a 4xx. A client that goes away, while
+prompt longer than the context) is still a 4xx. A body over ``max_request_bytes``
+gets 413 (from its Content-Length, or as soon as the bytes read pass the limit),
+and a client that goes away while sending its body costs one log line. A client that goes away, while
 its request waits, runs or streams, cancels its job: a queued job is skipped, a
 running one stops at its last commit and frees its row (:mod:`specgen.serve.worker`).
 ``GET /v1/models`` says how requests are scheduled (``specgen``: batched or serial).
@@ -19,17 +21,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from specgen.engine import Pipeline
+from specgen.errors import SpecgenError
 from specgen.events import FinishEvent, TokenEvent
+from specgen.options import check_prompt_size
 from specgen.serve import protocol
 from specgen.serve.metrics import CONTENT_TYPE, Metrics
 from specgen.serve.protocol import APIError, GenRequest
@@ -38,6 +43,10 @@ from specgen.tui.session import uses_template
 
 #: Seconds between checks that a streaming client is still connected while it waits for tokens.
 DISCONNECT_POLL_S = 0.2
+#: The largest request body the server reads, in bytes (``max_request_bytes`` in conf/serve.yaml).
+MAX_REQUEST_BYTES = 4 * 2**20
+
+log = logging.getLogger("specgen.serve")
 
 
 def served_model_name(pipe: Pipeline) -> str:
@@ -53,24 +62,45 @@ def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def _read_json(request: Request) -> object:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-
-
 class _Disconnected(Exception):
     pass
+
+
+def _too_large(size: str, limit: int) -> APIError:
+    return APIError(413, f"the request body is {size} bytes, over this server's limit of {limit:,} bytes "
+                         "(max_request_bytes)", code="request_too_large")
+
+
+async def _read_json(request: Request, limit: int) -> object:
+    """The request body parsed as JSON. 413 when it is over ``limit`` bytes, by its Content-Length
+    before anything is read or else once the bytes read pass it; _Disconnected when the client
+    goes away while sending it."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise _too_large(f"{int(length):,}", limit)
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(f"more than {limit:,}", limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise _Disconnected from None
+    try:
+        return json.loads(b"".join(chunks))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
 
 
 class Server:
     """Routes, the scheduler that owns the pipeline, and the metrics."""
 
     def __init__(self, pipe: Pipeline, *, model: str | None = None, scheduler: Scheduler | None = None,
-                 batch_size: int = 8):
+                 batch_size: int = 8, max_request_bytes: int = MAX_REQUEST_BYTES):
         self.model = model or served_model_name(pipe)
+        self.max_request_bytes = max_request_bytes
+        self.context_length = pipe.target.context_length
         self.scheduler = scheduler or make_scheduler(pipe, batch_size)
         self.metrics = Metrics(self.model, pipe.guarantee)
         self.use_template = uses_template(pipe)
@@ -101,14 +131,14 @@ class Server:
     async def _generate(self, request: Request, kind: str) -> Response:
         endpoint = request.url.path
         try:
-            body = await _read_json(request)
-            if kind == "chat":
-                req = protocol.parse_chat(body, self.model, use_template=self.use_template)
-            else:
-                req = protocol.parse_completion(body, self.model)
+            req = await self._parse(request, kind)
         except APIError as exc:
             self.metrics.request(endpoint, "invalid")
             return _error(exc)
+        except _Disconnected:
+            log.warning("%s: the client went away while sending its request body", endpoint)
+            self.metrics.request(endpoint, "cancelled")
+            return Response(status_code=499)
         job, items = self.submit(req)
         done = False
         try:
@@ -137,6 +167,21 @@ class Server:
             if not done:
                 job.cancel()
                 self.metrics.request(endpoint, "cancelled")
+
+    async def _parse(self, request: Request, kind: str) -> GenRequest:
+        """The checked request (APIError otherwise), its prompt refused by its size alone when it
+        cannot fit the context (:func:`~specgen.options.check_prompt_size`)."""
+        body = await _read_json(request, self.max_request_bytes)
+        if kind == "chat":
+            req = protocol.parse_chat(body, self.model, use_template=self.use_template)
+        else:
+            req = protocol.parse_completion(body, self.model)
+        if req.prompt is not None:
+            try:
+                check_prompt_size(req.prompt, self.context_length, "messages" if kind == "chat" else "prompt")
+            except SpecgenError as exc:
+                raise APIError(400, str(exc), param="messages" if kind == "chat" else "prompt") from None
+        return req
 
     async def _next(self, request: Request, items: asyncio.Queue) -> object:
         while True:
@@ -202,10 +247,11 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(pipe: Pipeline, *, model: str | None = None, scheduler: Scheduler | None = None,
-               batch_size: int = 8) -> Starlette:
+               batch_size: int = 8, max_request_bytes: int = MAX_REQUEST_BYTES) -> Starlette:
     """The ASGI app serving ``pipe``; the scheduler (by default :func:`make_scheduler` with
-    ``batch_size``) starts and stops with it."""
-    server = Server(pipe, model=model, scheduler=scheduler, batch_size=batch_size)
+    ``batch_size``) starts and stops with it; a request body over ``max_request_bytes`` gets 413."""
+    server = Server(pipe, model=model, scheduler=scheduler, batch_size=batch_size,
+                    max_request_bytes=max_request_bytes)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):

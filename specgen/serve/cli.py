@@ -1,7 +1,7 @@
 """The ``specgen-serve`` command: Hydra overrides in, uvicorn serving the app out.
 
 ``specgen-serve target=... drafter=... port=8000`` composes ``conf/serve.yaml``
-(specgen's config plus ``host``, ``port`` and ``batch_size``), checks every value before any
+(specgen's config plus ``host``, ``port``, ``batch_size`` and ``max_request_bytes``), checks every value before any
 model is loaded (a bad one: one ``specgen-serve: error: ...`` line, status 2),
 builds the pipeline and serves it on ``host:port`` (127.0.0.1 by default).
 """
@@ -9,6 +9,7 @@ builds the pipeline and serves it on ``host:port`` (127.0.0.1 by default).
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 import sys
 from collections.abc import Mapping
@@ -20,17 +21,21 @@ from specgen.checks import check_run_config
 from specgen.config import conf_dir, exits_on_error, run_console, to_container
 from specgen.errors import ConfigError
 from specgen.options import parse_int
+from specgen.serve.app import MAX_REQUEST_BYTES
 
 #: Keys of the shared config that only a one-shot run uses.
 _ONE_SHOT_KEYS = ("prompt", "prompt_file", "output", "resume")
 #: The most requests one batch may run together.
 MAX_BATCH_SIZE = 256
+#: The smallest request-body limit: room for a short request.
+MIN_REQUEST_BYTES = 1024
 
 
 def check_server_config(cfg: Mapping) -> dict:
     """``cfg`` with its run values checked (:func:`check_run_config`) and ``host`` / ``port`` /
-    ``batch_size`` too: host a non-empty name or address without spaces, port an int in
-    [1, 65535], batch_size an int in [1, MAX_BATCH_SIZE]. The one-shot keys
+    ``batch_size`` / ``max_request_bytes`` too: host a non-empty name or address without spaces, port
+    an int in [1, 65535], batch_size an int in [1, MAX_BATCH_SIZE], max_request_bytes an int of at
+    least MIN_REQUEST_BYTES. The one-shot keys
     (prompt, prompt_file, output, resume) are refused rather than ignored."""
     size = cfg.get("batch_size", 8)  # checked here: a tree drafter makes the server serial, not an error
     cfg = check_run_config({key: value for key, value in cfg.items() if key != "batch_size"})
@@ -43,7 +48,14 @@ def check_server_config(cfg: Mapping) -> dict:
     cfg["host"] = host
     cfg["port"] = parse_int(cfg.get("port", 8000), "port", minimum=1, maximum=65535)
     cfg["batch_size"] = parse_int(size, "batch_size", minimum=1, maximum=MAX_BATCH_SIZE)
+    cfg["max_request_bytes"] = parse_int(cfg.get("max_request_bytes", MAX_REQUEST_BYTES), "max_request_bytes",
+                                         minimum=MIN_REQUEST_BYTES)
     return cfg
+
+
+def base_url(host: str, port: int) -> str:
+    """The API's base URL on ``host:port``, an IPv6 address in brackets (``http://[::]:8000/v1``)."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
 
 
 def _is_loopback(host: str) -> bool:
@@ -65,6 +77,7 @@ def serve(cfg: Mapping, err=None) -> None:
 
     err = sys.stderr if err is None else err
     cfg = check_server_config(cfg)
+    show_log(err)
     host, port = cfg["host"], cfg["port"]
     sock = bind(host, port)
     pipe = build_pipeline(cfg)
@@ -72,10 +85,31 @@ def serve(cfg: Mapping, err=None) -> None:
         err.write(f"specgen-serve: warning: listening on {host}, reachable from other machines; "
                   "there is no authentication\n")
     scheduler = make_scheduler(pipe, cfg["batch_size"])
-    err.write(f"specgen-serve: model {served_model_name(pipe)!r} [{pipe.guarantee}] on http://{host}:{port}/v1 "
+    err.write(f"specgen-serve: model {served_model_name(pipe)!r} [{pipe.guarantee}] on {base_url(host, port)} "
               f"({scheduler.info['note']})\n")
-    server = uvicorn.Server(uvicorn.Config(create_app(pipe, scheduler=scheduler), log_level="warning"))
+    app = create_app(pipe, scheduler=scheduler, max_request_bytes=cfg["max_request_bytes"])
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     server.run(sockets=[sock])
+
+
+class _LineFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"specgen-serve: {record.levelname.lower()}: {super().format(record)}"
+
+
+def show_log(err) -> None:
+    """Write specgen's log records of level WARNING and above to ``err``, one ``specgen-serve: warning: ...``
+    line each (an exception's traceback after its line). Hydra's job-logging config switches off the
+    loggers that exist when it runs; specgen's are switched back on."""
+    for name, logger in logging.Logger.manager.loggerDict.items():
+        if (name == "specgen" or name.startswith("specgen.")) and isinstance(logger, logging.Logger):
+            logger.disabled = False
+    root = logging.getLogger("specgen")
+    handler = logging.StreamHandler(err)
+    handler.setFormatter(_LineFormatter())
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    root.propagate = False
 
 
 def bind(host: str, port: int) -> socket.socket:

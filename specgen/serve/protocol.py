@@ -192,8 +192,8 @@ def parse_completion(body: object, model: str) -> GenRequest:
     elif not isinstance(prompt, str):
         raise _fail("prompt must be a string, a list of one string, or a list of token ids "
                     "(one prompt per request)", "prompt")
-    elif not prompt:
-        raise _fail("prompt is empty", "prompt")
+    else:
+        _guarded(check_prompt, prompt, "prompt", param="prompt")
     common = _common(body, "completion", "max_tokens")
     common["options"]["chat"] = False
     return GenRequest(prompt=prompt, prompt_ids=prompt_ids, **common)

@@ -1,0 +1,142 @@
+"""specgen-serve and careless clients (issue 30): bodies too big or cut short, unknown chat roles, empty
+or oversized prompts, flags where overrides belong, IPv6 hosts in printed URLs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+
+import pytest
+from conftest import tiny_pipeline
+
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+from specgen.config import compose, to_container  # noqa: E402
+from specgen.errors import ConfigError  # noqa: E402
+from specgen.serve import create_app  # noqa: E402
+from specgen.serve.app import MAX_REQUEST_BYTES  # noqa: E402
+from specgen.serve.cli import base_url, check_server_config  # noqa: E402
+
+LIMIT = 4096
+
+
+@pytest.fixture(scope="module")
+def app():
+    return create_app(tiny_pipeline("drafter.num_tokens=3", "max_new_tokens=3"), max_request_bytes=LIMIT)
+
+
+def call(app, chunks: list[bytes], *, length: int | None = None, path: str = "/v1/completions"):
+    """Drive the ASGI app with a body sent as ``chunks`` (then a disconnect if the client ``length`` promised
+    more); -> (status, JSON body or None, how many chunks the app read)."""
+    headers = [(b"content-type", b"application/json")]
+    if length is not None:
+        headers.append((b"content-length", str(length).encode()))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "headers": headers,
+             "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000), "root_path": ""}
+    sent, read = [], [0]
+
+    async def receive():
+        if read[0] < len(chunks):
+            read[0] += 1
+            more = read[0] < len(chunks) or (length is not None and length > sum(map(len, chunks)))
+            return {"type": "http.request", "body": chunks[read[0] - 1], "more_body": more}
+        await asyncio.sleep(0)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], json.loads(body) if body else None, read[0]
+
+
+def test_a_client_gone_while_sending_its_body_is_one_log_line(app, caplog):
+    with caplog.at_level(logging.WARNING):
+        status, _, _ = call(app, [b'{"model": "ti'], length=1000)
+    assert status == 499
+    assert [r.getMessage() for r in caplog.records] == ["/v1/completions: the client went away while sending "
+                                                        "its request body"]
+    assert caplog.records[0].exc_info is None
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(app):
+    status, body, read = call(app, [b"x" * 1024] * 8, length=100 * 2**20)
+    assert (status, read, body["error"]["code"]) == (413, 0, "request_too_large")
+    assert body["error"]["message"] == (f"the request body is {100 * 2**20:,} bytes, over this server's limit of "
+                                        f"{LIMIT:,} bytes (max_request_bytes)")
+
+
+def test_a_chunked_body_over_the_limit_is_413_once_the_limit_is_passed(app):
+    status, body, read = call(app, [b"x" * 1024] * 100)
+    assert status == 413 and read == 5 and "more than 4,096 bytes" in body["error"]["message"]
+
+
+@pytest.mark.parametrize(("payload", "path", "message"), [
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "/v1/chat/completions",
+     "messages[0] has the role 'wizard'; a role is one of system, user, assistant"),
+    ({"messages": [{"role": "user", "content": ""}]}, "/v1/chat/completions", "messages has no user message with text"),
+    ({"prompt": "  \n"}, "/v1/completions", "prompt holds only whitespace"),
+    ({"prompt": "a" * 3000}, "/v1/completions", "the prompt has 3000 tokens"),  # under the body limit: tokenised
+])
+def test_unknown_roles_and_empty_prompts_are_400(app, payload, path, message):
+    status, body, _ = call(app, [json.dumps({"model": "tiny", "max_tokens": 2, **payload}).encode()], path=path)
+    assert status == 400 and body["error"]["message"].startswith(message), body
+
+
+def test_a_prompt_too_big_for_the_context_is_400_before_tokenising(monkeypatch):
+    from specgen.models.tokenizer import TokenizerInfo
+
+    monkeypatch.setattr(TokenizerInfo, "encode_prompt", lambda *a, **k: pytest.fail("tokenised"))
+    app = create_app(tiny_pipeline("drafter.num_tokens=3"))
+    prompt = "a" * (256 * 512 + 1)
+    status, body, _ = call(app, [json.dumps({"model": "tiny", "prompt": prompt}).encode()])
+    assert status == 400 and body["error"]["param"] == "prompt"
+    assert body["error"]["message"].startswith("prompt is 131,073 characters; a prompt for this model's 512-token")
+
+
+def test_a_real_client_sees_the_413(app):
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(600):
+        if server.started:
+            break
+        time.sleep(0.05)
+    try:
+        port = server.servers[0].sockets[0].getsockname()[1]
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", content=b"x" * (2 * 2**20), timeout=60)
+        assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_serve_config_has_a_body_limit_and_ipv6_urls_are_bracketed():
+    cfg = check_server_config(to_container(compose(["target=tiny"], "serve")))
+    assert cfg["max_request_bytes"] == MAX_REQUEST_BYTES == 4 * 2**20
+    with pytest.raises(ConfigError, match="max_request_bytes must be at least 1024"):
+        check_server_config(to_container(compose(["target=tiny", "max_request_bytes=10"], "serve")))
+    assert base_url("::", 8000) == "http://[::]:8000/v1"
+    assert base_url("::1", 80) == "http://[::1]:80/v1"
+    assert base_url("127.0.0.1", 8000) == "http://127.0.0.1:8000/v1"
+
+
+@pytest.mark.parametrize(("args", "hint"), [
+    (["--host", "0.0.0.0", "target=tiny"], "write host=0.0.0.0"),
+    (["--host=::1", "target=tiny"], "write host=::1"),
+    (["--port", "--host"], "write port=..."),
+    (["--max-new-tokens", "5"], "write max_new_tokens=5"),
+])
+def test_flags_get_the_override_to_write(args, hint):
+    from specgen.config import check_command_line
+
+    with pytest.raises(ConfigError, match="unrecognized arguments") as info:
+        check_command_line(args, "serve")
+    assert hint in str(info.value) and "--cfg job" not in str(info.value)
