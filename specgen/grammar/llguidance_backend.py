@@ -12,6 +12,17 @@ prefixes give the same node while it is alive), holding the matcher's answers
 for that prefix (allowed-token bitmask, final). One matcher per grammar is moved
 between prefixes with ``rollback``/``consume_token`` under a lock, so a round
 that is discarded has nothing to undo: nodes nobody refers to are collected.
+
+Forced text. llguidance spells the bytes a grammar forces with the tokenizer and
+allows only that spelling, which is sound only when every forced string can be
+spelled exactly. That holds when every byte of UTF-8 text has a one-byte token
+(byte-level BPE, SentencePiece byte fallback): those vocabularies are compiled
+with forcing. Any other vocabulary is compiled with ``no_forcing``: the mask is
+then every token whose bytes the grammar allows, whatever the spelling, which is
+what the parser accepts. A grammar whose required opening text no token path
+spells is refused at compile (ConfigError, "the tokenizer cannot express this
+grammar"); a vocabulary that cannot spell text required later meets a dead end
+there (no token allowed), never a token the parser then refuses.
 """
 
 from __future__ import annotations
@@ -46,6 +57,28 @@ _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[([^\]]*)\]')
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 _KNOWN_DRAFT = re.compile(r"json-schema\.org/(draft-0[3-7]/schema|draft/20(19-09|20-12)/schema)#?$")
 _REMOTE = re.compile(r"Resource '([^']+)' is not present in a registry")
+#: Every byte that can occur in UTF-8 text (not C0, C1, F5-FF).
+_UTF8_BYTES = frozenset(range(0xC0)) | frozenset(range(0xC2, 0xF5))
+_NO_FORCING = '%llguidance {"no_forcing": true}\n'
+#: Mask computations the compile-time check of a grammar's opening text may spend.
+START_CHECK_BUDGET = 256
+
+
+def can_force(vocab: TokenBytes) -> bool:
+    """Whether every byte of UTF-8 text has a one-byte token, so any forced text can be spelled exactly."""
+    return _UTF8_BYTES <= {data[0] for data in vocab.by_id if data and len(data) == 1}
+
+
+def without_forcing(grammar: str) -> str:
+    """The llguidance grammar text ``grammar`` (a JSON grammar list) with forcing turned off."""
+    top = json.loads(grammar)
+    for entry in top["grammars"]:
+        schema = entry.get("json_schema")
+        if schema is not None:
+            entry["json_schema"] = None
+            entry["lark_grammar"] = "start: %json " + json.dumps(schema)
+        entry["lark_grammar"] = _NO_FORCING + entry["lark_grammar"]
+    return json.dumps(top)
 
 
 class PrefixNode:
@@ -66,6 +99,7 @@ class LLGuidanceAutomaton(CompiledAutomaton):
     """A compiled llguidance grammar seen as an automaton over :class:`PrefixNode` states."""
 
     def __init__(self, matcher, vocab_size: int):
+        self._pristine = matcher.deep_copy()  # consumed nothing: replaces a matcher that stopped
         self._matcher = matcher
         self._vocab_size = vocab_size
         self._serials = itertools.count(1)
@@ -108,17 +142,32 @@ class LLGuidanceAutomaton(CompiledAutomaton):
             return bytes(self._matcher.compute_ff_bytes())[:limit]
 
     def _fill(self, node: PrefixNode) -> None:
-        """Move the matcher to ``node`` and record its mask and finality (lock held)."""
+        """Move the matcher to ``node`` and record its mask and finality (lock held).
+
+        A prefix where nothing is allowed gets an empty mask; llguidance stops
+        there for good, so the matcher is replaced by a fresh copy. Any other
+        matcher error raises ConfigError (the matcher is replaced first)."""
         self._move_to(node)
+        if not self._matcher.is_error():
+            raw = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
         if self._matcher.is_error():
             error = first_line(ValueError(self._matcher.get_error()))
-            raise ConfigError(f"llguidance failed on a prefix it allowed: {error}")
-        raw = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+            self._restart()
+            if not error.startswith("NoExtensionBias"):  # llguidance's "no token allowed" stop
+                raise ConfigError(f"llguidance failed on a prefix it allowed: {error}")
+            node.bits = np.zeros((self._vocab_size + 7) // 8, dtype=np.uint8)
+            node.final = False
+            return
         node.bits = raw[: (self._vocab_size + 7) // 8].copy()
         tail = self._vocab_size & 7
         if tail:
             node.bits[-1] &= (1 << tail) - 1
         node.final = bool(self._matcher.is_accepting())
+
+    def _restart(self) -> None:
+        """Replace a stopped matcher by a copy that has consumed nothing (lock held)."""
+        self._matcher = self._pristine.deep_copy()
+        del self._path[1:]
 
     def _move_to(self, node: PrefixNode) -> None:
         tokens = []
@@ -185,6 +234,33 @@ class _Tokenizer:
         return out
 
 
+def unspelled_start(automaton: LLGuidanceAutomaton, vocab: TokenBytes) -> bytes | None:
+    """The text every output starts with, when no allowed token path spells it; else None.
+
+    Explores the paths inside that text (a state there depends only on how many
+    of its bytes are spelled) for a token that reaches its end or beyond. None
+    too when the exploration spends :data:`START_CHECK_BUDGET` mask computations."""
+    initial = automaton.initial_state
+    if initial.final:
+        return None
+    forced = automaton.forced_bytes(initial, 256)
+    frontier, seen, budget = [(initial, 0)], {0}, START_CHECK_BUDGET
+    while frontier:
+        state, offset = frontier.pop()
+        for token in np.flatnonzero(np.unpackbits(state.bits, bitorder="little")[: vocab.vocab_size]).tolist():
+            end = offset + len(vocab.by_id[token])
+            if end >= len(forced):
+                return None
+            if end in seen:
+                continue
+            budget -= 1
+            if budget < 0:
+                return None
+            seen.add(end)
+            frontier.append((automaton.next_state(state, token), end))
+    return forced
+
+
 class LLGuidanceBackend(GrammarBackend):
     """llguidance (see the module docstring)."""
 
@@ -231,6 +307,8 @@ class LLGuidanceBackend(GrammarBackend):
         self.check(spec)
         tokenizer = self._tokenizer(vocab)
         grammar = self.grammar(spec)
+        if not can_force(vocab):
+            grammar = without_forcing(grammar)
         result: dict = {}
 
         def build() -> None:
@@ -256,19 +334,20 @@ class LLGuidanceBackend(GrammarBackend):
         if result.get("error"):
             raise self._explain(spec, result["error"])
         automaton = LLGuidanceAutomaton(matcher, vocab.vocab_size)
-        initial = automaton.initial_state
-        if not initial.final and not initial.bits.any():
-            raise self._nothing_allowed(spec, grammar)
+        unspelled = unspelled_start(automaton, vocab)
+        if unspelled is not None:
+            raise self._nothing_allowed(spec, grammar, unspelled)
         return automaton
 
-    def _nothing_allowed(self, spec: GrammarSpec, grammar: str) -> ConfigError:
+    def _nothing_allowed(self, spec: GrammarSpec, grammar: str, text: bytes) -> ConfigError:
         bytes_only = self._llg.LLTokenizer(self._llg.TokenizerWrapper(_Tokenizer(_BYTES)), slices=[])
         matcher = self._llg.LLMatcher(bytes_only, grammar, log_level=0, limits=self._limits)
         bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)[:32]
         if matcher.is_error() or not (bits.any() or matcher.is_accepting()):
             return ConfigError(f"the grammar matches no string at all (empty language): {spec.description}")
-        return ConfigError(f"the tokenizer cannot express this grammar: no token sequence spells the text it "
-                           f"starts with; grammar: {spec.description}")
+        why = (f"no token sequence spells the text every output starts with "
+               f"({text.decode('utf-8', errors='replace')[:80]!r})" if text else "no token can start an output")
+        return ConfigError(f"the tokenizer cannot express this grammar: {why}; grammar: {spec.description}")
 
     def _explain(self, spec: GrammarSpec, message: str) -> ConfigError:
         line = first_line(ValueError(message))
