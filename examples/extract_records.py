@@ -8,7 +8,16 @@ of .txt files (one note per file). Each output line is
 ``{"source": ..., "record": {...} | null, "finish_reason": ...}``: ``record`` is
 the parsed JSON whenever generation completed (finish_reason "eos"), and then it
 validates against the schema by construction. Extra ``--override key=value``
-arguments go to ``specgen.pipeline`` (e.g. ``--override sampling.temperature=0.7``).
+arguments go to ``specgen.pipeline`` (e.g. ``--override sampling.temperature=0.7``);
+the schema is the pipeline's grammar (``grammar=json_schema``), so the
+``grammar.*`` keys apply too (``--override grammar.backend=outlines_core``).
+
+Like ``specgen``'s JSONL mode, everything is checked before the output is touched
+(the schema, the notes, the output path, the pipeline with its compiled grammar),
+each bad input is one ``error: ...`` line with exit status 2, and an existing
+non-empty --output is refused unless ``--resume`` is given: then the records
+already there are kept (a torn last line is dropped), only the notes without one
+are extracted, and the file ends in input order.
 
 ``--batch-size N`` (default 8) extracts N notes at a time on the batched engine
 (``specgen.batch.stream_batch``, continuous batching); lines are still written in
@@ -29,26 +38,94 @@ from tqdm import tqdm
 
 import specgen
 from specgen.batch import stream_batch
+from specgen.checks import check_output_file
 from specgen.events import FinishEvent
+from specgen.jsonl_output import sort_records
+from specgen.options import parse_int, parse_seed
 
 PROMPT = "Extract the {title} from the text below as a JSON object with the fields {fields}.\n\nText:\n{text}"
+#: Overrides the script sets itself from --schema.
+OWN_KEYS = ("grammar", "grammar.schema", "grammar.kind")
+
+
+def read_text(path: pathlib.Path, name: str) -> str:
+    """The UTF-8 text of ``path``; SpecgenError naming ``name`` and the file when it cannot be read."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise specgen.PromptError(f"{name} {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "
+                                  f"at offset {exc.start})") from None
+    except OSError as exc:
+        raise specgen.ConfigError(f"cannot read {name} {path}: {exc.strerror or exc}") from None
+
+
+def read_schema(path: pathlib.Path) -> dict:
+    """The JSON schema object in ``path``; SpecgenError naming the file when it is not one."""
+    try:
+        schema = json.loads(read_text(path, "--schema"))
+    except json.JSONDecodeError as exc:
+        raise specgen.ConfigError(f"--schema {path} is not valid JSON: {exc.msg} at line {exc.lineno} "
+                                  f"column {exc.colno}") from None
+    if not isinstance(schema, dict):
+        raise specgen.ConfigError(f"--schema {path} must hold a JSON object (a JSON schema), "
+                                  f"got {type(schema).__name__}")
+    return schema
 
 
 def read_notes(path: pathlib.Path) -> list[tuple[str, str]]:
-    """(source name, text) per note: blank-line separated paragraphs, or one per .txt file."""
+    """(source name, text) per note: blank-line separated paragraphs, or one per .txt file.
+
+    SpecgenError naming the file for a missing input, text that is not UTF-8, or no notes at all."""
     if path.is_dir():
-        return [(p.name, p.read_text(encoding="utf-8").strip()) for p in sorted(path.glob("*.txt"))]
-    paragraphs = [p.strip() for p in path.read_text(encoding="utf-8").split("\n\n")]
-    return [(f"{path.name}#{i + 1}", p) for i, p in enumerate(p for p in paragraphs if p)]
+        notes = [(p.name, read_text(p, "--input").strip()) for p in sorted(path.glob("*.txt"))]
+        notes = [(source, text) for source, text in notes if text]
+    elif path.exists():
+        paragraphs = [p.strip() for p in read_text(path, "--input").split("\n\n")]
+        notes = [(f"{path.name}#{i + 1}", p) for i, p in enumerate(p for p in paragraphs if p)]
+    else:
+        raise specgen.ConfigError(f"--input {path} does not exist")
+    if not notes:
+        raise specgen.PromptError(f"--input {path} holds no notes (blank-line separated text, or .txt files)")
+    return notes
+
+
+def kept_records(path: pathlib.Path, sources: list[str], resume: bool) -> tuple[dict[str, dict], int]:
+    """The records already in ``path`` by source, and the byte length of the part to keep.
+
+    Without ``resume`` a non-empty file is refused; with it, a torn last line is left out and a
+    line that is not a record of one of ``sources`` is refused (another input's output)."""
+    data = path.read_bytes() if path.is_file() else b""
+    if data and not resume:
+        raise specgen.ConfigError(f"--output {path} already holds records; add --resume to continue it, "
+                                  "or choose another file")
+    records: dict[str, dict] = {}
+    kept = 0
+    for number, line in enumerate(data.splitlines(keepends=True), start=1):
+        try:
+            record = json.loads(line) if line.endswith(b"\n") else None
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            record = None
+        if record is None and kept + len(line) == len(data):
+            break  # a torn last line: run that note again
+        if not isinstance(record, dict) or record.get("source") not in sources or record["source"] in records:
+            raise specgen.ConfigError(f"--output {path} line {number} is not a record of a note in this --input; "
+                                      "it cannot be resumed (choose another output file)")
+        records[record["source"]] = record
+        kept += len(line)
+    return records, kept
 
 
 def extract(pipe, schema: dict, notes: list[tuple[str, str]], *, max_new_tokens: int = 512,
-            seed: int = 0, progress: bool = True, batch_size: int = 8) -> Iterator[dict]:
-    """One result dict per note, in input order (see the module docstring)."""
+            seed: int = 0, progress: bool = True, batch_size: int = 8,
+            grammar_in_pipeline: bool = False) -> Iterator[dict]:
+    """One result dict per note, in input order (see the module docstring).
+
+    grammar_in_pipeline: ``pipe`` was built with ``schema`` as its grammar (each request then
+    passes none); otherwise each request passes ``schema``."""
     title = schema.get("title", "record").lower()
     fields = ", ".join(schema.get("properties", {})) or "of the schema"
     prompts = [PROMPT.format(title=title, fields=fields, text=text) for _, text in notes]
-    options = {"schema": schema, "max_new_tokens": max_new_tokens, "seed": seed}
+    options = {"max_new_tokens": max_new_tokens, "seed": seed, **({} if grammar_in_pipeline else {"schema": schema})}
     with tqdm(total=len(notes), desc="extracting", unit="note", disable=not progress, file=sys.stderr) as bar:
         if batch_size == 1:
             for (source, _), prompt in zip(notes, prompts):
@@ -79,34 +156,70 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--schema", required=True, type=pathlib.Path, help="JSON schema file")
     parser.add_argument("--input", required=True, type=pathlib.Path, help="notes file or directory of .txt")
     parser.add_argument("--output", required=True, type=pathlib.Path, help="JSONL file to write")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the records already in --output and extract only the missing notes")
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=8,
                         help="notes extracted together (continuous batching); 1 = one after another")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="specgen config override (repeatable)")
+                        help="specgen config override (repeatable), grammar.* keys included")
     return parser
+
+
+def check_overrides(overrides: list[str], schema_path: pathlib.Path) -> list[str]:
+    """The pipeline's overrides: ``grammar=json_schema`` with --schema, then the user's (which may
+    set the other ``grammar.*`` keys, but not the grammar itself)."""
+    for override in overrides:
+        key = override.partition("=")[0].lstrip("+~")
+        if key in OWN_KEYS:
+            raise specgen.ConfigError(f"--override {override}: the grammar is the --schema file; "
+                                      "give the schema with --schema")
+    return ["grammar=json_schema", f"grammar.schema={schema_path}", *overrides]
+
+
+def write_results(path: pathlib.Path, kept: int, results: Iterator[dict], position: dict[str, int]) -> int:
+    """Append ``results`` to ``path`` after its first ``kept`` bytes, each line flushed as it comes; the
+    file is then put in input order (``position`` of each source), however the run ends. -> how many
+    results hold a record."""
+    complete = 0
+    try:
+        with path.open("ab") as out:
+            out.truncate(kept)
+            for result in results:
+                out.write((json.dumps(result, ensure_ascii=False) + "\n").encode("utf-8"))
+                out.flush()
+                complete += result["record"] is not None
+    finally:
+        sort_records(path, lambda record: position[record["source"]])
+    return complete
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.batch_size < 1:
-        print(f"error: --batch-size must be a positive integer, got {args.batch_size}", file=sys.stderr)
-        return 2
     try:
-        schema = json.loads(args.schema.read_text(encoding="utf-8"))
+        batch_size = parse_int(args.batch_size, "--batch-size", minimum=1)
+        max_new_tokens = parse_int(args.max_new_tokens, "--max-new-tokens", minimum=1)
+        seed = parse_seed(args.seed, "--seed")
+        schema = read_schema(args.schema)
         notes = read_notes(args.input)
-        pipe = specgen.pipeline(*args.override)
-        complete = 0
-        with args.output.open("w", encoding="utf-8") as out:
-            for result in extract(pipe, schema, notes, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                                  batch_size=args.batch_size):
-                out.write(json.dumps(result, ensure_ascii=False) + "\n")
-                complete += result["record"] is not None
-    except (OSError, json.JSONDecodeError, specgen.SpecgenError) as exc:
+        check_output_file(args.output, "--output", example="records.jsonl")
+        position = {source: i for i, (source, _) in enumerate(notes)}
+        records, kept = kept_records(args.output, list(position), args.resume)
+        pipe = specgen.pipeline(*check_overrides(args.override, args.schema))
+        todo = [note for note in notes if note[0] not in records]
+        results = extract(pipe, schema, todo, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size,
+                          grammar_in_pipeline=True)
+        complete = write_results(args.output, kept, results, position)
+    except specgen.SpecgenError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"{complete}/{len(notes)} records complete -> {args.output}", file=sys.stderr)
+    except OSError as exc:
+        print(f"error: cannot write --output {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    complete += sum(record.get("record") is not None for record in records.values())
+    resumed = f" ({len(records)} resumed)" if records else ""
+    print(f"{complete}/{len(notes)} records complete -> {args.output}{resumed}", file=sys.stderr)
     return 0
 
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TEST_COSTS, tiny_pipeline
+from conftest import TEST_COSTS, TINY, tiny_pipeline
 from grammar_helpers import char_info
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -47,27 +47,126 @@ def json_tiny(monkeypatch):
     return patch
 
 
+@pytest.fixture
+def json_tiny_grammar(monkeypatch):
+    """Patch ``specgen.pipeline`` inside an example to give tiny models that can spell JSON, constrained by
+    the grammar its ``grammar.*`` overrides describe (the others are ignored); -> each call's overrides."""
+    import specgen
+    from specgen.grammar import grammar_processor
+
+    calls, build = [], specgen.pipeline
+
+    def pipeline(*overrides, **kwargs):
+        calls.append(overrides)
+        pipe = build(*TINY, "drafter=tiny", "target.source.vocab_size=40", "drafter.source.vocab_size=40",
+                     "sampling.temperature=1.0", progress=False)
+        pipe.tokenizer = char_info(CHARS)
+        pairs = [override.split("=", 1) for override in overrides]
+        spec = {key[len("grammar."):]: value for key, value in pairs if key.startswith("grammar.")}
+        pipe.stack = pipe.stack.with_grammar(grammar_processor({"kind": "json_schema", **spec}, pipe.tokenizer))
+        return pipe
+
+    def patch(module):
+        monkeypatch.setattr(module.specgen, "pipeline", pipeline)
+        return calls
+
+    return patch
+
+
+REC_SCHEMA = {"title": "Rec", "type": "object", "properties": {"a": {"enum": [1, 2]},
+              "b": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2}}, "required": ["a", "b"]}
+NOTES = "first note\n\nsecond note\nstill second\n\n\nthird note\n"
+
+
+def extract_args(tmp_path, *extra, schema=REC_SCHEMA, notes=NOTES):
+    (tmp_path / "s.json").write_text(schema if isinstance(schema, str) else json.dumps(schema))
+    (tmp_path / "notes.txt").write_bytes(notes if isinstance(notes, bytes) else notes.encode())
+    return ["--schema", str(tmp_path / "s.json"), "--input", str(tmp_path / "notes.txt"),
+            "--output", str(tmp_path / "records.jsonl"), "--max-new-tokens", "60", *extra]
+
+
 @pytest.mark.parametrize("batch_size", ["1", "4"])
-def test_extract_records_writes_valid_jsonl(tmp_path, json_tiny, batch_size):
+def test_extract_records_writes_valid_jsonl(tmp_path, json_tiny_grammar, batch_size):
     """One line per note, in input order: sequential (1) or batched (4: every note at once; then 2: a refill)."""
     module = load_example("extract_records")
-    json_tiny(module)
-    schema = {"title": "Rec", "type": "object", "properties": {"a": {"enum": [1, 2]},
-              "b": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2}}, "required": ["a", "b"]}
-    (tmp_path / "s.json").write_text(json.dumps(schema))
-    (tmp_path / "notes.txt").write_text("first note\n\nsecond note\nstill second\n\n\nthird note\n")
+    json_tiny_grammar(module)
+    argv = extract_args(tmp_path, "--batch-size", batch_size)
     out = tmp_path / "records.jsonl"
-    argv = ["--schema", str(tmp_path / "s.json"), "--input", str(tmp_path / "notes.txt"), "--output", str(out),
-            "--max-new-tokens", "60", "--batch-size", batch_size]
     assert module.main(argv) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["source"] for r in rows] == ["notes.txt#1", "notes.txt#2", "notes.txt#3"]
     for row in rows:
         assert row["finish_reason"] == "eos"
         assert row["record"]["a"] in (1, 2) and set(row["record"]["b"]) <= {"x", "y"}
+    out.unlink()
     assert module.main([*argv[:-1], "2"]) == 0  # 3 notes through 2 rows: a refill; order still kept
     assert [json.loads(line)["source"] for line in out.read_text().splitlines()] == [r["source"] for r in rows]
     assert module.main([*argv[:-1], "0"]) == 2
+
+
+def _one_error_line(capsys, fragment):
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and fragment in err, err
+
+
+@pytest.mark.parametrize(("extra", "schema", "notes", "fragment"), [
+    ((), {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}, NOTES, "'uniqueItems'"),
+    ((), "{not json", NOTES, "s.json is not valid JSON: Expecting property name enclosed in double quotes at line 1"),
+    ((), REC_SCHEMA, b"caf\xe9 note\n", "notes.txt is not UTF-8 text (byte 0xe9 at offset 3)"),
+    ((), REC_SCHEMA, "\n\n  \n", "notes.txt holds no notes"),
+    (("--max-new-tokens", "0"), REC_SCHEMA, NOTES, "--max-new-tokens must be at least 1"),
+    (("--seed", "-1"), REC_SCHEMA, NOTES, "--seed must be at least 0"),
+    (("--override", "grammar=regex"), REC_SCHEMA, NOTES, "the grammar is the --schema file"),
+    (("--override", "grammar.backend=nonsense"), REC_SCHEMA, NOTES, "nonsense"),
+])
+def test_extract_records_bad_input_is_one_line_and_the_output_is_untouched(tmp_path, json_tiny_grammar, capsys,
+                                                                         extra, schema, notes, fragment):
+    module = load_example("extract_records")
+    json_tiny_grammar(module)
+    out = tmp_path / "records.jsonl"
+    out.write_text('{"source": "notes.txt#1", "record": {"a": 1, "b": []}, "finish_reason": "eos"}\n')
+    before = out.read_bytes()
+    assert module.main([*extract_args(tmp_path, schema=schema, notes=notes), "--resume", *extra]) == 2
+    _one_error_line(capsys, fragment)
+    assert out.read_bytes() == before
+
+
+def test_extract_records_refuses_to_overwrite_and_resumes_in_input_order(tmp_path, json_tiny_grammar, capsys):
+    module = load_example("extract_records")
+    calls = json_tiny_grammar(module)
+    out = tmp_path / "records.jsonl"
+    kept = {"source": "notes.txt#3", "record": {"a": 2, "b": []}, "finish_reason": "eos", "kept": True}
+    out.write_text(json.dumps(kept) + '\n{"source": "notes.txt#1", "rec')  # a torn last line
+    before = out.read_bytes()
+    assert module.main(extract_args(tmp_path)) == 2
+    _one_error_line(capsys, "records.jsonl already holds records; add --resume to continue it")
+    assert out.read_bytes() == before and not calls  # refused before the pipeline was built
+    assert module.main([*extract_args(tmp_path), "--resume", "--batch-size", "2"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["source"] for r in rows] == ["notes.txt#1", "notes.txt#2", "notes.txt#3"]
+    assert rows[2] == kept and "(1 resumed)" in capsys.readouterr().err
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"source": "elsewhere#1", "record": null, "finish_reason": "length"}\n')
+    assert module.main([*extract_args(tmp_path)[:5], str(other), "--resume"]) == 2
+    _one_error_line(capsys, "line 1 is not a record of a note in this --input")
+
+
+def test_extract_records_takes_grammar_keys_and_checks_the_output_first(tmp_path, json_tiny_grammar, capsys):
+    from specgen.config import compose
+
+    module = load_example("extract_records")
+    calls = json_tiny_grammar(module)
+    overrides = module.check_overrides(["grammar.backend=outlines_core", "grammar.whitespace="], tmp_path / "s.json")
+    grammar = compose(overrides).grammar
+    assert (grammar.kind, grammar.schema, grammar.backend) == ("json_schema", str(tmp_path / "s.json"), "outlines_core")
+    argv = extract_args(tmp_path, "--override", "grammar.backend=outlines_core", "--batch-size", "1")
+    assert module.main(argv) == 0 and "grammar.backend=outlines_core" in calls[-1]
+    capsys.readouterr()
+    count = len(calls)
+    missing = tmp_path / "nodir" / "records.jsonl"
+    assert module.main([*argv[:5], str(missing), *argv[6:]]) == 2
+    _one_error_line(capsys, f"--output={missing} cannot be created: {missing.parent} does not exist")
+    assert len(calls) == count  # nothing was loaded
 
 
 def test_tool_call_runs_the_called_tool(json_tiny, monkeypatch):
