@@ -37,8 +37,8 @@ _RESET = "\033[0m"
 
 def check_prompt_source(cfg: dict, stdin=None) -> None:
     """PromptError for a prompt source that cannot give a prompt, found without reading it: both
-    ``prompt`` and ``prompt_file``, an empty ``prompt``, a ``prompt_file`` that is missing, a
-    directory or empty, or no source at all (nothing given and stdin a terminal)."""
+    ``prompt`` and ``prompt_file``, an empty ``prompt``, a ``prompt_file`` that is missing or not a
+    regular file, or no source at all (nothing given and stdin a terminal)."""
     stdin = sys.stdin if stdin is None else stdin
     prompt, prompt_file = cfg.get("prompt"), cfg.get("prompt_file")
     if prompt is not None and prompt_file is not None:
@@ -55,8 +55,6 @@ def check_prompt_source(cfg: dict, stdin=None) -> None:
             raise PromptError(f"prompt_file {prompt_file} does not exist")
         if not path.is_file():
             raise PromptError(f"prompt_file {prompt_file} is not a regular file; pipe it to stdin (prompt=-) instead")
-        if path.stat().st_size == 0:
-            raise PromptError(f"prompt_file {prompt_file} is empty; give some text to generate from")
     elif prompt is not None:
         check_prompt(prompt)
     elif stdin is None or stdin.isatty():
@@ -87,12 +85,17 @@ def read_prompt(cfg: dict, stdin=None, *, context_length: int | None = None) -> 
 
 
 def _read_file(path: Path, limit: int | None, context_length: int | None) -> str:
-    """The UTF-8 text of ``path``; refused by its size (over ``limit`` bytes) before it is read."""
+    """The UTF-8 text of ``path``; refused by its size (over ``limit`` bytes) before it is read, and
+    read to one byte past ``limit`` at most (a file that reports no size, as in /proc, too)."""
     try:
         size = path.stat().st_size
         if limit is not None and size > limit:
             raise size_error(f"prompt_file {path}", size, "bytes", context_length)
-        return path.read_bytes().decode("utf-8")
+        with open(path, "rb") as file:
+            data = file.read() if limit is None else file.read(limit + 1)
+        if limit is not None and len(data) > limit:
+            raise size_error(f"prompt_file {path}", len(data), "bytes or more", context_length)
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PromptError(f"prompt_file {path} is not UTF-8 text ({_where(exc)})") from None
     except OSError as exc:

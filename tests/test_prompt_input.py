@@ -142,3 +142,9 @@ def _run_jsonl(rows, out, *extra):
         return 0, err.getvalue()
     except SystemExit as exc:
         return exc.code, err.getvalue()
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_a_file_that_reports_no_size_is_still_read():
+    """/proc files have st_size 0: read (to the bound at most), not taken for empty."""
+    assert "Name:" in cli.read_prompt({"prompt_file": "/proc/self/status"}, context_length=CONTEXT)
