@@ -66,6 +66,8 @@ def read_schema(path: pathlib.Path) -> dict:
     except json.JSONDecodeError as exc:
         raise specgen.ConfigError(f"--schema {path} is not valid JSON: {exc.msg} at line {exc.lineno} "
                                   f"column {exc.colno}") from None
+    except RecursionError:
+        raise specgen.ConfigError(f"--schema {path} nests JSON too deeply to parse") from None
     if not isinstance(schema, dict):
         raise specgen.ConfigError(f"--schema {path} must hold a JSON object (a JSON schema), "
                                   f"got {type(schema).__name__}")
@@ -103,7 +105,7 @@ def kept_records(path: pathlib.Path, sources: list[str], resume: bool) -> tuple[
     for number, line in enumerate(data.splitlines(keepends=True), start=1):
         try:
             record = json.loads(line) if line.endswith(b"\n") else None
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             record = None
         if record is None and kept + len(line) == len(data):
             break  # a torn last line: run that note again

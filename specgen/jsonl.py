@@ -78,6 +78,8 @@ def parse_row(text: str, index: int, line: int, defaults, *, context_length: int
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         return Row(index, line, error=f"line {line}: not valid JSON ({exc.msg} at column {exc.colno})")
+    except RecursionError:
+        return Row(index, line, error=f"line {line}: the row nests JSON arrays or objects too deeply to parse")
     if isinstance(value, str):
         value = {"prompt": value}
     if not isinstance(value, dict):
@@ -168,8 +170,9 @@ def _lines(file, limit: int | None):
 
 
 def _decode_line(line: bytes, path: Path, offset: int) -> str:
+    """A line as text without its newline (and, on the first line, without a UTF-8 byte-order mark)."""
     try:
-        return line.decode("utf-8").rstrip("\n")
+        return line.decode("utf-8-sig" if offset == 0 else "utf-8").rstrip("\n")
     except UnicodeDecodeError as exc:
         raise PromptError(f"prompt_file {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "
                           f"at offset {offset + exc.start})") from None

@@ -51,7 +51,7 @@ def scan_output(path: Path, rows: Sequence) -> tuple[dict[int, dict], int]:
 def _parse_record(line: bytes) -> dict | None:
     try:
         record = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None
     ok = isinstance(record, dict) and isinstance(record.get("index"), int) and not isinstance(record["index"], bool)
     ok = ok and record["index"] >= 0 and (isinstance(record.get("text"), str) or isinstance(record.get("error"), str))

@@ -112,6 +112,7 @@ def _one_error_line(capsys, fragment):
 @pytest.mark.parametrize(("extra", "schema", "notes", "fragment"), [
     ((), {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}, NOTES, "'uniqueItems'"),
     ((), "{not json", NOTES, "s.json is not valid JSON: Expecting property name enclosed in double quotes at line 1"),
+    ((), "[" * 100_000 + "]" * 100_000, NOTES, "s.json nests JSON too deeply to parse"),
     ((), REC_SCHEMA, b"caf\xe9 note\n", "notes.txt is not UTF-8 text (byte 0xe9 at offset 3)"),
     ((), REC_SCHEMA, "\n\n  \n", "notes.txt holds no notes"),
     (("--max-new-tokens", "0"), REC_SCHEMA, NOTES, "--max-new-tokens must be at least 1"),

@@ -157,6 +157,17 @@ def test_an_interrupted_resume_over_a_gap_keeps_every_record_in_order(tmp_path, 
     assert code == 130 and [r["index"] for r in records] == [0, 1, 2, 5]
 
 
+def test_a_byte_order_mark_and_a_row_nested_too_deeply(tmp_path):
+    """A UTF-8 BOM (Windows editors) is not part of the first row; a row nesting JSON too deeply is
+    an error row, not a crash."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b'\xef\xbb\xbf"first"\n' + b"[" * 100_000 + b"]" * 100_000 + b'\n"last"\n')
+    code, records, err = run_file(tmp_path)
+    assert code == 1 and "3 rows: 2 ok, 1 errors" in err
+    assert "text" in records[0] and "text" in records[2]
+    assert records[1]["error"] == "line 2: the row nests JSON arrays or objects too deeply to parse"
+
+
 def test_resume_refuses_the_output_of_another_input(tmp_path):
     (tmp_path / "out.jsonl").write_text('{"index": 1, "id": "not b", "text": "x"}\n', encoding="utf-8")
     with pytest.raises(ConfigError, match="does not match prompt_file"):

@@ -78,6 +78,12 @@ def test_a_chunked_body_over_the_limit_is_413_once_the_limit_is_passed(app):
     assert status == 413 and read == 5 and "more than 4,096 bytes" in body["error"]["message"]
 
 
+def test_a_body_nested_too_deeply_is_400_not_500(app):
+    status, body, _ = call(app, [b"[" * 2000 + b"]" * 2000])  # under the body limit, past the parser's depth
+    assert status == 400 and body["error"]["message"] == "the request body nests JSON arrays or objects too deeply " \
+                                                          "to parse"
+
+
 @pytest.mark.parametrize(("payload", "path", "message"), [
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "/v1/chat/completions",
      "messages[0] has the role 'wizard'; a role is one of system, user, assistant"),

@@ -72,9 +72,9 @@ def _too_large(size: str, limit: int) -> APIError:
 
 
 async def _read_json(request: Request, limit: int) -> object:
-    """The request body parsed as JSON. 413 when it is over ``limit`` bytes, by its Content-Length
-    before anything is read or else once the bytes read pass it; _Disconnected when the client
-    goes away while sending it."""
+    """The request body parsed as JSON (400 when it is not JSON, or nests too deeply for the parser).
+    413 when it is over ``limit`` bytes, by its Content-Length before anything is read or else once
+    the bytes read pass it; _Disconnected when the client goes away while sending it."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise _too_large(f"{int(length):,}", limit)
@@ -91,6 +91,8 @@ async def _read_json(request: Request, limit: int) -> object:
         return json.loads(b"".join(chunks))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON arrays or objects too deeply to parse") from None
 
 
 class Server:
