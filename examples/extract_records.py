@@ -94,8 +94,9 @@ def read_notes(path: pathlib.Path) -> list[tuple[str, str]]:
 def kept_records(path: pathlib.Path, sources: list[str], resume: bool) -> tuple[dict[str, dict], int]:
     """The records already in ``path`` by source, and the byte length of the part to keep.
 
-    Without ``resume`` a non-empty file is refused; with it, a torn last line is left out and a
-    line that is not a record of one of ``sources`` is refused (another input's output)."""
+    Without ``resume`` a non-empty file is refused; with it, a torn last line (no newline) is left
+    out and any complete line that is not a record of one of ``sources`` is refused (another
+    input's output, or not an output at all)."""
     data = path.read_bytes() if path.is_file() else b""
     if data and not resume:
         raise specgen.ConfigError(f"--output {path} already holds records; add --resume to continue it, "
@@ -107,8 +108,8 @@ def kept_records(path: pathlib.Path, sources: list[str], resume: bool) -> tuple[
             record = json.loads(line) if line.endswith(b"\n") else None
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             record = None
-        if record is None and kept + len(line) == len(data):
-            break  # a torn last line: run that note again
+        if record is None and not line.endswith(b"\n"):
+            break  # a torn last line (a crash mid-write): run that note again
         if not isinstance(record, dict) or record.get("source") not in sources or record["source"] in records:
             raise specgen.ConfigError(f"--output {path} line {number} is not a record of a note in this --input; "
                                       "it cannot be resumed (choose another output file)")

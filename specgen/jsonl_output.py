@@ -20,10 +20,10 @@ def scan_output(path: Path, rows: Sequence) -> tuple[dict[int, dict], int]:
     """The records already in ``path`` by index (in file order), and the byte length of the valid part
     to keep. ``rows``: the input rows (each with its ``id``).
 
-    A last line that is not a complete record (no newline, not JSON: a crash mid-write) is
-    left out of the kept part. ConfigError for anything else that does not fit ``rows``: a
-    bad line before the last, a repeated index, an index past the input's rows, an id that
-    differs from its row's.
+    A last line without its newline (a crash mid-write) and trailing blank lines are left out
+    of the kept part. ConfigError for anything else that does not fit ``rows``: a complete line
+    that is not a record (the last one too: the file may be the user's own, not a torn output),
+    a repeated index, an index past the input's rows, an id that differs from its row's.
     """
     data = path.read_bytes() if path.is_file() else b""
     records: dict[int, dict] = {}
@@ -32,8 +32,8 @@ def scan_output(path: Path, rows: Sequence) -> tuple[dict[int, dict], int]:
         end = data.find(b"\n", kept)
         number += 1
         record = _parse_record(data[kept:end]) if end >= 0 else None
-        if record is None:
-            if end >= 0 and data[end + 1:].strip():
+        if record is None:  # kept only when torn (no newline: a crash mid-write) or blank to the end
+            if end >= 0 and (data[kept:end].strip() or data[end + 1:].strip()):
                 raise ConfigError(f"output={path} line {number} is not a specgen result record; "
                                   "it cannot be resumed (choose another output file)")
             break

@@ -146,6 +146,11 @@ def test_extract_records_refuses_to_overwrite_and_resumes_in_input_order(tmp_pat
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["source"] for r in rows] == ["notes.txt#1", "notes.txt#2", "notes.txt#3"]
     assert rows[2] == kept and "(1 resumed)" in capsys.readouterr().err
+    notes = tmp_path / "notes.txt"  # its own --input as --output: not records, refused and left as it is
+    before = notes.read_bytes()
+    assert module.main([*extract_args(tmp_path)[:5], str(notes), "--resume"]) == 2
+    _one_error_line(capsys, "line 1 is not a record of a note in this --input")
+    assert notes.read_bytes() == before
     other = tmp_path / "other.jsonl"
     other.write_text('{"source": "elsewhere#1", "record": null, "finish_reason": "length"}\n')
     assert module.main([*extract_args(tmp_path)[:5], str(other), "--resume"]) == 2

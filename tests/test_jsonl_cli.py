@@ -168,6 +168,18 @@ def test_a_byte_order_mark_and_a_row_nested_too_deeply(tmp_path):
     assert records[1]["error"] == "line 2: the row nests JSON arrays or objects too deeply to parse"
 
 
+@pytest.mark.parametrize("content", ["not a record\n", '{"index": 0, "id": null, "text": "a"}\nnot a record\n'])
+def test_resume_refuses_a_file_whose_last_complete_line_is_not_a_record(tmp_path, content):
+    """Only a line without its newline is torn; any other line that is not a record is the user's, kept intact."""
+    write_rows(tmp_path / "rows.jsonl")
+    out = tmp_path / "out.jsonl"
+    out.write_text(content, encoding="utf-8")
+    cfg = to_container(compose([*ARGS, f"prompt_file={tmp_path / 'rows.jsonl'}", f"output={out}", "resume=true"]))
+    with pytest.raises(ConfigError, match="is not a specgen result record; it cannot be resumed"):
+        cli.run(cfg, out=io.StringIO(), err=io.StringIO())
+    assert out.read_text(encoding="utf-8") == content
+
+
 def test_resume_refuses_the_output_of_another_input(tmp_path):
     (tmp_path / "out.jsonl").write_text('{"index": 1, "id": "not b", "text": "x"}\n', encoding="utf-8")
     with pytest.raises(ConfigError, match="does not match prompt_file"):

@@ -45,7 +45,8 @@ def no_tokenising(monkeypatch):
     ([{"role": "user", "content": ""}], "prompt has no user message with text"),
     ([{"role": "system", "content": "be brief"}, {"role": "user", "content": "  "}], "no user message with text"),
     ([{"role": "assistant", "content": "hello"}], "no user message with text"),
-    ([{"role": "wizard", "content": "hi"}], "prompt[0] has the role 'wizard'; a role is one of system, user, assistant"),
+    ([{"role": "wizard", "content": "hi"}],
+     "prompt[0] has the role 'wizard'; a role is one of system, user, assistant"),
 ])
 def test_empty_prompts_and_unknown_roles_are_refused(prompt, message):
     with pytest.raises(PromptError, match=re.escape(message)):
