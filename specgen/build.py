@@ -22,7 +22,8 @@ from specgen.config import physical_cores, to_container
 from specgen.drafters import Drafter, DrafterRuntime
 from specgen.engine import Defaults, Pipeline
 from specgen.errors import ConfigError, SpecgenError
-from specgen.models import LoadedModel, cuda_condition, load_model, resolve_device, resolve_dtype
+from specgen.models import LoadedModel, cuda_condition, load_llama_cpp, load_model, resolve_device, resolve_dtype
+from specgen.models.backends import choose_backend, draft_backend
 from specgen.grammar import grammar_processor
 from specgen.processors import build_stack
 
@@ -106,25 +107,47 @@ def _decide_guarantee(cfg: Mapping, drafter: Drafter | None, target: LoadedModel
     return ("greedy" if stack.greedy else "exact"), drafter
 
 
+def _batch_invariance(guarantee: str, lm, max_tokens: int) -> str:
+    """An ``exact``/``greedy`` claim on a backend whose verify logits are measured, not assumed:
+    kept where every verify width's logits equal single-token logits bit for bit, else approximate."""
+    if guarantee not in ("exact", "greedy"):
+        return guarantee
+    widths = sorted({2, min(4, max_tokens + 1), max_tokens + 1})
+    gap, width = lm.verify_gap(widths)
+    if gap == 0.0:
+        return guarantee
+    return (f"approximate: {lm.name} on {lm.backend} ({lm.describe()['dtype']}) computes {width}-token verify logits "
+            f"up to {gap:.2g} away from single-token ones, so near-ties can flip; a quantised GGUF (Q8_0, Q4_0, "
+            "Q4_1) verifies bit-exactly")
+
+
 def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
     """Check ``cfg``'s values, instantiate everything it describes and decide the run's guarantee.
 
     A bad value raises :class:`ConfigError` naming its key before any model is loaded.
     """
     cfg = check_run_config(to_container(cfg) if not isinstance(cfg, dict) else cfg)
-    set_threads(cfg["threads"])
+    threads = set_threads(cfg["threads"])
     device = resolve_device(str(cfg.get("device", "auto")))
     dtype = resolve_dtype(str(cfg.get("dtype", "auto")), device)
+    backend = choose_backend(cfg, device)
     target_cfg = cfg["target"]
     packed = cfg.get("packed_weights", True)
-    target = load_model(target_cfg["source"], name="target", dtype=dtype, device=device,
-                        extra_eos=tuple(target_cfg.get("eos_ids") or ()), progress=progress, packed=packed)
+    extra_eos = tuple(target_cfg.get("eos_ids") or ())
+    llama = dict(cfg.get("llama_cpp") or {})
+
+    def load(source, name="drafter", dtype=dtype, backend=backend):
+        if backend == "llama_cpp" and draft_backend(source) == "llama_cpp":
+            return load_llama_cpp(source, name=name, threads=threads, extra_eos=extra_eos, progress=progress,
+                                  sequences=int(llama.get("sequences", 4)),
+                                  tiny_type=str(llama.get("tiny_type", "Q8_0")),
+                                  flash_attention=str(llama.get("flash_attention", "on")))
+        return load_model(source, name=name, dtype=dtype, device=device, extra_eos=extra_eos, progress=progress,
+                          packed=packed)
+
+    target = load(target_cfg["source"], name="target")
     if cfg["compile"]:
         target.lm.enable_compile()
-
-    def load(source, name="drafter", dtype=dtype):
-        return load_model(source, name=name, dtype=dtype, device=device,
-                          extra_eos=tuple(target_cfg.get("eos_ids") or ()), progress=progress, packed=packed)
 
     sampling = cfg["sampling"]
     temperature = sampling.get("temperature", 0.0)
@@ -138,6 +161,8 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
         drafter = _build_drafter(cfg, DrafterRuntime(target=target, load=load))
     guarantee, drafter = _decide_guarantee(cfg, drafter, target, stack, dtype)
     guarantee = cuda_condition(guarantee, device, dtype)
+    if drafter is not None and target.lm.backend == "llama_cpp":
+        guarantee = _batch_invariance(guarantee, target.lm, drafter.max_tokens)
     if drafter is not None and getattr(drafter, "lm", None) is not None:
         drafter.lm.vocab_size = target.tokenizer.vocab_size
     return Pipeline(target=target.lm, tokenizer=target.tokenizer, drafter=drafter, stack=stack,

@@ -77,10 +77,9 @@ def facts(pipe, max_tokens: int = MAX_TOKENS) -> dict:
     return {
         "target": json.dumps(config.get("target"), sort_keys=True, default=str),
         "drafter": json.dumps(config.get("drafter"), sort_keys=True, default=str),
-        "dtype": str(next(pipe.target.model.parameters()).dtype),
+        **pipe.target.describe(),
         "device": str(device), "hardware": hardware, "threads": torch.get_num_threads(),
         "torch": torch.__version__, "context": CONTEXT_TOKENS, "max_tokens": max_tokens,
-        "attention": getattr(pipe.target.model.config, "_attn_implementation", None),
         "compile": bool(config.get("compile", False)), "packed_weights": bool(config.get("packed_weights", True)),
         "unit": UNIT_METHOD,
     }

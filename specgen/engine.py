@@ -150,7 +150,11 @@ class Pipeline:
         options = request_options(self.defaults, max_new_tokens=max_new_tokens, seed=seed, stop=stop,
                                   speculative=speculative, chat=chat, system=system, schema=schema,
                                   regex=regex, num_tokens=num_tokens, stats=stats)
-        plan = self.plan_request(prompt, prompt_ids, options)
+        return self.run_plan(self.plan_request(prompt, prompt_ids, options))
+
+    def run_plan(self, plan: RequestPlan) -> Iterator[TokenEvent | FinishEvent]:
+        """The events of one checked request (:meth:`plan_request`), as :meth:`stream` yields them."""
+        options = plan.options
         return self._run(plan.ids, plan.max_new, plan.context_bound, options.seed, options.stop, plan.use_spec,
                          plan.guarantee, plan.stack, options.stats, plan.gamma)
 

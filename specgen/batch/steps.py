@@ -35,10 +35,11 @@ class Row:
 
 
 def batchable(pipe) -> bool:
-    """Whether ``pipe``'s speculative rows can run batched: no tree drafter, no compiled target."""
+    """Whether ``pipe``'s speculative rows can run batched: no tree drafter, no compiled target, a
+    backend with batched forwards."""
     drafter = pipe.drafter
     chain = not pipe.speculative or (drafter.feature_layers is None and drafter.tree_width <= 1)
-    return chain and pipe.target.compiled is None
+    return chain and pipe.target.compiled is None and pipe.target.capabilities.batches
 
 
 def prepare(pipe, prompt, common: dict, index: int | None, *, caller: str = "generate_batch()") -> RowSpec:
@@ -149,6 +150,11 @@ def stream_batch(pipe, prompts: Sequence, *, batch_size: int = 8,
     if pipe.target.compiled is not None:
         raise ConfigError("generate_batch() does not run compiled targets yet; set compile=false")
     specs = [prepare(pipe, prompt, common, i) for i, prompt in enumerate(prompts)]
+    if not pipe.target.capabilities.batches:  # one row after another, each run as generate() runs it
+        for spec in specs:
+            for event in pipe.run_plan(spec):
+                yield spec.index, event
+        return
     queue = list(reversed(specs))
     batch = Batch(pipe, min(batch_size, max(1, len(specs))))
     while queue or batch.active:

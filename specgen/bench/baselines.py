@@ -47,6 +47,8 @@ def unsupported_sampling(sampling: Mapping) -> str | None:
 def hf_unavailable(pipe) -> str | None:
     """Why HF ``generate()`` cannot run what ``pipe`` runs (a grammar, or sampling it cannot
     reproduce), or None when it can."""
+    if pipe.target.backend != "torch":
+        return f"the target runs on {pipe.target.backend}; HF generate() needs backend=torch"
     grammar = (pipe.config.get("grammar") or {}).get("kind", "none")
     if grammar != "none":
         return f"HF generate() has no equivalent of grammar={grammar}"

@@ -34,7 +34,7 @@ def environment(pipe) -> dict:
         "torch": torch.__version__, "transformers": transformers.__version__, "specgen": specgen.__version__,
         "python": platform.python_version(), "platform": platform.platform(),
         "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-        "dtype": str(next(pipe.target.model.parameters()).dtype).replace("torch.", ""),
+        "dtype": str(pipe.target.dtype).replace("torch.", ""), "backend": pipe.target.backend,
         "device": str(device), "device_name": device_name, "cpu": cpu.describe(),
     }
 
@@ -98,7 +98,7 @@ def header(config: Mapping, env: Mapping, num_prompts: int | None) -> str:
     size = "" if num_prompts is None else f"{num_prompts} prompt(s), "
     kernels = f" {env['cpu']['torch_capability']}" if env.get("cpu") and env["device"] == "cpu" else ""
     return (f"target={config['target']} drafter={config['drafter']} | {env['device']} ({env['device_name']}{kernels}), "
-            f"{env['dtype']}, {env['threads']} thread(s) | torch {env['torch']}, transformers "
+            f"{env.get('backend', 'torch')} {env['dtype']}, {env['threads']} thread(s) | torch {env['torch']}, transformers "
             f"{env['transformers']} | {size}{config['bench']['max_new_tokens']} new tokens each")
 
 
@@ -113,9 +113,9 @@ def markdown(rows: Sequence[Mapping]) -> str:
     speed-model table for speculative cells."""
     stages = split_stages(rows)
     lines = [
-        "| task | T | method | tok/s median [IQR] | ×plain | ×HF generate | ×HF spec | τ | acceptance by position "
-        f"| ms/round {'·'.join(stages)} | TTFT ms | TPOT ms | =plain |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| task | T | method | tok/s median [IQR] | ×plain | ×llama.cpp | ×HF generate | ×HF spec | τ "
+        f"| acceptance by position | ms/round {'·'.join(stages)} | TTFT ms | TPOT ms | =plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         engine = row.get("engine") or {}
@@ -123,7 +123,8 @@ def markdown(rows: Sequence[Mapping]) -> str:
         split = "·".join(_num(engine["per_round_ms"].get(stage, 0.0), 1) for stage in stages) if engine else "–"
         lines.append(
             f"| {row['task']} | {row['temperature']:g} | {_method_label(row)} | {_with_spread(row['tokens_per_s'])} "
-            f"| {_median(row['speedup_vs_plain'])} | {_median(row['speedup_vs_hf_generate'])} "
+            f"| {_median(row['speedup_vs_plain'])} | {_median(row.get('speedup_vs_llama_cpp'))} "
+            f"| {_median(row['speedup_vs_hf_generate'])} "
             f"| {_median(row['speedup_vs_hf_spec'])} | {_num(engine.get('tau'))} | {accept} | {split} "
             f"| {_median(row['ttft_ms'], 1)} | {_median(row['tpot_ms'], 1)} | {_num(row['matches_plain'])} |"
         )
@@ -161,8 +162,9 @@ def _grammar_table(rows: Sequence[Mapping]) -> list[str]:
 
 
 LEGEND = (
-    "tok/s: new tokens / wall time per prompt (median, [25th–75th percentile]). ×plain, ×HF generate: median over "
-    "prompts of the paired ratio to specgen plain / HF generate() on the same prompt. ×HF spec: specgen speculative "
+    "tok/s: new tokens / wall time per prompt (median, [25th–75th percentile]). ×plain, ×llama.cpp, ×HF generate: "
+    "median over prompts of the paired ratio to specgen plain / llama.cpp's own plain decoding (llama-cpp-python's "
+    "Llama.generate on the same GGUF) / HF generate() on the same prompt. ×HF spec: specgen speculative "
     "vs HF's counterpart (assisted generation or prompt lookup) at the same γ. τ: tokens per target call. "
     "=plain: share of prompts whose greedy output equals specgen plain token for token. Speed model: E[K] tokens per "
     "round, γ̄ mean draft tokens per round, v a target forward of k+1 tokens averaged over the rounds' draft lengths k, "

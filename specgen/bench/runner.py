@@ -25,6 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specgen.bench.baselines import HF_KERNELS, HF_METHODS, generate_kwargs, hf_unavailable, run_hf
+from specgen.bench.llama_baselines import LLAMA_METHODS, llama_unavailable, run_llama_arm
 from specgen.bench.batching import batch_methods, run_hf_batches, run_specgen
 from specgen.bench.calibrate import from_cost_table
 from specgen.bench.prompts import BenchPrompt, load_prompt_sets
@@ -35,7 +36,7 @@ from specgen.options import parse_bool, parse_int, parse_seed
 from specgen.events import FinishEvent
 from specgen.stats import Clock, Stats
 
-BASELINES = ("plain", "hf_generate", "hf_assisted", "hf_prompt_lookup")
+BASELINES = ("plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", *LLAMA_METHODS)
 WARMUP_TOKENS = 16
 
 
@@ -139,9 +140,16 @@ def plan_arms(pipe, settings: Settings) -> tuple[list[Arm], list[str]]:
     else:
         notes.append(f"specgen speculative rows skipped: {pipe.guarantee}")
     hf_reason = hf_unavailable(pipe)
+    llama_reason = llama_unavailable(pipe) if set(LLAMA_METHODS) & set(settings.baselines) else None
     for name in settings.baselines:
         if name == "plain":
             arms.append(Arm("plain"))
+        elif name in LLAMA_METHODS and llama_reason:
+            notes.append(f"{name} skipped: {llama_reason}")
+        elif name == "llama_cpp":
+            arms.append(Arm(name))
+        elif name == "llama_cpp_lookup":
+            arms += [Arm(name, g) for g in settings.gammas if g != AUTO]
         elif hf_reason:
             notes.append(f"{name} skipped: {hf_reason}")
         elif name == "hf_generate":
@@ -208,6 +216,8 @@ def run_arm(pipe, arm: Arm, ids: list[int], *, max_new: int, seed: int, hf_kwarg
     report the decode phase on its own, and ``mask_us``: under a grammar, the mask
     time of every masked position in microseconds (empty without one).
     """
+    if arm.method in LLAMA_METHODS:
+        return run_llama_arm(pipe, arm.method, ids, arm.gamma, max_new=max_new, seed=seed, clock=clock)
     if arm.method in HF_METHODS:
         result = run_hf(arm.method, pipe.target.model, ids, hf_kwargs, clock=clock, seed=seed, gamma=arm.gamma,
                         assistant=draft_model(pipe), max_ngram=getattr(pipe.drafter, "max_ngram", 3),

@@ -24,9 +24,9 @@ from specgen.bench.calibrate import verify_ratio
 from specgen.stats import percentile
 
 #: Methods that are references for every cell of a (task, temperature).
-PLAIN, HF_GENERATE = "plain", "hf_generate"
+PLAIN, HF_GENERATE, LLAMA_CPP = "plain", "hf_generate", "llama_cpp"
 #: Row order within a (task, temperature).
-METHOD_ORDER = ("specgen", PLAIN, HF_GENERATE, "hf_assisted", "hf_prompt_lookup")
+METHOD_ORDER = ("specgen", PLAIN, LLAMA_CPP, "llama_cpp_lookup", HF_GENERATE, "hf_assisted", "hf_prompt_lookup")
 #: Stages of the time split; "grammar" (mask work, out of draft and process) is 0 without a grammar.
 STAGES = ("draft", "verify", "process", "grammar", "commit")
 
@@ -207,6 +207,7 @@ def summarise(samples: Sequence[Mapping], hf_spec_method: str | None = None,
     for (task, temperature, gamma, method), group in cells.items():
         plain = cells.get((task, temperature, None, PLAIN), [])
         hf = cells.get((task, temperature, None, HF_GENERATE), [])
+        llama = cells.get((task, temperature, None, LLAMA_CPP), [])
         row = {
             "task": task, "temperature": temperature, "gamma": gamma, "method": method,
             "num_prompts": len(group),
@@ -214,6 +215,7 @@ def summarise(samples: Sequence[Mapping], hf_spec_method: str | None = None,
             "speedup_vs_plain": spread(paired_ratios(group, plain)) if method != PLAIN else None,
             "speedup_vs_hf_generate": spread(paired_ratios(group, hf)) if method != HF_GENERATE else None,
             "speedup_vs_hf_spec": None,
+            "speedup_vs_llama_cpp": spread(paired_ratios(group, llama)) if method != LLAMA_CPP else None,
             "decode_speedup_vs_plain": spread(paired_ratios(group, plain, decode_speed)) if method != PLAIN else None,
             "new_tokens": sum(s["new_tokens"] for s in group),
             "prompt_tokens": spread(s.get("prompt_tokens") for s in group),

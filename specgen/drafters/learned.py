@@ -100,6 +100,6 @@ def load_for_target(runtime, head_file: str, kind: str | tuple[str, ...], dtype=
         raise ConfigError(f"drafter={kind} needs drafter.head_file=<a .safetensors head from specgen-train>")
     path = resolve_head_file(str(head_file))
     lm = runtime.target.lm
-    head_dtype = resolve_drafter_dtype(dtype, next(lm.model.parameters()).dtype, lm.device)
+    head_dtype = resolve_drafter_dtype(dtype, lm.dtype, lm.device)
     head, _ = load_head(path, lm.model, kind=kinds, dtype=head_dtype)
     return head, path, lm.vocab_size

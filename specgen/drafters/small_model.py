@@ -72,7 +72,7 @@ class SmallModelDrafter(Drafter):
 
     @property
     def extra_memory_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.lm.model.parameters())
+        return self.lm.memory_bytes
 
 
 def build(*, runtime, source, kind: str = "small_model", num_tokens: int = 4, dtype=None) -> SmallModelDrafter:
@@ -80,5 +80,5 @@ def build(*, runtime, source, kind: str = "small_model", num_tokens: int = 4, dt
     q is whatever the draft model computes, so its dtype never changes the guarantee)."""
     lm = runtime.target.lm
     loaded = runtime.load(source, name="drafter",
-                          dtype=resolve_drafter_dtype(dtype, next(lm.model.parameters()).dtype, lm.device))
+                          dtype=resolve_drafter_dtype(dtype, lm.dtype, lm.device))
     return SmallModelDrafter(loaded.lm, loaded.tokenizer, num_tokens=num_tokens)

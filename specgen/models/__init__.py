@@ -13,7 +13,8 @@ from specgen.models.causal_lm import CausalLM, KVCache
 from specgen.models.tiny import TinyTokenizer, build_tiny_model
 from specgen.models.tokenizer import TokenizerInfo
 
-__all__ = ["CausalLM", "KVCache", "LoadedModel", "TokenizerInfo", "cuda_condition", "load_model", "native_bfloat16",
+__all__ = ["CausalLM", "KVCache", "LoadedModel", "TokenizerInfo", "cuda_condition", "load_llama_cpp", "load_model",
+           "native_bfloat16",
            "native_cpu_bfloat16",
            "resolve_device", "resolve_drafter_dtype", "resolve_dtype"]
 
@@ -122,3 +123,27 @@ def load_model(source: Mapping, *, name: str, dtype: torch.dtype, device: torch.
         eos.extend(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
     info = TokenizerInfo(tokenizer, eos)
     return LoadedModel(CausalLM(model, info.vocab_size, name, packed), info)
+
+
+def load_llama_cpp(source: Mapping, *, name: str, threads: int, extra_eos: tuple[int, ...] = (),
+                   progress: bool = True, sequences: int = 4, tiny_type: str = "Q8_0",
+                   flash_attention: str = "on") -> LoadedModel:
+    """The model of a GGUF-kind (or ``tiny``) ``source`` on the llama.cpp backend
+    (:mod:`specgen.models.llama_cpp`), with specgen's tokenizer for it; a tiny model is
+    written as a GGUF in ``tiny_type`` first (:mod:`specgen.models.gguf_write`)."""
+    from specgen.models.llama_cpp import LlamaCppLM
+    from specgen.models.loading import gguf_file, load_tokenizer, writable_cache_dir
+
+    if source.get("kind") == "tiny":
+        from specgen.models.gguf_write import tiny_gguf
+
+        args = {k: v for k, v in source.items() if k != "kind"}
+        model = build_tiny_model(**args)
+        path, tokenizer, eos = tiny_gguf(model, writable_cache_dir("gguf"), tiny_type), TinyTokenizer(model.config.vocab_size), []
+    else:
+        path = gguf_file(source, progress=progress)
+        tokenizer, eos = load_tokenizer(source, progress=progress)
+    info = TokenizerInfo(tokenizer, (*extra_eos, *eos))
+    lm = LlamaCppLM(path, vocab_size=info.vocab_size, name=name, threads=threads, sequences=sequences,
+                    flash_attention=flash_attention)
+    return LoadedModel(lm, info)

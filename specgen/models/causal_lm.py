@@ -19,15 +19,12 @@ from specgen.models import attention, packed_linear
 from specgen.models.compiled import (BUCKETS, FIRST_CAPACITY, CompiledDecoder, bucket_for, grown, keep_static_rows,
                                      new_static_cache)
 from specgen.models.growing_cache import growing_cache
-
-
-#: A cached entry whose token id is still on the device (see KVCache.resolve).
-PENDING = -1
+from specgen.models.target import PENDING, Capabilities, TokenCache
 
 
 @dataclass
-class KVCache:
-    """KV cache of one model for one request.
+class KVCache(TokenCache):
+    """KV cache of one torch model for one request.
 
     tokens: the ids whose keys/values are cached, in order (len == cache length).
     cache: a DynamicCache, or a StaticCache (compile=true) whose slots past
@@ -38,44 +35,9 @@ class KVCache:
     cache: DynamicCache | StaticCache
     tokens: list[int] = field(default_factory=list)
 
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def resolve(self, values: list[int]) -> None:
-        """Name the ids of entries fed as device tensors (:data:`PENDING` in ``tokens``),
-        in order, once they are read back. Entries left pending never match a committed
-        token, so :meth:`sync` drops them: correct, only slower."""
-        values = iter(values)
-        for i, token in enumerate(self.tokens):
-            if token == PENDING:
-                value = next(values, None)
-                if value is None:
-                    return
-                self.tokens[i] = value
-
-    def sync(self, committed: list[int]) -> None:
-        """Crop to the longest common prefix with ``committed``."""
-        keep = 0
-        limit = min(len(self.tokens), len(committed))
-        while keep < limit and self.tokens[keep] == committed[keep]:
-            keep += 1
-        self.crop(keep)
-
-    def uncached(self, committed: list[int]) -> list[int]:
-        """Sync to ``committed`` and return the tokens to feed next (at least one:
-        if every committed token is cached, the last one is dropped and re-fed so
-        its logits can be computed)."""
-        self.sync(committed)
-        if len(self.tokens) >= len(committed):
-            self.crop(len(committed) - 1)
-        return committed[len(self.tokens) :]
-
-    def crop(self, length: int) -> None:
-        if length >= len(self.tokens):
-            return
+    def _truncate(self, length: int) -> None:
         if not isinstance(self.cache, StaticCache):
             _crop(self.cache, len(self.tokens), length)
-        del self.tokens[length:]
 
     def keep_rows(self, prefix: int, rows: list[int]) -> None:
         """Keep the first ``prefix`` entries plus the entries at ``prefix + r`` for
@@ -173,7 +135,10 @@ class TreeOutput:
 
 
 class CausalLM:
-    """model: a transformers ``*ForCausalLM`` in eval mode.
+    """The torch/HF target backend (:class:`specgen.models.target.Target`): the reference,
+    serving chains, trees, features and batches.
+
+    model: a transformers ``*ForCausalLM`` in eval mode.
 
     vocab_size: how many ids have a token in the tokenizer; logits are cut to
     this width so ids without a token (Qwen pads its embedding rows) have zero
@@ -182,6 +147,9 @@ class CausalLM:
     (:mod:`specgen.models.packed_linear`: float32 and bfloat16); False keeps PyTorch's
     ``linear``. A model on another device keeps its layers as they are.
     """
+
+    backend = "torch"
+    capabilities = Capabilities(trees=True, features=True, batches=True)
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, name: str = "model", packed: bool = True):
         self.model = model
@@ -214,8 +182,22 @@ class CausalLM:
         return next(self.model.parameters()).device
 
     @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
     def context_length(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+    @property
+    def memory_bytes(self) -> int:
+        """The parameters' size in bytes."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def describe(self) -> dict:
+        """What this backend's costs and numerics depend on: backend, dtype, attention kernel."""
+        return {"backend": self.backend, "dtype": str(self.dtype),
+                "attention": getattr(self.config, "_attn_implementation", None)}
 
     def new_cache(self) -> KVCache:
         if self.compiled is not None:

@@ -41,6 +41,7 @@ from safetensors import SafetensorError
 
 from specgen.errors import ModelLoadError
 from specgen.models.architecture import check_architecture
+from specgen.models.backends import GGUF_KINDS
 from specgen.models.packaged import find_package_file, join_parts, locate_parts, part_package_names, pip_install_command
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
@@ -123,6 +124,46 @@ def load_model_and_tokenizer(source: Mapping, *, dtype: torch.dtype, device: tor
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"cannot load tokenizer from {tokenizer_dir}: {error}") from error
     return model.to(device).eval(), tokenizer
+
+
+def gguf_file(source: Mapping, *, progress: bool = True) -> pathlib.Path:
+    """The local ``.gguf`` file of a GGUF-kind source (parts are joined once into the cache
+    and kept there). ModelLoadError for another kind or a missing file."""
+    kind = str(source.get("kind"))
+    if kind == "gguf":
+        path = pathlib.Path(str(_required(source, "path", "gguf"))).expanduser()
+    elif kind == "package_gguf":
+        pip = source.get("pip")
+        path = find_package_file(str(_required(source, "package", "package_gguf")),
+                                 str(_required(source, "file", "package_gguf")), str(pip) if pip else None)
+    elif kind == "package_parts":
+        path = writable_cache_dir("gguf") / str(_required(source, "filename", "package_parts"))
+        sha256 = str(source["sha256"]).lower() if source.get("sha256") else None
+        if not (path.is_file() and (sha256 is None or _file_sha256(path) == sha256)):
+            _join_packaged_parts(source, path, sha256, progress)
+    else:
+        raise ModelLoadError(f"model source kind {kind!r} is not a GGUF file; use one of: {', '.join(GGUF_KINDS)}")
+    _check_gguf_file(path)
+    return path
+
+
+def load_tokenizer(source: Mapping, *, progress: bool = True):
+    """``(tokenizer, generation-config EOS ids)`` of a source, without loading its weights
+    (a GGUF source is converted once, as for :func:`load_model_and_tokenizer`)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    trust = source.get("trust_remote_code") is True
+    tokenizer_source = source.get("tokenizer") or source
+    tokenizer_dir = resolve_model_dir(tokenizer_source, progress=progress)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"cannot load tokenizer from {tokenizer_dir}: {error}") from error
+    try:
+        eos = GenerationConfig.from_pretrained(str(resolve_model_dir(source, progress=progress))).eos_token_id
+    except (OSError, ValueError):
+        eos = None
+    return tokenizer, list(eos) if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
 
 
 def _resolve_hub(source: Mapping, progress: bool) -> pathlib.Path:

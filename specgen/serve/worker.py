@@ -195,5 +195,10 @@ def make_scheduler(pipe: Pipeline, batch_size: int = 8) -> Scheduler:
     """A :class:`BatchWorker` when ``pipe`` batches, else a :class:`SerialWorker` saying why not."""
     if batchable(pipe):
         return BatchWorker(pipe, batch_size)
-    why = "a compiled target" if pipe.target.compiled is not None else f"the tree drafter {pipe.drafter.name!r}"
+    if pipe.target.compiled is not None:
+        why = "a compiled target"
+    elif not pipe.target.capabilities.batches:
+        why = f"the {pipe.target.backend} backend"
+    else:
+        why = f"the tree drafter {pipe.drafter.name!r}"
     return SerialWorker(pipe, f"one request at a time: {why} is not batched yet")

@@ -1,0 +1,68 @@
+"""Which target backend a run uses (``backend=torch | llama_cpp | auto``), decided before loading.
+
+``llama_cpp`` serves GGUF files (and the tiny models, written as GGUF) on a CPU
+with chain drafters (prompt lookup, a draft model); what it cannot serve is
+refused here, with the way that works. ``auto`` picks ``llama_cpp`` for a GGUF
+target on a CPU whenever llama-cpp-python is installed and the run is one it
+serves, else ``torch``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from specgen.errors import ConfigError
+from specgen.models.target import BackendName
+
+BACKENDS = ("torch", "llama_cpp", "auto")
+#: Source kinds llama.cpp reads (tiny models are written as GGUF for it).
+GGUF_KINDS = ("gguf", "package_gguf", "package_parts")
+#: Drafters that need a tree forward or the target's hidden states.
+FEATURE_DRAFTERS = ("eagle", "medusa", "mtp")
+
+
+def _unserved(cfg: Mapping, device: torch.device) -> str | None:
+    """Why llama.cpp cannot serve this run (None: it can)."""
+    kind = str(((cfg.get("target") or {}).get("source") or {}).get("kind"))
+    if kind not in (*GGUF_KINDS, "tiny"):
+        return f"it reads GGUF files and target.source.kind is {kind!r}"
+    if device.type != "cpu":
+        return f"it runs on the CPU and device is {device}"
+    drafter = str((cfg.get("drafter") or {}).get("kind"))
+    if drafter in FEATURE_DRAFTERS and cfg.get("speculative", True):
+        return f"drafter={drafter} needs the target's hidden states and tree forwards"
+    if cfg.get("compile"):
+        return "compile=true compiles a torch model"
+    if str(cfg.get("dtype", "auto")) not in ("auto", "float32", "fp32"):
+        return f"dtype={cfg.get('dtype')} is a torch dtype (a GGUF keeps its own weight types)"
+    return None
+
+
+def choose_backend(cfg: Mapping, device: torch.device) -> BackendName:
+    """The backend of a checked run config on ``device``; ConfigError for a backend that
+    cannot serve it, naming why and what works."""
+    name = str(cfg.get("backend", "torch"))
+    if name not in BACKENDS:
+        raise ConfigError(f"backend={name!r} is not one of {', '.join(BACKENDS)}")
+    if name == "torch":
+        return "torch"
+    from specgen.models import llama_cpp
+
+    why = _unserved(cfg, device)
+    if name == "auto":
+        gguf = str(((cfg.get("target") or {}).get("source") or {}).get("kind")) in GGUF_KINDS
+        return "llama_cpp" if gguf and why is None and llama_cpp.available() else "torch"
+    if why is not None:
+        raise ConfigError(f"backend=llama_cpp cannot serve this run: {why}; use backend=torch")
+    if not llama_cpp.available():
+        raise ConfigError("backend=llama_cpp needs llama-cpp-python (scripts/install.sh installs it); "
+                          "or use backend=torch")
+    return "llama_cpp"
+
+
+def draft_backend(source: Mapping) -> BackendName:
+    """Where a draft model runs beside a llama.cpp target: on llama.cpp too when its source is
+    one llama.cpp reads, else on torch (q is whatever the draft model computes either way)."""
+    return "llama_cpp" if str(source.get("kind")) in (*GGUF_KINDS, "tiny") else "torch"

@@ -1,0 +1,128 @@
+"""The target protocol: what the engine, rounds, drafters and cost measurement see of a model.
+
+A backend feeds committed + candidate tokens and returns raw logits for the
+positions asked, with a KV handle (:class:`TokenCache`) that records which
+tokens its entries belong to, so committing a round is ``sync`` (keep the
+longest common prefix with the committed tokens) and rolling back is ``crop``.
+
+Backends: :class:`specgen.models.causal_lm.CausalLM` (torch/HF, the reference:
+chains, trees, features, batches, GPUs) and
+:class:`specgen.models.llama_cpp.LlamaCppLM` (GGUF files on a CPU through
+llama.cpp). Each declares what it serves in :class:`Capabilities`; a
+combination a backend cannot serve is refused before loading
+(:func:`specgen.checks`), never approximated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+BackendName = Literal["torch", "llama_cpp"]
+
+#: A cached entry whose token id is still on the device (see TokenCache.resolve).
+PENDING = -1
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend serves.
+
+    trees: a forward over a draft tree with an ancestor mask (``forward_tree``);
+    features: hidden states of chosen layers for learned drafters;
+    batches: ragged multi-request forwards (``forward_batch``, :mod:`specgen.batch`).
+    """
+
+    trees: bool
+    features: bool
+    batches: bool
+
+
+class TokenCache:
+    """A KV handle's bookkeeping: ``tokens`` are the ids whose entries are cached, in order.
+
+    Subclasses implement :meth:`_truncate` (drop every entry from ``length`` on)."""
+
+    tokens: list[int]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def resolve(self, values: list[int]) -> None:
+        """Name the ids of entries fed as device tensors (:data:`PENDING` in ``tokens``),
+        in order, once they are read back. Entries left pending never match a committed
+        token, so :meth:`sync` drops them: correct, only slower."""
+        values = iter(values)
+        for i, token in enumerate(self.tokens):
+            if token == PENDING:
+                value = next(values, None)
+                if value is None:
+                    return
+                self.tokens[i] = value
+
+    def sync(self, committed: list[int]) -> None:
+        """Crop to the longest common prefix with ``committed``."""
+        keep = 0
+        limit = min(len(self.tokens), len(committed))
+        while keep < limit and self.tokens[keep] == committed[keep]:
+            keep += 1
+        self.crop(keep)
+
+    def uncached(self, committed: list[int]) -> list[int]:
+        """Sync to ``committed`` and return the tokens to feed next (at least one:
+        if every committed token is cached, the last one is dropped and re-fed so
+        its logits can be computed)."""
+        self.sync(committed)
+        if len(self.tokens) >= len(committed):
+            self.crop(len(committed) - 1)
+        return committed[len(self.tokens):]
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` entries."""
+        if length >= len(self.tokens):
+            return
+        self._truncate(length)
+        del self.tokens[length:]
+
+    def _truncate(self, length: int) -> None:
+        raise NotImplementedError
+
+
+@runtime_checkable
+class Target(Protocol):
+    """A model the engine can verify with.
+
+    ``forward(cache, new_tokens, keep, check)`` feeds ``new_tokens`` (ids, or a [n]
+    long tensor) after the cached ones at the next positions and returns the raw
+    logits of the last ``keep`` fed positions, [keep, vocab_size] float32, appending
+    the fed tokens to ``cache``; ``check`` refuses NaN (NumericalError naming the
+    model). For ``exact``/``greedy`` to hold, the logits of a position must not depend
+    on how many tokens were fed with it (measured per backend).
+    """
+
+    name: str
+    vocab_size: int
+    backend: BackendName
+    capabilities: Capabilities
+    compiled: object
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def context_length(self) -> int: ...
+
+    @property
+    def memory_bytes(self) -> int: ...
+
+    def new_cache(self) -> TokenCache: ...
+
+    def forward(self, cache: TokenCache, new_tokens: list[int] | torch.Tensor, keep: int,
+                check: bool = True) -> torch.Tensor: ...
+
+    def describe(self) -> dict: ...

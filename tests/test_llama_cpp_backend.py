@@ -1,0 +1,176 @@
+"""The llama.cpp backend (backend=llama_cpp) on tiny GGUF files written in code: the target protocol,
+batch invariance as the guarantee's measured basis, greedy identity, distribution exactness, refusals."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from conftest import TINY
+from exact import exact_distribution, goodness_of_fit, sample_counts
+
+import specgen
+from specgen.errors import ConfigError, SpecgenError
+from specgen.models import llama_cpp, load_llama_cpp, load_model
+from specgen.models.backends import choose_backend
+from specgen.models.target import Target
+from specgen.sampling import rejection
+
+pytestmark = pytest.mark.skipif(not llama_cpp.available(), reason="llama-cpp-python is not installed")
+
+LLAMA = ("backend=llama_cpp",)
+TINY_SOURCE = dict(kind="tiny", seed=0, vocab_size=16, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                   context_length=512, init_scale=1.0)
+PROMPTS = [[1, 2, 3], [5, 4, 3, 2, 1, 5, 4, 3], [7, 7, 7, 1], [2, 9, 11, 2, 9, 11, 2]]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path_factory.getbasetemp() / "specgen-cache"))
+
+
+def _pipe(*overrides: str, drafter: str = "tiny"):
+    return specgen.pipeline(*TINY, *LLAMA, f"drafter={drafter}", *overrides, progress=False)
+
+
+def test_the_tiny_gguf_computes_the_torch_model():
+    """The GGUF writer keeps the model: float32 weights give the torch model's logits up to the f16 KV cache."""
+    lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1, tiny_type="F32").lm
+    reference = load_model(TINY_SOURCE, name="r", dtype=torch.float32, device=torch.device("cpu")).lm
+    ids = [3, 5, 7, 1, 2, 9, 4, 4, 6, 10, 12]
+    got = lm.forward(lm.new_cache(), ids, keep=len(ids))  # [11, 16]
+    want = reference.forward(reference.new_cache(), ids, keep=len(ids))
+    assert got.shape == want.shape == (len(ids), 16) and got.dtype == torch.float32
+    assert torch.allclose(got, want, atol=2e-2), float((got - want).abs().max())
+    assert isinstance(lm, Target) and lm.backend == "llama_cpp" and not lm.capabilities.batches
+
+
+@pytest.mark.parametrize("prefix", [1, 7, 40])
+def test_q8_0_verify_logits_equal_single_token_logits_at_every_width(prefix):
+    lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm
+    gap, _ = lm.verify_gap(range(2, 18), prefix=prefix)
+    assert gap == 0.0
+
+
+def test_crop_rolls_back_and_refeeding_gives_the_same_rows():
+    lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm
+    cache = lm.new_cache()
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    first = lm.forward(cache, ids, keep=5)
+    cache.crop(5)
+    assert len(cache) == 5 and cache.tokens == ids[:5]
+    other = lm.forward(cache, [11, 12], keep=2)  # what a rejected draft would have fed
+    cache.sync(ids[:5])
+    again = lm.forward(cache, torch.tensor(ids[5:]), keep=5)  # device-tensor feeds are read back
+    assert torch.equal(first, again) and not torch.equal(other, again[:2])
+    assert cache.tokens == ids
+
+
+def test_sequences_are_a_pool_released_with_their_handles():
+    lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1, sequences=2).lm
+    a, b = lm.new_cache(), lm.new_cache()
+    lm.forward(a, [1, 2, 3], keep=1)
+    with pytest.raises(SpecgenError, match="every llama.cpp sequence"):
+        lm.new_cache()
+    del a
+    gc.collect()
+    c = lm.new_cache()  # a's sequence, emptied
+    assert len(c) == 0
+    assert torch.equal(lm.forward(c, [1, 2, 3], keep=1), lm.forward(b, [1, 2, 3], keep=1))
+
+
+def test_bad_tokens_and_overlong_feeds_are_refused_and_leave_the_cache_as_it_was():
+    lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm
+    cache = lm.new_cache()
+    lm.forward(cache, [1, 2], keep=1)
+    with pytest.raises(SpecgenError, match="outside its vocabulary"):
+        lm.forward(cache, [3, 99], keep=1)
+    with pytest.raises(SpecgenError, match="do not fit"):
+        lm.forward(cache, [1] * 600, keep=1)
+    assert cache.tokens == [1, 2]
+    assert torch.equal(lm.forward(cache, [3], keep=1),
+                       lm.forward(lm.new_cache(), [1, 2, 3], keep=1))
+
+
+@pytest.mark.parametrize("drafter,gamma", [("tiny", 1), ("tiny", 3), ("tiny", "auto"), ("ngram", 4), ("ngram", "auto")])
+def test_greedy_speculation_equals_plain_decoding_token_for_token(drafter, gamma):
+    pipe = _pipe(f"drafter.num_tokens={gamma}", drafter=drafter)
+    assert pipe.guarantee == "greedy" and pipe.target.backend == "llama_cpp"
+    drafted = 0
+    for prompt in PROMPTS:
+        spec = pipe.generate(prompt_ids=prompt, max_new_tokens=24)
+        plain = pipe.generate(prompt_ids=prompt, max_new_tokens=24, speculative=False)
+        assert spec.token_ids == plain.token_ids, prompt
+        drafted += spec.stats.drafted
+    assert drafted > 0, "the drafter must propose for this test to mean anything"
+
+
+def test_speculative_sampling_matches_the_backends_distribution():
+    pipe = _pipe("target.source.vocab_size=8", "drafter.source.vocab_size=8", "sampling.temperature=1.0")
+    assert pipe.guarantee == "exact"
+    expected = exact_distribution(pipe, [1, 2, 3], 3)
+    counts = sample_counts(pipe, [1, 2, 3], 3, 1200)
+    assert pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=3, seed=0).stats.drafted > 0
+    p_value, tv = goodness_of_fit(counts, expected)
+    assert p_value > 1e-3, f"chi-square p={p_value:.2e}, TV={tv:.3f}"
+
+
+def test_negative_control_the_same_test_catches_a_wrong_residual(monkeypatch):
+    pipe = _pipe("target.source.vocab_size=8", "drafter.source.vocab_size=8", "sampling.temperature=1.0")
+    expected = exact_distribution(pipe, [1, 2, 3], 3)
+    monkeypatch.setattr(rejection, "positive_residual", lambda target_probs, draft_probs: target_probs)
+    p_value, _ = goodness_of_fit(sample_counts(pipe, [1, 2, 3], 3, 1200), expected)
+    assert p_value < 1e-3
+
+
+def test_a_measured_verify_gap_makes_the_run_approximate(monkeypatch):
+    monkeypatch.setattr(llama_cpp.LlamaCppLM, "verify_gap", lambda self, widths, prefix=16: (3e-6, 9))
+    pipe = _pipe()
+    assert pipe.guarantee.startswith("approximate: target on llama_cpp") and "9-token verify logits" in pipe.guarantee
+    plain = _pipe("speculative=false")
+    assert plain.guarantee == "off: speculative=false"  # nothing verified, nothing to measure
+
+
+@pytest.mark.parametrize("setting", ["llama_cpp.tiny_type=Q8_0", "llama_cpp.tiny_type=F32",
+                                     "llama_cpp.flash_attention=off", "llama_cpp.flash_attention=auto"])
+def test_the_guarantee_follows_the_measurement_for_each_file_type_and_attention(setting):
+    pipe = _pipe(setting)
+    gap, _ = pipe.target.verify_gap(sorted({2, 4, pipe.drafter.max_tokens + 1}))
+    assert (pipe.guarantee == "greedy") == (gap == 0.0), (setting, gap, pipe.guarantee)
+
+
+def test_an_unknown_flash_attention_setting_is_refused():
+    with pytest.raises(ConfigError, match="llama_cpp.flash_attention='maybe' is not one of auto, off, on"):
+        _pipe("llama_cpp.flash_attention=maybe")
+
+
+def test_generate_batch_runs_rows_one_after_another_with_single_request_output():
+    pipe = _pipe(drafter="ngram")
+    rows = pipe.generate_batch([{"prompt_ids": p} for p in PROMPTS], batch_size=4, max_new_tokens=12)
+    assert [r.token_ids for r in rows] == [pipe.generate(prompt_ids=p, max_new_tokens=12).token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("override,why", [
+    ("drafter=eagle", "hidden states"), ("compile=true", "compile"), ("dtype=bfloat16", "torch dtype"),
+    ("target=hub target.source.repo=x/y", "reads GGUF files"),
+])
+def test_what_llama_cpp_cannot_serve_is_refused_before_loading(override, why, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("loaded a model")
+
+    monkeypatch.setattr("specgen.build.load_model", no_loading)
+    monkeypatch.setattr("specgen.build.load_llama_cpp", no_loading)
+    with pytest.raises(ConfigError, match=f"backend=llama_cpp cannot serve this run: .*{why}.*use backend=torch"):
+        specgen.pipeline(*TINY, *LLAMA, *override.split(), progress=False)
+
+
+def test_backend_auto_picks_llama_cpp_for_a_gguf_target_on_a_cpu_only():
+    cpu = torch.device("cpu")
+    gguf = {"backend": "auto", "target": {"source": {"kind": "package_gguf"}}, "drafter": {"kind": "ngram"}}
+    assert choose_backend(gguf, cpu) == "llama_cpp"
+    assert choose_backend({**gguf, "drafter": {"kind": "eagle"}}, cpu) == "torch"
+    assert choose_backend({**gguf, "target": {"source": {"kind": "tiny"}}}, cpu) == "torch"
+    assert choose_backend({**gguf, "backend": "torch"}, cpu) == "torch"
+    with pytest.raises(ConfigError, match="backend='onnx' is not one of torch, llama_cpp, auto"):
+        choose_backend({**gguf, "backend": "onnx"}, cpu)

