@@ -20,7 +20,8 @@ from specgen.drafters import DraftContext, Drafter
 from specgen.errors import ConfigError, DeadEndError, PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.models import CausalLM, TokenizerInfo
-from specgen.options import (RequestOptions, check_option_names, check_prompt, check_prompt_ids, parse_chat,
+from specgen.options import (RequestOptions, check_option_names, check_prompt, check_prompt_ids, check_prompt_size,
+                             parse_chat,
                              parse_optional_text, parse_seed, parse_stop, request_options)
 from specgen.planner import AUTO, CostTable
 from specgen.processors import ProcessorStack
@@ -99,6 +100,7 @@ class Pipeline:
     def encode(self, prompt, *, chat=None, system=None) -> list[int]:
         """Token ids for a prompt string or chat messages (checked; PromptError names what is wrong)."""
         prompt = check_prompt(prompt)
+        check_prompt_size(prompt, self.target.context_length)
         chat = parse_chat(self.defaults.chat if chat is None else chat)
         system = parse_optional_text(self.defaults.system if system is None else system, "system")
         return self.tokenizer.encode_prompt(prompt, chat=chat, system=system)

@@ -155,3 +155,19 @@ def test_tiny_model_refuses_a_schema_it_cannot_spell_before_any_token(monkeypatc
     assert err.strip().splitlines() == [
         "specgen: error: the tokenizer cannot express this grammar: no token sequence spells the text every "
         """output starts with ('"'); grammar: json_schema {"type":"string"}"""]
+
+
+@pytest.mark.parametrize("pattern,reason", [("(a", "unclosed group"), ("a{2,1}", "invalid repetition count range")])
+def test_a_schema_pattern_error_names_the_pattern_its_reason_and_where(pattern, reason):
+    import string
+
+    from grammar_helpers import char_info
+
+    from specgen.errors import ConfigError
+    from specgen.grammar import grammar_processor
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": pattern}}}
+    with pytest.raises(ConfigError) as error:
+        grammar_processor({"kind": "json_schema", "backend": "llguidance", "schema": schema}, char_info(string.printable))
+    message = str(error.value)
+    assert f"invalid regex {pattern!r} ({reason}" in message and "#/properties/name/pattern" in message

@@ -149,3 +149,23 @@ def _run_jsonl(rows, out, *extra):
 def test_a_file_that_reports_no_size_is_still_read():
     """/proc files have st_size 0: read (to the bound at most), not taken for empty."""
     assert "Name:" in cli.read_prompt({"prompt_file": "/proc/self/status"}, context_length=CONTEXT)
+
+
+def test_the_api_refuses_a_prompt_too_big_for_the_context_before_tokenising(monkeypatch):
+    from conftest import tiny_pipeline
+
+    from specgen.errors import PromptError
+
+    pipe = tiny_pipeline()
+    huge = "a" * (300 * pipe.target.context_length)
+    encode = pipe.tokenizer.encode_prompt
+
+    def guarded(prompt, **kwargs):
+        assert prompt != huge, "tokenised a refused prompt"
+        return encode(prompt, **kwargs)
+
+    monkeypatch.setattr(pipe.tokenizer, "encode_prompt", guarded)
+    with pytest.raises(PromptError):
+        pipe.generate(huge)
+    with pytest.raises(PromptError, match="prompt 1"):
+        pipe.generate_batch(["ok", huge])

@@ -57,6 +57,8 @@ _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[([^\]]*)\]')
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 _KNOWN_DRAFT = re.compile(r"json-schema\.org/(draft-0[3-7]/schema|draft/20(19-09|20-12)/schema)#?$")
 _REMOTE = re.compile(r"Resource '([^']+)' is not present in a registry")
+#: llguidance's regex syntax error: the pattern on its own line, a caret line, then "error: <reason>".
+_REGEX_ERROR = re.compile(r"regex parse error:\s*\n\s*(?P<pattern>[^\n]*)\n[^\n]*\nerror: (?P<reason>[^\n]+)")
 #: Every byte that can occur in UTF-8 text (not C0, C1, F5-FF).
 _UTF8_BYTES = frozenset(range(0xC0)) | frozenset(range(0xC2, 0xF5))
 _NO_FORCING = '%llguidance {"no_forcing": true}\n'
@@ -362,6 +364,14 @@ class LLGuidanceBackend(GrammarBackend):
             where = find_pointer(spec.schema, lambda s: s.get("format") == fmt.group(1)) or spec.description
             return Unsupported(f"JSON schema keyword 'format' ({fmt.group(1)}) at {where} is not supported by "
                                "grammar.backend=llguidance; remove it or use a 'pattern'")
+        bad_regex = _REGEX_ERROR.search(message)
+        if bad_regex:
+            pattern, reason = bad_regex["pattern"].strip(), bad_regex["reason"].strip()
+            where = spec.description
+            if spec.kind == "json_schema":
+                pointer = find_pointer(spec.schema, lambda s: s.get("pattern") == pattern)
+                where = f"{pointer}/pattern of {spec.description}" if pointer else spec.description
+            return ConfigError(f"invalid regex {pattern!r} ({reason}) in {where}")
         if spec.kind == "regex":
             return ConfigError(f"invalid or unsupported regex for grammar.backend=llguidance ({line[:160]}): "
                                f"{spec.description}")
