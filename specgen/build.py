@@ -117,8 +117,8 @@ def _batch_invariance(guarantee: str, lm, max_tokens: int) -> str:
     if gap == 0.0:
         return guarantee
     return (f"approximate: {lm.name} on {lm.backend} ({lm.describe()['dtype']}) computes {width}-token verify logits "
-            f"up to {gap:.2g} away from single-token ones, so near-ties can flip; a quantised GGUF (Q8_0, Q4_0, "
-            "Q4_1) verifies bit-exactly")
+            f"up to {gap:.2g} away from single-token ones, so near-ties can flip; quantised GGUFs with "
+            "llama_cpp.flash_attention=on measured bit-exact")
 
 
 def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:

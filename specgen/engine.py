@@ -21,8 +21,7 @@ from specgen.errors import ConfigError, DeadEndError, PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.models import CausalLM, TokenizerInfo
 from specgen.options import (RequestOptions, check_option_names, check_prompt, check_prompt_ids, check_prompt_size,
-                             parse_chat,
-                             parse_optional_text, parse_seed, parse_stop, request_options)
+                             parse_chat, parse_optional_text, parse_seed, parse_stop, request_options)
 from specgen.planner import AUTO, CostTable
 from specgen.processors import ProcessorStack
 from specgen.round import RoundContext, plain_step, speculative_round

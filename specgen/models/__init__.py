@@ -14,9 +14,7 @@ from specgen.models.tiny import TinyTokenizer, build_tiny_model
 from specgen.models.tokenizer import TokenizerInfo
 
 __all__ = ["CausalLM", "KVCache", "LoadedModel", "TokenizerInfo", "cuda_condition", "load_llama_cpp", "load_model",
-           "native_bfloat16",
-           "native_cpu_bfloat16",
-           "resolve_device", "resolve_drafter_dtype", "resolve_dtype"]
+           "native_bfloat16", "native_cpu_bfloat16", "resolve_device", "resolve_drafter_dtype", "resolve_dtype"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}

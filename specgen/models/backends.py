@@ -19,14 +19,20 @@ from specgen.models.target import BackendName
 BACKENDS = ("torch", "llama_cpp", "auto")
 #: Source kinds llama.cpp reads (tiny models are written as GGUF for it).
 GGUF_KINDS = ("gguf", "package_gguf", "package_parts")
+#: Source kinds the llama.cpp backend loads.
+LLAMA_KINDS = (*GGUF_KINDS, "tiny")
 #: Drafters that need a tree forward or the target's hidden states.
 FEATURE_DRAFTERS = ("eagle", "medusa", "mtp")
 
 
+def _target_kind(cfg: Mapping) -> str:
+    return str(((cfg.get("target") or {}).get("source") or {}).get("kind"))
+
+
 def _unserved(cfg: Mapping, device: torch.device) -> str | None:
     """Why llama.cpp cannot serve this run (None: it can)."""
-    kind = str(((cfg.get("target") or {}).get("source") or {}).get("kind"))
-    if kind not in (*GGUF_KINDS, "tiny"):
+    kind = _target_kind(cfg)
+    if kind not in LLAMA_KINDS:
         return f"it reads GGUF files and target.source.kind is {kind!r}"
     if device.type != "cpu":
         return f"it runs on the CPU and device is {device}"
@@ -52,7 +58,7 @@ def choose_backend(cfg: Mapping, device: torch.device) -> BackendName:
 
     why = _unserved(cfg, device)
     if name == "auto":
-        gguf = str(((cfg.get("target") or {}).get("source") or {}).get("kind")) in GGUF_KINDS
+        gguf = _target_kind(cfg) in GGUF_KINDS
         return "llama_cpp" if gguf and why is None and llama_cpp.available() else "torch"
     if why is not None:
         raise ConfigError(f"backend=llama_cpp cannot serve this run: {why}; use backend=torch")
@@ -65,4 +71,4 @@ def choose_backend(cfg: Mapping, device: torch.device) -> BackendName:
 def draft_backend(source: Mapping) -> BackendName:
     """Where a draft model runs beside a llama.cpp target: on llama.cpp too when its source is
     one llama.cpp reads, else on torch (q is whatever the draft model computes either way)."""
-    return "llama_cpp" if str(source.get("kind")) in (*GGUF_KINDS, "tiny") else "torch"
+    return "llama_cpp" if str(source.get("kind")) in LLAMA_KINDS else "torch"

@@ -1,4 +1,4 @@
-"""Write a transformers Llama model to a float32 GGUF file llama.cpp loads.
+"""Write a transformers Llama model to a GGUF file llama.cpp loads.
 
 Used for the tiny models built in code (``target=tiny backend=llama_cpp``), so the
 llama.cpp backend is tested on a model whose whole output distribution can be

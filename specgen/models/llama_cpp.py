@@ -127,7 +127,6 @@ class LlamaCppLM:
         self._batch_tokens = int(cparams.n_batch)
         self._batch = lib.llama_batch_init(self._batch_tokens, 0, 1)
         self._free = list(range(int(sequences)))
-        self.threads = int(threads)
         self._description = self._describe_model()
         weakref.finalize(self, _close, lib, self._model, self._ctx, self._batch)
 
@@ -160,9 +159,7 @@ class LlamaCppLM:
         if not self._free:
             raise SpecgenError(f"{self.name}: every llama.cpp sequence of this context is in use "
                                f"({self._lib.llama_n_seq_max(self._ctx)}); finish a request first")
-        seq = self._free.pop(0)
-        self._remove(seq, 0)
-        return LlamaKV(self, seq)
+        return LlamaKV(self, self._free.pop(0))  # a pooled sequence is empty: _release clears it
 
     def _release(self, seq: int) -> None:
         if self._ctx:
@@ -228,16 +225,16 @@ class LlamaCppLM:
     def verify_gap(self, widths, prefix: int = 16) -> tuple[float, int]:
         """Batch invariance: the largest |logit| difference between positions fed ``width`` at a time
         and the same positions fed one by one, over ``widths``; -> (max difference, its width)."""
-        worst, at = 0.0, 0
+        widths = list(widths)
+        tokens = [(7919 * i + 11) % self.vocab_size for i in range(prefix + max(widths))]
         cache = self.new_cache()
-        vocab = self.vocab_size
+        self.forward(cache, tokens[:prefix], keep=1)  # the shared prefix, fed once
+        worst, at = 0.0, 0
         for width in widths:
-            tokens = [(7919 * i + 11) % vocab for i in range(prefix + width)]
-            cache.crop(0)
-            self.forward(cache, tokens[:prefix], keep=1)
-            together = self.forward(cache, tokens[prefix:], keep=width)  # [width, vocab]
             cache.crop(prefix)
-            alone = torch.cat([self.forward(cache, [t], keep=1) for t in tokens[prefix:]])  # [width, vocab]
+            together = self.forward(cache, tokens[prefix: prefix + width], keep=width)  # [width, vocab]
+            cache.crop(prefix)
+            alone = torch.cat([self.forward(cache, [t], keep=1) for t in tokens[prefix: prefix + width]])
             gap = float((together - alone).abs().max())
             if gap > worst or not at:
                 worst, at = gap, width

@@ -153,14 +153,15 @@ def load_tokenizer(source: Mapping, *, progress: bool = True):
     from transformers import AutoTokenizer, GenerationConfig
 
     trust = source.get("trust_remote_code") is True
-    tokenizer_source = source.get("tokenizer") or source
-    tokenizer_dir = resolve_model_dir(tokenizer_source, progress=progress)
+    model_dir = resolve_model_dir(source, progress=progress)
+    tokenizer_source = source.get("tokenizer")
+    tokenizer_dir = resolve_model_dir(tokenizer_source, progress=progress) if tokenizer_source else model_dir
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust)
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"cannot load tokenizer from {tokenizer_dir}: {error}") from error
     try:
-        eos = GenerationConfig.from_pretrained(str(resolve_model_dir(source, progress=progress))).eos_token_id
+        eos = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
     except (OSError, ValueError):
         eos = None
     return tokenizer, list(eos) if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
