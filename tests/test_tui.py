@@ -25,7 +25,7 @@ from specgen.config import compose
 from specgen.errors import PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.tui import app as app_module
-from specgen.tui.app import ChatApp, ConfigScreen, main
+from specgen.tui.app import ChatApp, ConfigScreen, chat_config, main
 from specgen.tui.panel import StatsPanel, bar, guarantee_class, split_cells
 from specgen.tui.reply import ErrorMessage, Notice, ReplyView, UserMessage, token_class
 from specgen.tui.session import ChatHistory, ReplyRequest, ReplyUpdate, UpdateInbox, fit_history, run_reply
@@ -556,3 +556,19 @@ def test_main_reports_bad_override_in_one_line(capsys):
     assert err.startswith("specgen-chat: error:") and err.count("\n") == 1
     assert "no-such-model" in err and "terminal" not in err  # the override, not the missing terminal
     assert main(["--help"]) == 0 and "usage" in capsys.readouterr().out
+
+
+
+def test_chat_samples_by_default_and_greedy_is_one_override_away():
+    cfg = chat_config([])
+    assert cfg.sampling.temperature == 0.8 and cfg.sampling.top_k == 50 and cfg.sampling.repetition_penalty == 1.1
+    assert cfg.target.name == compose([]).target.name  # the rest is specgen's own config
+    assert chat_config(["sampling=default"]).sampling.temperature == 0.0
+    tuned = chat_config(["sampling.temperature=0.3"])
+    assert tuned.sampling.temperature == 0.3 and tuned.sampling.top_p == 0.95  # an override lands on the chat preset
+    assert compose([]).sampling.temperature == 0.0  # `specgen` itself stays greedy
+
+
+def test_chat_default_sampling_keeps_speculation_exact():
+    pipe = build_pipeline(chat_config(["target=tiny", "drafter=tiny", "threads=1"]))
+    assert pipe.speculative and str(pipe.guarantee) == "exact"

@@ -43,6 +43,8 @@ A terminal chat that colours each token by how speculative decoding produced it.
 Takes the same Hydra overrides as `specgen`, e.g.
   specgen-chat target=qwen2.5-coder-1.5b drafter=qwen2.5-coder-0.5b sampling.temperature=0.7
 prompt=... is sent as the first message; system=... sets the system message.
+The chat samples by default (sampling=creative: temperature 0.8, top-k 50, top-p 0.95,
+repetition penalty 1.1; speculation stays exact); sampling=default is greedy.
 """
 
 
@@ -302,6 +304,13 @@ class ChatApp(App[int]):
         self.action_cancel_reply()
 
 
+def chat_config(args: list[str]):
+    """The chat's composed config (conf/chat.yaml: specgen's config, sampling by default); ConfigError if bad."""
+    cfg = compose_config(args, "chat")
+    check_run_config(to_container(cfg))
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: compose the config (errors: one line, status 2), then run the app."""
     args = sys.argv[1:] if argv is None else list(argv)
@@ -309,8 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, end="")
         return 0
     try:
-        cfg = compose_config(args)
-        check_run_config(to_container(cfg))
+        cfg = chat_config(args)
     except SpecgenError as exc:
         print(f"specgen-chat: error: {exc}", file=sys.stderr)
         return 2
