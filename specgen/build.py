@@ -18,23 +18,24 @@ from collections.abc import Mapping
 import torch
 
 from specgen.checks import check_run_config, parse_threads
-from specgen.config import physical_cores, to_container
+from specgen.config import to_container
 from specgen.drafters import Drafter, DrafterRuntime
 from specgen.engine import Defaults, Pipeline
 from specgen.errors import ConfigError, SpecgenError
 from specgen.models import LoadedModel, cuda_condition, load_llama_cpp, load_model, resolve_device, resolve_dtype
 from specgen.models.backends import choose_backend, draft_backend
+from specgen.models.threads import resolve_auto_threads
 from specgen.grammar import grammar_processor
 from specgen.processors import build_stack
 
 
 def set_threads(value, name: str = "threads") -> int:
-    """Apply ``value`` (a positive int or auto = physical cores) to torch and return it.
+    """Apply ``value`` (a positive int, or auto = the idle physical cores) to torch and return it.
 
     ConfigError naming ``name`` for anything else (``threads=abc``, ``0``).
     """
     parsed = parse_threads(value, name)
-    threads = physical_cores() if parsed == "auto" else parsed
+    threads = resolve_auto_threads() if parsed == "auto" else parsed
     torch.set_num_threads(threads)
     return threads
 

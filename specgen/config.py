@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -198,20 +197,6 @@ def to_container(cfg) -> dict:
         return OmegaConf.to_container(cfg, resolve=True)
     except Exception as exc:
         raise ConfigError(f"invalid config: {first_line(exc)}") from exc
-
-
-def physical_cores() -> int:
-    """Physical cores available to this process (falls back to logical CPUs)."""
-    try:
-        available = len(os.sched_getaffinity(0))
-    except AttributeError:
-        available = os.cpu_count() or 1
-    try:
-        siblings = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").read_text()
-        per_core = len([s for s in siblings.replace("-", ",").split(",") if s.strip()])
-        return max(1, available // max(per_core, 1))
-    except OSError:
-        return available
 
 
 @contextmanager
