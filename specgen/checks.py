@@ -79,7 +79,34 @@ def check_run_config(cfg: Mapping) -> dict:
         check_jsonl_paths(cfg)
     if "batch_size" in cfg:
         cfg["batch_size"] = check_batch_size(cfg)
+    if "llama_cpp" in cfg:
+        cfg["llama_cpp"] = check_llama_cpp(cfg["llama_cpp"] or {})
     return cfg
+
+
+#: The llama.cpp group's choices (specgen.models.llama_cpp, specgen.models.gguf_write).
+LLAMA_FLASH_MODES = ("auto", "off", "on")
+LLAMA_TINY_TYPES = ("Q8_0", "F32")
+#: KV handles a run holds at once on one llama.cpp context: a request's, the cost measurement's and
+#: the batch-invariance probe's.
+LLAMA_MIN_SEQUENCES = 3
+
+
+def check_llama_cpp(section: Mapping) -> dict:
+    """The ``llama_cpp`` group checked: ``sequences`` an int >= LLAMA_MIN_SEQUENCES, known choices."""
+    section = dict(section)
+    try:
+        section["sequences"] = parse_int(section.get("sequences", 4), "llama_cpp.sequences",
+                                         minimum=LLAMA_MIN_SEQUENCES)
+    except ConfigError:
+        raise ConfigError(f"llama_cpp.sequences must be an integer of at least {LLAMA_MIN_SEQUENCES} (a run holds "
+                          f"that many KV handles at once), got {section.get('sequences')!r}") from None
+    for key, choices, default in (("flash_attention", LLAMA_FLASH_MODES, "on"), ("tiny_type", LLAMA_TINY_TYPES, "Q8_0")):
+        value = str(section.get(key, default))
+        if value not in choices:
+            raise ConfigError(f"llama_cpp.{key}={value!r} is not one of {', '.join(choices)}")
+        section[key] = value
+    return section
 
 
 #: Drafter kinds the batched engine refuses (trees, or feature-level heads): see specgen.batch.

@@ -100,6 +100,10 @@ class DraftSession(ABC):
         one (normally ``len(committed) - 2``; the newest token is not yet fed)."""
 
 
+#: The most draft tokens a round may verify: a round's verify forward holds logits for each of them.
+MAX_NUM_TOKENS = 64
+
+
 class Drafter(ABC):
     """A proposal source. ``deterministic`` drafters always return draft_probs=None.
 
@@ -123,10 +127,11 @@ class Drafter(ABC):
             self.num_tokens: int | str = "auto"
             return
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, float)) or int(num_tokens) != num_tokens \
-                or num_tokens < 1:
+                or not 1 <= num_tokens <= MAX_NUM_TOKENS:
             from specgen.errors import ConfigError
 
-            raise ConfigError(f"drafter.num_tokens must be a positive integer or auto, got {num_tokens!r}")
+            raise ConfigError(f"drafter.num_tokens must be a positive integer up to {MAX_NUM_TOKENS} or auto, "
+                              f"got {num_tokens!r}")
         self.num_tokens = int(num_tokens)
 
     @property
