@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from specgen.planner import (
+from specgen.planning import (
     AcceptanceHistory,
     ChainStopper,
     CostTable,
