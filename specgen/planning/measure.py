@@ -51,6 +51,8 @@ CONTEXT_TOKENS = 192
 BATCH_SIZES = (1, 2, 4, 8)
 BATCH_WIDTHS = (1, 2, 3, 5, 9)
 BATCH_CONTEXT_TOKENS = 96
+#: The widths the wide cache is timed at (with the largest measured width): its own fit prices the rest.
+WIDE_WIDTHS = (1, 3)
 #: The most rows a batched measurement uses. Its wide cache holds every row's context side by
 #: side, so its memory grows with the square of the rows; the fit prices bigger batches.
 MAX_MEASURED_ROWS = 8
@@ -209,7 +211,7 @@ def batch_shape(size: int, max_width: int) -> tuple[list[int], list[int]]:
 
 
 def measure_batch(subject: Subject, size: int, new_batch: Callable[[int], BatchCache], *,
-                  clock: Callable[[], float] | None = None, repeats: int = 3, max_width: int = BATCH_WIDTHS[-1],
+                  clock: Callable[[], float] | None = None, repeats: int = 2, max_width: int = BATCH_WIDTHS[-1],
                   progress: Progress | None = None) -> BatchCostTable:
     """Time batched verify forwards of b rows x w tokens, b in 1, 2, 4, .. ``size`` (clamped to
     :data:`MAX_MEASURED_ROWS`), w in BATCH_WIDTHS up to ``max_width``; -> their table.
@@ -219,7 +221,8 @@ def measure_batch(subject: Subject, size: int, new_batch: Callable[[int], BatchC
     row's w logits rows (which gives ``head``). All of it twice: on the compacted cache
     (the shared tensors one context wide: ``body``), and as the prefills leave it (every
     row's slots side by side: ``wide``), since a forward's attention and cache append grow
-    with the shared width. On the compacted cache also the ragged forwards (one row w
+    with the shared width (the wide cache timed at :data:`WIDE_WIDTHS` and the largest width
+    only). On the compacted cache also the ragged forwards (one row w
     tokens, the others 1: ``ragged``). Each shape is timed ``repeats`` times after one
     untimed forward of its own; sizes run largest first (a smaller batch drops rows). The
     cells are :func:`specgen.planning.fit.fit_forwards` over each shape's fastest timing:
@@ -232,13 +235,13 @@ def measure_batch(subject: Subject, size: int, new_batch: Callable[[int], BatchC
     sizes, widths = batch_shape(min(size, MAX_MEASURED_ROWS), max_width)
     context = calibration_context(subject, max_width)[:BATCH_CONTEXT_TOKENS]
     feed = [context[-1]] + context[: max_width - 1]
-    timer = _BatchTimer(new_batch, sizes, widths, context, feed, max(1, repeats), clock)
+    timer = _BatchTimer(new_batch, sizes, context, feed, max(1, repeats), clock)
     if progress:
         progress(f"{sizes[-1]} rows, wide cache")
-    wide, _, _, wide_slots = timer.run(compacted=False)
+    wide, _, _, wide_slots = timer.run(False, sorted({w for w in WIDE_WIDTHS if w < widths[-1]} | {widths[-1]}))
     if progress:
         progress(f"{sizes[-1]} rows, compacted cache")
-    narrow, full, ragged, narrow_slots = timer.run(compacted=True)
+    narrow, full, ragged, narrow_slots = timer.run(True, widths)
     fastest = {key: min(times) for key, times in narrow.items()}
     fit = fit_forwards([(b, w, b * w, t) for (b, w), t in fastest.items()]
                        + [(b, w, b - 1 + w, min(t)) for (b, w), t in ragged.items()])
@@ -260,14 +263,13 @@ class _BatchTimer:
 
     new_batch: Callable[[int], BatchCache]
     sizes: list[int]
-    widths: list[int]
     context: list[int]
     feed: list[int]
     repeats: int
     clock: Callable[[], float]
 
-    def run(self, compacted: bool):
-        """-> ({(b, w): seconds of each timed forward}, full-logits timings, {(b, w): seconds of the
+    def run(self, compacted: bool, widths: list[int]):
+        """At ``widths`` -> ({(b, w): seconds of each timed forward}, full-logits timings, {(b, w): seconds of the
         ragged forward (one row w tokens, the rest 1)}, shared slots), on the cache compacted or as
         the prefills leave it. Full-logits and ragged forwards run on the compacted cache only
         (ragged: where w > 1 and b > 1, the only shapes where the two differ)."""
@@ -282,17 +284,17 @@ class _BatchTimer:
         ragged: dict[tuple[int, int], list[float]] = {}
         full: list[float] = []
         for b in reversed(self.sizes):
-            for w in self.widths:  # warm-up (for a smaller b it also drops the other rows)
+            for w in widths:  # warm-up (for a smaller b it also drops the other rows)
                 self._timed(kv, start, b, w, 1)
                 if compacted and b > 1 and w > 1:
                     self._timed(kv, start, b, w, 1, ragged=True)
             for _ in range(self.repeats):
-                for w in self.widths:
+                for w in widths:
                     times.setdefault((b, w), []).append(self._timed(kv, start, b, w, 1))
                     if compacted and b > 1 and w > 1:
                         ragged.setdefault((b, w), []).append(self._timed(kv, start, b, w, 1, ragged=True))
-                if compacted and b == rows and self.widths[-1] > 1:
-                    full.append(self._timed(kv, start, b, self.widths[-1], self.widths[-1]))
+                if compacted and b == rows and widths[-1] > 1:
+                    full.append(self._timed(kv, start, b, widths[-1], widths[-1]))
         return times, full, ragged, start[1]
 
     def _timed(self, kv: BatchCache, start: tuple[int, int], b: int, w: int, keep: int, ragged: bool = False
