@@ -22,8 +22,9 @@ def interpolate(xs: Sequence[int], ys: Sequence[float], x: float, *, rising_tail
     """Piecewise-linear y(x) through (xs, ys), xs increasing.
 
     ys[i] exactly at xs[i]; linear between knots; past either end continued with
-    the nearest segment's slope (past the last one clamped at >= 0 when
-    ``rising_tail``); never below 0. One knot: proportional, ys[0] * x / xs[0].
+    the nearest segment's slope; between and before the knots never below 0. With
+    ``rising_tail`` the slope past the last knot is clamped at >= 0 (so never below
+    ys[-1]). One knot: proportional, ys[0] * x / xs[0].
     """
     if len(xs) == 1:
         return ys[0] * x / xs[0]
@@ -32,7 +33,9 @@ def interpolate(xs: Sequence[int], ys: Sequence[float], x: float, *, rising_tail
         return ys[i]
     if i >= len(xs):
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-        return max(0.0, ys[-1] + (max(slope, 0.0) if rising_tail else slope) * (x - xs[-1]))
+        if rising_tail:
+            return ys[-1] + max(slope, 0.0) * (x - xs[-1])
+        return max(0.0, ys[-1] + slope * (x - xs[-1]))
     i = max(i, 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
