@@ -20,7 +20,7 @@ from transformers import DynamicCache
 import specgen
 import specgen.batch.kv as batch_kv
 import specgen.models.causal_lm as causal_lm
-from specgen import costmodel
+from specgen.planning.measure import measure
 from specgen.models.attention import NAME
 from specgen.models.growing_cache import growing_cache
 
@@ -57,7 +57,7 @@ def main() -> None:
             _use(pipe, after)
             label = "after " if after else "before"
             forwards = ", ".join(f"w={w} {batched_forward_ms(pipe, w):.1f} ms" for w in (1, 3))
-            chain = costmodel.measure(pipe, repeats=5).chain[:12]
+            chain = measure(pipe.cost_subject(), repeats=5).chain[:12]
             print(f"{label} batch 8: {forwards}; v(1..12): {' '.join(f'{v:.2f}' for v in chain)}", flush=True)
     _use(pipe, True)
 

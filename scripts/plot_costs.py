@@ -1,4 +1,4 @@
-"""Plot the planner's measured v(n) curves (specgen.costmodel) for several pipelines in one PNG.
+"""Plot the planner's measured v(n) curves (specgen.planning.measure) for several pipelines in one PNG.
 
     python scripts/plot_costs.py --out docs/benchmarks/costs.png \
         --variant float32=dtype=float32 --variant bfloat16=dtype=bfloat16 \
@@ -6,7 +6,7 @@
 
 Each ``--variant LABEL=OVERRIDES`` builds ``specgen.pipeline(*OVERRIDES.split(","))`` (plus
 ``--common`` overrides) and takes its cost table: cached, else measured (``--remeasure``:
-always measured now). The tables are also printed with specgen.costmodel.describe.
+always measured now). The tables are also printed with specgen.planning.store.describe.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 
 import specgen
 from specgen.bench.plots import plot_costs
-from specgen.costmodel import describe
+from specgen.planning.store import describe
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,8 @@ from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.models import CausalLM, TokenizerInfo
 from specgen.options import (RequestOptions, check_option_names, check_prompt, check_prompt_ids, check_prompt_size,
                              parse_chat, parse_optional_text, parse_seed, parse_stop, request_options)
-from specgen.planner import AUTO, CostTable
+from specgen.planning import AUTO, CostTable
+from specgen.planning.measure import Subject
 from specgen.processors import ProcessorStack
 from specgen.round import RoundContext, plain_step, speculative_round
 from specgen.state import Request
@@ -85,12 +86,29 @@ class Pipeline:
         self.read_once = torch.device(self.device).type != "cpu"
 
     def cost_table(self, *, refresh: bool = False) -> CostTable:
-        """The planner's cost table for this pipeline (measured once, cached on disk; see specgen.costmodel)."""
+        """The planner's cost table for this pipeline (measured once, cached on disk; see specgen.planning.store)."""
         if self.costs is None or refresh:
-            from specgen.costmodel import cost_table
+            from specgen.planning.store import cost_table
 
-            self.costs = cost_table(self, refresh=refresh)
+            self.costs = cost_table(self.cost_subject(), refresh=refresh)
         return self.costs
+
+    def cost_subject(self) -> Subject:
+        """What this pipeline's cost tables are measured on: its target, and a draft session opened
+        on the calibration context after one round (which prefills a draft model and hands learned
+        heads a feature)."""
+        drafter = self.drafter
+
+        def open_draft(context: list[int], max_tokens: int):
+            request, ctx = self.open_request(context, max_new_tokens=max_tokens + 4, seed=0)
+            if request.draft is not None:
+                speculative_round(request, ctx, 1)
+            return request.draft
+
+        return Subject(self.target, self.tokenizer.vocab_size, self.config or {},
+                       trees=drafter is not None and (drafter.tree_width > 1 or drafter.feature_layers is not None),
+                       feature_layers=None if drafter is None else drafter.feature_layers,
+                       open_draft=None if drafter is None else open_draft)
 
     @property
     def speculative(self) -> bool:

@@ -22,7 +22,7 @@ from specgen.drafters.base import EMPTY
 from specgen.events import TokenEvent
 from specgen.models import CausalLM
 from specgen.models.causal_lm import TreeOutput
-from specgen.planner import (
+from specgen.planning import (
     AUTO,
     AcceptanceHistory,
     ChainStopper,
@@ -151,16 +151,13 @@ def round_events(ctx: RoundContext, proposal: Proposal, predicted: float, auto: 
 
 
 def _truncate(proposal: Proposal, ctx: RoundContext, budget: int) -> tuple[Proposal, float]:
-    """The planner's cut of a drafted proposal (see :mod:`specgen.planner` for why it stays exact);
+    """The planner's cut of a drafted proposal (see :mod:`specgen.planning.chain` for why it stays exact);
     -> (kept proposal, predicted accepted tokens for a tree)."""
     sunk = ctx.costs.draft(budget)
     if proposal.parents is None:
         confidence = proposal.confidence or [None] * len(proposal)
         keep = truncate_chain(ctx.costs, ctx.history, confidence, sunk)
-        if keep == len(proposal):
-            return proposal, 0.0
-        return Proposal(proposal.tokens[:keep], None if proposal.draft_probs is None else proposal.draft_probs[:keep],
-                        None, None if proposal.confidence is None else proposal.confidence[:keep]), 0.0
+        return chain_prefix(proposal, keep), 0.0
     if proposal.draft_probs is not None or proposal.confidence is None:
         return proposal, 0.0  # a sampled tree (or one without scores) is verified whole
     nodes, predicted = truncate_tree(ctx.costs, ctx.history, proposal.confidence, proposal.parents, sunk)
@@ -168,6 +165,17 @@ def _truncate(proposal: Proposal, ctx: RoundContext, budget: int) -> tuple[Propo
     parents = [-1 if proposal.parents[i] < 0 else index[proposal.parents[i]] for i in nodes]
     return Proposal([proposal.tokens[i] for i in nodes], None, parents,
                     [proposal.confidence[i] for i in nodes]), predicted
+
+
+def chain_prefix(proposal: Proposal, keep: int) -> Proposal:
+    """The first ``keep`` tokens of a drafted chain (the proposal itself when it keeps them all;
+    the empty proposal for none)."""
+    if keep >= len(proposal):
+        return proposal
+    if keep == 0:
+        return EMPTY
+    return Proposal(proposal.tokens[:keep], None if proposal.draft_probs is None else proposal.draft_probs[:keep],
+                    None, None if proposal.confidence is None else proposal.confidence[:keep])
 
 
 def _chain(request: Request, ctx: RoundContext, proposal: Proposal):

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 import specgen
-from specgen.batch_planner import BatchCostTable
-from specgen.planner import CostTable
+from specgen.planning import BatchCostTable, CostTable
 
 TINY = ("target=tiny", "threads=1", "dtype=float32")
 #: The cost table every test pipeline plans with (num_tokens=auto): fixed, so plans never depend on
@@ -21,8 +20,9 @@ TEST_BATCH_COSTS = BatchCostTable((1, 8), (1, 17), ((1.0, 1.8), (1.2, 2.4)), ste
 
 @pytest.fixture(autouse=True)
 def _fixed_cost_table(monkeypatch):
-    monkeypatch.setattr("specgen.costmodel.cost_table", lambda pipe, **kwargs: TEST_COSTS)
-    monkeypatch.setattr("specgen.costmodel.batch_cost_table", lambda pipe, size, **kwargs: TEST_BATCH_COSTS)
+    monkeypatch.setattr("specgen.planning.store.cost_table", lambda subject, **kwargs: TEST_COSTS)
+    monkeypatch.setattr("specgen.planning.store.batch_cost_table", lambda subject, size, new_batch, **kwargs:
+                        TEST_BATCH_COSTS)
 
 
 def tiny_pipeline(*overrides: str, drafter: str = "tiny"):

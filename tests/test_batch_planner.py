@@ -1,4 +1,4 @@
-"""The batch planner (specgen.batch_planner, specgen.batch.plan): joint draft lengths for a batched step.
+"""The batch planner (specgen.planning.batch, specgen.batch.plan): joint draft lengths for a batched step.
 
 Pure tests use hand-written tables (nothing depends on this machine's speed): the
 plan is optimal against brute force, never below plain batched decoding under its
@@ -17,8 +17,8 @@ import pytest
 from conftest import tiny_pipeline
 from exact import exact_distribution, goodness_of_fit
 
-from specgen.batch_planner import (BatchCostTable, DraftedRow, RowPlan, batch_rate, plan_batch, token_values,
-                                   truncate_batch)
+from specgen.planning import (BatchCostTable, DraftedRow, RowPlan, batch_rate, plan_batch, token_values,
+                              truncate_batch)
 from specgen.drafters import Proposal
 from specgen.drafters.small_model import SmallModelSession
 
@@ -117,7 +117,7 @@ def _model_cost(b: int, w: int, tokens: int) -> float:
     return 1.0 + 0.1 * tokens + 0.05 * b + 0.03 * b * w + 0.02 * w
 
 
-#: A table of the shape costfit.fit_forwards gives (RAGGED's hand-written cells are not: interpolated
+#: A table of the shape planning.fit.fit_forwards gives (RAGGED's hand-written cells are not: interpolated
 #: between its sizes, a wider forward can be priced below a narrower one with the same real tokens).
 FITTED = BatchCostTable(MEASURED.sizes, MEASURED.widths,
                         tuple(tuple(_model_cost(b, w, b * w) / _model_cost(1, 1, 1) for w in MEASURED.widths)
@@ -211,7 +211,7 @@ def test_sampled_auto_rows_follow_their_law(table, monkeypatch):
     padding skipped) rows draft different lengths in one step, and still do."""
     if table == "ragged":
         flat_ragged = BatchCostTable((1, 8), (1, 9), ((1.0, 1.1), (1.2, 1.8)), ragged=((1.0, 1.1), (1.2, 1.3)))
-        monkeypatch.setattr("specgen.costmodel.batch_cost_table", lambda pipe, size, **kwargs: flat_ragged)
+        monkeypatch.setattr("specgen.planning.store.batch_cost_table", lambda *args, **kwargs: flat_ragged)
     pipe = tiny_pipeline(*VOCAB8, "sampling.temperature=1.0")
     assert pipe.guarantee == "exact" and pipe.drafter.num_tokens == "auto"
     p_value, gens = _p_value(pipe)
@@ -237,7 +237,7 @@ def test_anticipating_truncation_is_caught_in_a_batch(monkeypatch):
 
 def test_expensive_batch_runs_plain_but_for_probes(monkeypatch):
     """With the measured-like table, 8 rows of a low-acceptance drafter speculate only in probes."""
-    monkeypatch.setattr("specgen.costmodel.batch_cost_table", lambda pipe, size, **kwargs: MEASURED)
+    monkeypatch.setattr("specgen.planning.store.batch_cost_table", lambda *args, **kwargs: MEASURED)
     pipe = tiny_pipeline(*VOCAB8, "sampling.temperature=1.0")
     gens = pipe.generate_batch([dict(prompt_ids=PROMPT, seed=s, max_new_tokens=40) for s in range(8)], batch_size=8)
     rounds = sum(g.stats.rounds for g in gens)

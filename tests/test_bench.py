@@ -174,7 +174,7 @@ def test_bench_shows_grammar_cost_of_a_constrained_run(tmp_path):
 
 
 def test_verify_ratio_interpolates_and_calibration_comes_from_the_cost_table():
-    from specgen.planner import CostTable
+    from specgen.planning import CostTable
 
     assert verify_ratio({"1": 1.0, "2": 1.2, "3": 1.6}, 2.5) == pytest.approx(1.4)
     assert verify_ratio({1: 1.0, 2: 1.2}, 7) == pytest.approx(1.2)

@@ -1,4 +1,4 @@
-"""The batched cost table's fit (specgen.costfit): exact on model data, monotone, robust to one bad cell."""
+"""The batched cost table's fit (specgen.planning.fit): exact on model data, monotone, robust to one bad cell."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from specgen.costfit import fit_forwards
+from specgen.planning.fit import fit_forwards
 
 SIZES, WIDTHS = (1, 2, 4, 8), (1, 2, 3, 5, 9)
 

@@ -1,4 +1,5 @@
-"""The cost model's measurement plumbing, caching and keying, with an injected timer (never timed asserts)."""
+"""Cost-table measurement (specgen.planning.measure), caching and keying (specgen.planning.store),
+with an injected timer (never timed asserts)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import json
 
 import pytest
 
-import specgen.costmodel as costmodel
 from conftest import TEST_COSTS, tiny_pipeline
+from specgen.batch.kv import BatchKV
+from specgen.batch.plan import batch_costs
+from specgen.planning import BatchCostTable, CostTable
+from specgen.planning import measure as measuring
+from specgen.planning import store
 from specgen.errors import ConfigError
 
 
@@ -25,12 +30,21 @@ class FakeTimer:
 @pytest.fixture
 def real_cost_table(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
-    monkeypatch.setattr(costmodel, "cost_table", _ORIGINAL)
-    monkeypatch.setattr(costmodel, "_MEMO", {})
+    monkeypatch.setattr(store, "cost_table", _ORIGINAL)
+    monkeypatch.setattr(store, "_MEMO", {})
     return tmp_path
 
 
-_ORIGINAL = costmodel.cost_table
+_ORIGINAL = store.cost_table
+_ORIGINAL_BATCH = store.batch_cost_table
+
+
+def table_of(pipe, **kwargs):
+    return store.cost_table(pipe.cost_subject(), **kwargs)
+
+
+def new_batch(pipe):
+    return lambda rows: BatchKV(pipe.target, rows)
 
 
 class ShapedTimer:
@@ -67,7 +81,7 @@ def test_measure_keeps_every_width_as_measured(monkeypatch):
     monkeypatch.setattr(type(pipe.target), "forward", forward)
     monkeypatch.setattr(type(pipe.target), "forward_tree", forward_tree)
     monkeypatch.setattr(pipe.drafter, "tree_width", 4, raising=False)  # as a tree drafter: trees are timed too
-    table = costmodel.measure(pipe, clock=timer, repeats=1, max_tokens=6)
+    table = measuring.measure(pipe.cost_subject(), clock=timer, repeats=1, max_tokens=6)
     assert table.chain == pytest.approx(tuple(ShapedTimer.COSTS[n] for n in range(1, 7)))
     assert table.tree == pytest.approx(table.chain)
     assert table.chain[3] < table.chain[2]
@@ -86,14 +100,14 @@ def test_a_one_token_forward_read_high_does_not_set_the_unit(monkeypatch):
 
     monkeypatch.setattr(type(pipe.target), "forward", forward)
     monkeypatch.setitem(ShapedTimer.COSTS, 1, 1.5)  # above 2-6 tokens' 1.36-1.6
-    table = costmodel.measure(pipe, clock=timer, repeats=1, max_tokens=6)
+    table = measuring.measure(pipe.cost_subject(), clock=timer, repeats=1, max_tokens=6)
     assert table.chain[0] == 1.0 and min(table.chain) == 1.0
     assert table.chain[3] == pytest.approx(1.0) and table.chain[2] == pytest.approx(1.6 / 1.36)
 
 
 def test_measure_shapes():
     pipe = tiny_pipeline(drafter="tiny")
-    table = costmodel.measure(pipe, clock=FakeTimer(), repeats=1, max_tokens=6)
+    table = measuring.measure(pipe.cost_subject(), clock=FakeTimer(), repeats=1, max_tokens=6)
     assert len(table.chain) == 6 and table.tree == ()  # a chain drafter: no tree forwards timed
     assert table.verify(4, tree=True) == table.verify(4) and table.chain[0] == pytest.approx(1.0)
     assert table.draft_per_token >= 0 and table.draft_fixed >= 0
@@ -105,51 +119,51 @@ def test_cache_is_keyed_and_refreshable(real_cost_table, monkeypatch):
 
     def fake_measure(pipe, clock=None):
         calls.append(pipe)
-        return costmodel.CostTable(chain=(1.0, 1.5), tree=(1.0, 2.0), step_s=0.01, facts=costmodel.facts(pipe))
+        return CostTable(chain=(1.0, 1.5), tree=(1.0, 2.0), step_s=0.01, facts=measuring.facts(pipe))
 
-    monkeypatch.setattr(costmodel, "measure", fake_measure)
+    monkeypatch.setattr(store, "measure", fake_measure)
     pipe = tiny_pipeline(drafter="tiny")
-    first = costmodel.cost_table(pipe)
+    first = table_of(pipe)
     assert list((real_cost_table / "costs").glob("*.json"))
-    costmodel._MEMO.clear()
-    assert costmodel.cost_table(pipe) == first and len(calls) == 1  # served from disk
-    costmodel.cost_table(pipe, refresh=True)
+    store._MEMO.clear()
+    assert table_of(pipe) == first and len(calls) == 1  # served from disk
+    table_of(pipe, refresh=True)
     assert len(calls) == 2
     other = tiny_pipeline("drafter.num_tokens=2", drafter="tiny")  # a different drafter config: another key
-    assert costmodel.cache_key(costmodel.facts(other)) != costmodel.cache_key(costmodel.facts(pipe))
-    costmodel.cost_table(other)
+    assert store.cache_key(measuring.facts(other.cost_subject())) != store.cache_key(measuring.facts(pipe.cost_subject()))
+    table_of(other)
     assert len(calls) == 3
-    assert "v(n) chain" in costmodel.describe(first)
+    assert "v(n) chain" in store.describe(first)
     compiled = tiny_pipeline("compile=true", drafter="tiny")  # compiled forwards cost differently: another key
-    assert costmodel.cache_key(costmodel.facts(compiled)) != costmodel.cache_key(costmodel.facts(pipe))
+    assert store.cache_key(measuring.facts(compiled.cost_subject())) != store.cache_key(measuring.facts(pipe.cost_subject()))
 
 
 def test_fixed_table_from_the_environment_replaces_measuring(real_cost_table, monkeypatch):
     """$SPECGEN_COST_TABLE: that table for every pipeline, nothing measured or cached; bad files are one line."""
-    monkeypatch.setattr(costmodel, "measure", lambda pipe, clock=None: pytest.fail("measured despite a fixed table"))
+    monkeypatch.setattr(store, "measure", lambda pipe, clock=None: pytest.fail("measured despite a fixed table"))
     path = real_cost_table / "fixed.json"
-    path.write_text(json.dumps(costmodel.to_dict(TEST_COSTS)))
-    monkeypatch.setenv(costmodel.FIXED_TABLE_ENV, str(path))
+    path.write_text(json.dumps(store.to_dict(TEST_COSTS)))
+    monkeypatch.setenv(store.FIXED_TABLE_ENV, str(path))
     pipe = tiny_pipeline(drafter="tiny")
-    assert costmodel.cost_table(pipe) == TEST_COSTS
-    assert costmodel.cost_table(pipe, refresh=True) == TEST_COSTS
+    assert table_of(pipe) == TEST_COSTS
+    assert table_of(pipe, refresh=True) == TEST_COSTS
     assert not (real_cost_table / "costs").exists()
     for content, message in ((None, "cannot read"), ("{}", "not a cost table"), ('{"chain": [1', "not a cost table")):
         if content is not None:
             path.write_text(content)
-        monkeypatch.setenv(costmodel.FIXED_TABLE_ENV, str(path) if content else str(real_cost_table / "missing"))
+        monkeypatch.setenv(store.FIXED_TABLE_ENV, str(path) if content else str(real_cost_table / "missing"))
         with pytest.raises(ConfigError, match=message) as caught:
-            costmodel.cost_table(pipe)
+            table_of(pipe)
         assert "SPECGEN_COST_TABLE" in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_corrupt_cache_file_is_remeasured(real_cost_table, monkeypatch):
-    monkeypatch.setattr(costmodel, "measure", lambda pipe, clock=None: costmodel.CostTable(chain=(1.0,), tree=(1.0,)))
+    monkeypatch.setattr(store, "measure", lambda pipe, clock=None: CostTable(chain=(1.0,), tree=(1.0,)))
     pipe = tiny_pipeline(drafter="ngram")
-    path = real_cost_table / "costs" / f"{costmodel.cache_key(costmodel.facts(pipe))}.json"
+    path = real_cost_table / "costs" / f"{store.cache_key(measuring.facts(pipe.cost_subject()))}.json"
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
-    assert costmodel.cost_table(pipe).chain == (1.0,)
+    assert table_of(pipe).chain == (1.0,)
 
 
 def test_measuring_the_cost_table_is_not_part_of_a_requests_time(monkeypatch):
@@ -163,7 +177,7 @@ def test_measuring_the_cost_table_is_not_part_of_a_requests_time(monkeypatch):
         now[0] += 100.0  # a measurement that "takes" 100 s
         return TEST_COSTS
 
-    monkeypatch.setattr("specgen.costmodel.cost_table", slow_measurement)
+    monkeypatch.setattr("specgen.planning.store.cost_table", slow_measurement)
     pipe = tiny_pipeline(drafter="tiny")
     gen = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=8)
     assert pipe.drafter.num_tokens == "auto" and pipe.costs is TEST_COSTS
@@ -174,7 +188,7 @@ def test_measuring_the_cost_table_is_not_part_of_a_requests_time(monkeypatch):
 def test_measure_batch_shapes(monkeypatch):
     """The batched table: every measured (rows, width) cell, in units of its 1 x 1 forward."""
     pipe = tiny_pipeline(drafter="ngram")
-    table = costmodel.measure_batch(pipe, 3, clock=FakeTimer(), max_width=4)
+    table = measuring.measure_batch(pipe.cost_subject(), 3, new_batch(pipe), clock=FakeTimer(), max_width=4)
     assert table.sizes == (1, 2, 3) and table.widths == (1, 2, 3, 4)
     assert table.body[0][0] == pytest.approx(1.0) and table.head == 0.0
     assert len(table.wide) == 3 and table.slots[1] > table.slots[0] > 0  # a compacted and a wide cache
@@ -186,8 +200,6 @@ def test_measure_batch_shapes(monkeypatch):
 def test_measure_batch_reads_its_cells_from_a_fit(monkeypatch):
     """Timings with one shape read high (2 rows x 1 token) still give a table that never falls with
     more rows or width, ragged forwards no dearer than uniform ones, the wide cache no cheaper."""
-    from specgen.batch.kv import BatchKV
-
     pipe = tiny_pipeline(drafter="ngram")
     timer = SpanTimer()
     real_forward = BatchKV.forward
@@ -199,7 +211,7 @@ def test_measure_batch_reads_its_cells_from_a_fit(monkeypatch):
         return real_forward(self, feeds, keeps)
 
     monkeypatch.setattr(BatchKV, "forward", forward)
-    table = costmodel.measure_batch(pipe, 4, clock=timer, max_width=3)
+    table = measuring.measure_batch(pipe.cost_subject(), 4, new_batch(pipe), clock=timer, max_width=3)
     assert table.body[1][0] < table.body[1][1]  # 2 x 1 no longer priced above 2 x 2
     for body, ragged, wide in zip(table.body, table.ragged, table.wide, strict=True):
         assert list(body) == sorted(body) and all(r <= u + 1e-12 <= x + 2e-12 for r, u, x in zip(ragged, body, wide))
@@ -221,38 +233,32 @@ class SpanTimer:
 
 
 def test_batch_table_is_cached_and_fixed_by_the_environment(real_cost_table, monkeypatch):
-    from specgen.batch_planner import BatchCostTable
-
-    monkeypatch.setattr(costmodel, "batch_cost_table", _ORIGINAL_BATCH)
+    monkeypatch.setattr(store, "batch_cost_table", _ORIGINAL_BATCH)
     calls = []
     made = BatchCostTable((1, 4), (1, 9), ((1.0, 2.0), (2.0, 5.0)), 0.01, 0.01)
-    monkeypatch.setattr(costmodel, "measure_batch", lambda pipe, size, clock=None: calls.append(size) or made)
+    monkeypatch.setattr(store, "measure_batch", lambda subject, size, new, **kwargs: calls.append(size) or made)
     pipe = tiny_pipeline(drafter="ngram")
-    assert costmodel.batch_cost_table(pipe, 4) == made
-    costmodel._MEMO.clear()
-    assert costmodel.batch_cost_table(pipe, 4) == made and calls == [8]  # served from disk
-    assert costmodel.batch_cost_table(pipe, 7) == made and costmodel.batch_cost_table(pipe, 1) == made
+    assert batch_costs(pipe, 4) == made
+    store._MEMO.clear()
+    assert batch_costs(pipe, 4) == made and calls == [8]  # served from disk
+    assert batch_costs(pipe, 7) == made and batch_costs(pipe, 1) == made
     assert calls == [8]  # one table serves every batch up to 8 rows (a run's last, smaller batch included)
-    costmodel.batch_cost_table(pipe, 9)
-    assert calls == [8, 16]  # a larger batch: another key
-    assert "B=4: 2.00 5.00" in costmodel.describe_batch(made)
+    assert batch_costs(pipe, 9) == made and batch_costs(pipe, 64) == made and batch_costs(pipe, 10**6) == made
+    assert calls == [8]  # and every larger one: measured with at most MAX_MEASURED_ROWS rows
+    assert "B=4: 2.00 5.00" in store.describe_batch(made)
     path = real_cost_table / "fixed.json"
-    path.write_text(json.dumps(costmodel.to_dict(TEST_COSTS)))
-    monkeypatch.setenv(costmodel.FIXED_TABLE_ENV, str(path))
-    assert costmodel.batch_cost_table(pipe, 8) == BatchCostTable.from_chain(TEST_COSTS.chain, (1, 2, 4, 8))
-    path.write_text(json.dumps(dict(costmodel.to_dict(TEST_COSTS), batch=costmodel.batch_to_dict(made))))
-    assert costmodel.batch_cost_table(pipe, 8) == made and calls == [8, 16]
-    path.write_text(json.dumps(dict(costmodel.to_dict(TEST_COSTS), batch={"sizes": [1]})))
+    path.write_text(json.dumps(store.to_dict(TEST_COSTS)))
+    monkeypatch.setenv(store.FIXED_TABLE_ENV, str(path))
+    assert batch_costs(pipe, 8) == BatchCostTable.from_chain(TEST_COSTS.chain, (1, 2, 4, 8))
+    path.write_text(json.dumps(dict(store.to_dict(TEST_COSTS), batch=store.to_dict(made))))
+    assert batch_costs(pipe, 8) == made and calls == [8]
+    path.write_text(json.dumps(dict(store.to_dict(TEST_COSTS), batch={"sizes": [1]})))
     with pytest.raises(ConfigError, match="not a batch cost table"):
-        costmodel.batch_cost_table(pipe, 8)
+        batch_costs(pipe, 8)
 
-
-_ORIGINAL_BATCH = costmodel.batch_cost_table
 
 
 def test_batch_table_prices_the_shared_width_between_its_two_measurements():
-    from specgen.batch_planner import BatchCostTable
-
     table = BatchCostTable((1, 8), (1, 2), ((1.0, 1.2), (1.5, 2.0)), 0.01, 0.02,
                            wide=((1.4, 2.0), (3.0, 5.0)), slots=(100, 800))
     assert table.at(100).body == table.body and table.at(50).body == table.body  # never below the narrow one
@@ -264,11 +270,54 @@ def test_batch_table_prices_the_shared_width_between_its_two_measurements():
     assert table.at(800).verify(8, 2) == pytest.approx(5.0) and table.at(800).head == 0.01
     single = BatchCostTable((1, 8), (1, 2), ((1.0, 1.2), (1.5, 2.0)))
     assert single.at(5000) is single
-    again = costmodel.batch_from_dict(json.loads(json.dumps(costmodel.batch_to_dict(table))))
+    again = store.from_dict(BatchCostTable, json.loads(json.dumps(store.to_dict(table))))
     assert again == table and again.wide == table.wide and again.slots == (100, 800)
     ragged = BatchCostTable((1, 8), (1, 2), ((1.0, 1.2), (1.5, 2.0)), ragged=((1.0, 1.2), (1.5, 1.7)))
-    assert costmodel.batch_from_dict(json.loads(json.dumps(costmodel.batch_to_dict(ragged)))).ragged == ragged.ragged
-    assert "one row w wide, the others 1: B=1: 1.00 1.20; B=8: 1.50 1.70" in costmodel.describe_batch(ragged)
-    assert "800 slots: B=1: 1.40 2.00" in costmodel.describe_batch(table)
+    assert store.from_dict(BatchCostTable, json.loads(json.dumps(store.to_dict(ragged)))).ragged == ragged.ragged
+    assert "one row w wide, the others 1: B=1: 1.00 1.20; B=8: 1.50 1.70" in store.describe_batch(ragged)
+    assert "800 slots: B=1: 1.40 2.00" in store.describe_batch(table)
     with pytest.raises(ValueError, match="wide"):
-        costmodel.batch_from_dict(dict(costmodel.batch_to_dict(table), slots=[100]))
+        store.from_dict(BatchCostTable, dict(store.to_dict(table), slots=[100]))
+
+
+def test_measure_batch_is_clamped_for_a_big_batch():
+    """A batch of 64 rows is measured on caches of at most MAX_MEASURED_ROWS rows (memory and time
+    bounded), its bigger sizes priced by the fit's continuation, with progress reported."""
+    pipe = tiny_pipeline(drafter="ngram")
+    made, lines = [], []
+
+    def new(rows):
+        made.append(rows)
+        return BatchKV(pipe.target, rows)
+
+    table = measuring.measure_batch(pipe.cost_subject(), 64, new, clock=FakeTimer(), repeats=1, max_width=3,
+                                    progress=lines.append)
+    assert made and max(made) == measuring.MAX_MEASURED_ROWS == table.sizes[-1]
+    assert table.facts["batch_size"] == measuring.MAX_MEASURED_ROWS and len(lines) == 2
+    four, eight = table.verify(4, 2), table.verify(8, 2)
+    assert table.verify(64, 2) == pytest.approx(eight + (eight - four) * 14)  # linear past the measured rows
+
+
+def test_old_or_torn_cache_files_are_measured_over(real_cost_table, monkeypatch, capsys):
+    """A cache file of another format (an older method's fields, a list, a torn write) is measured
+    over, never an error; the measurement says so on stderr."""
+    made = BatchCostTable((1, 8), (1, 9), ((1.0, 2.0), (2.0, 5.0)), 0.01, 0.01)
+    monkeypatch.setattr(store, "batch_cost_table", _ORIGINAL_BATCH)
+    monkeypatch.setattr(store, "measure", lambda subject, clock=None: CostTable(chain=(1.0, 1.25), tree=()))
+    monkeypatch.setattr(store, "measure_batch", lambda subject, size, new, **kwargs: made)
+    pipe = tiny_pipeline(drafter="ngram")
+    subject = pipe.cost_subject()
+    costs = real_cost_table / "costs"
+    costs.mkdir()
+    single = costs / f"{store.cache_key(measuring.facts(subject))}.json"
+    batch = costs / f"batch-{store.cache_key(measuring.batch_facts(subject, 8))}.json"
+    for old in ('{"sizes": [1, 8], "widths": [1], "body": [[1.0]]}', "[1, 2]", '{"chain": [1.0, "x"], "tree": []}'):
+        single.write_text(old)
+        batch.write_text(old)
+        store._MEMO.clear()
+        assert table_of(pipe).chain == (1.0, 1.25)
+        assert batch_costs(pipe, 8) == made
+    assert "measuring the batched cost table" in capsys.readouterr().err
+    store._MEMO.clear()
+    assert store.from_dict(CostTable, json.loads(single.read_text())) == CostTable(chain=(1.0, 1.25), tree=())
+    assert store.from_dict(BatchCostTable, json.loads(batch.read_text())) == made

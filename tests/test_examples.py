@@ -203,7 +203,7 @@ def _has_default_model() -> bool:
 def _run(*args: str, costs: pathlib.Path) -> subprocess.CompletedProcess:
     """Runs an example script; it plans with the fixed table at ``costs`` (as in-process tests do), so
     no subprocess spends seconds measuring the model's cost table (test_costmodel measures for real)."""
-    from specgen.costmodel import FIXED_TABLE_ENV
+    from specgen.planning.store import FIXED_TABLE_ENV
 
     env = {**os.environ, FIXED_TABLE_ENV: str(costs)}
     return subprocess.run([sys.executable, *args, "--override", "threads=1"], cwd=ROOT, capture_output=True,
@@ -213,7 +213,7 @@ def _run(*args: str, costs: pathlib.Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @pytest.mark.skipif(not _has_default_model(), reason="the default model package is not installed")
 def test_examples_run_on_the_default_model(tmp_path):
-    from specgen.costmodel import to_dict
+    from specgen.planning.store import to_dict
 
     jsonschema = pytest.importorskip("jsonschema")
     costs = tmp_path / "costs.json"

@@ -10,11 +10,13 @@ import random
 
 import pytest
 
-from specgen.planner import (
+from specgen.planning import (
     AcceptanceHistory,
     ChainStopper,
     CostTable,
     expected_tokens,
+    interpolate,
+    pays_to_go_on,
     plan_budget,
     truncate_chain,
     truncate_tree,
@@ -47,6 +49,27 @@ def test_cost_table_extrapolates_and_adds_overhead():
     assert table.verify(5) == pytest.approx(1.5 + 2 * 0.3 + 0.5)  # last slope continued
     assert table.verify(2, tree=True) == pytest.approx(1.3 + 0.2)
     assert table.draft(0) == 0.0
+
+
+def test_one_interpolation_rule():
+    """Knots exact, linear between, continued past the ends; a rising tail never falls past the last knot."""
+    xs, ys = (1, 2, 4), (1.0, 1.5, 1.2)
+    assert [interpolate(xs, ys, x) for x in xs] == list(ys)
+    assert interpolate(xs, ys, 3) == pytest.approx(1.35)
+    assert interpolate(xs, ys, 6) == pytest.approx(0.9) and interpolate(xs, ys, 40) == 0.0  # never below 0
+    assert interpolate(xs, ys, 6, rising_tail=True) == 1.2
+    assert interpolate((2,), (3.0,), 5) == pytest.approx(7.5)  # one knot: proportional
+    steep = CostTable(chain=(1.0, 2.0, 1.5), tree=())
+    assert steep.verify(5) == 1.5  # a falling last segment is not continued downwards
+
+
+def test_the_stopping_rule_compares_longer_lengths_with_stopping():
+    def cost(k):
+        return 1.0 + 0.5 * k
+
+    assert pays_to_go_on([0.9, 0.9], cost, 0, 2)  # 1.9 / 1.5 > 1 / 1
+    assert not pays_to_go_on([0.1, 0.1], cost, 0, 2)
+    assert not pays_to_go_on([0.9, 0.9], cost, 2, 2)  # nothing longer to try
 
 
 def test_budget_grows_with_acceptance_and_shrinks_with_cost():

@@ -19,7 +19,7 @@ from exact import exact_distribution, goodness_of_fit, sample_counts
 from specgen.drafters import Proposal
 from specgen.drafters.chain_draw import ChainDraws
 from specgen.drafters.small_model import SmallModelSession
-from specgen.planner import ChainStopper, CostTable
+from specgen.planning import ChainStopper, CostTable
 from specgen.processors import CommittedCounts, History
 
 VOCAB8 = ("target.source.vocab_size=8", "drafter.source.vocab_size=8")
@@ -128,7 +128,7 @@ COSTLY_DRAFTS = CostTable(chain=tuple(1.0 + 0.02 * n for n in range(8)), tree=()
 
 @pytest.fixture
 def costly(monkeypatch):
-    monkeypatch.setattr("specgen.costmodel.cost_table", lambda pipe, **kwargs: COSTLY_DRAFTS)
+    monkeypatch.setattr("specgen.planning.store.cost_table", lambda subject, **kwargs: COSTLY_DRAFTS)
     pipe = tiny_pipeline(*VOCAB8, "sampling.temperature=1.0")
     decisions: list[tuple[str, bool]] = []
     for name in ("keep", "more"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specgen.bench.plots import plot_costs
-from specgen.planner import CostTable
+from specgen.planning import CostTable
 
 
 def test_plot_costs_writes_a_png(tmp_path):

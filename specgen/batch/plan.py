@@ -1,10 +1,12 @@
-"""Plan + draft for a batched step: every row's draft length chosen together (see :mod:`specgen.batch_planner`).
+"""The plan + draft stage of a batched step: every row's draft length chosen together.
 
-Rows with ``num_tokens="auto"`` are planned jointly against the batched cost table
-(a row drafting k tokens makes every row's forward 1 + k wide); rows with a fixed γ
-draft it as in a single request (:func:`specgen.round.plan_and_draft`) and are fixed
-points of the plan; rows without a drafter are plain. Then the joint stopping rule
-(:func:`specgen.batch_planner.truncate_batch`) cuts each auto row's draft. Every
+The planning itself is pure and lives in :mod:`specgen.planning.batch`; this stage
+feeds it the rows and runs their drafters. Rows with ``num_tokens="auto"`` are
+planned jointly against the batched cost table (a row drafting k tokens makes every
+row's forward 1 + k wide); rows with a fixed γ draft it as in a single request
+(:func:`specgen.round.plan_and_draft`) and are fixed points of the plan; rows
+without a drafter are plain. Then the joint stopping rule
+(:func:`specgen.planning.batch.truncate_batch`) cuts each auto row's draft. Every
 input is a row's past rounds, its drafter's output, or other rows' (independent of
 the row's own target draws): the plan is non-anticipating, so each row stays exact.
 """
@@ -13,11 +15,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from specgen.batch_planner import BatchCostTable, DraftedRow, RowPlan, plan_batch, token_values, truncate_batch
+from specgen.batch.kv import BatchKV
 from specgen.drafters import Proposal
 from specgen.drafters.base import EMPTY
-from specgen.planner import AUTO
-from specgen.round import draft_budget, plan_and_draft
+from specgen.planning import (AUTO, BatchCostTable, DraftedRow, RowPlan, auto_row, drafted_row, plan_batch,
+                              token_values, truncate_batch)
+from specgen.planning import store
+from specgen.round import chain_prefix, draft_budget, plan_and_draft
+
+
+def batch_costs(pipe, size: int, *, refresh: bool = False) -> BatchCostTable:
+    """The pipeline's batched cost table for batches of ``size`` rows (measured once per machine on
+    :class:`BatchKV` caches of its target, then cached; see :func:`specgen.planning.store.batch_cost_table`)."""
+    return store.batch_cost_table(pipe.cost_subject(), size, lambda rows: BatchKV(pipe.target, rows),
+                                  refresh=refresh)
 
 
 def stand_in_costs(rows) -> BatchCostTable:
@@ -30,36 +41,15 @@ def plan_rows(costs: BatchCostTable | None, live: list, draining: bool = False) 
     """Plan and draft every row of ``live`` ((row index, Row) pairs); -> for each row with a
     drafter, its proposal and predicted tree tokens (0.0 for chains). Call inside the step's
     transaction: the drafters' sessions advance here. draining: no request waits for a free
-    row, so the batch's end is what counts (:func:`specgen.batch_planner.token_values`)."""
+    row, so the batch's end is what counts (:func:`specgen.planning.batch.token_values`)."""
     auto = [(r, row) for r, row in live if row.request.draft is not None and row.spec.gamma == AUTO]
     for _, row in auto:
         if row.ctx.costs is None:
             row.ctx.costs = row.ctx.load_costs()
     if auto and costs is None:
         costs = stand_in_costs([row for _, row in auto])
-    drafted: dict[int, tuple[Proposal, float]] = {}
-    plans: list[RowPlan] = []
-    budgets: dict[int, int] = {}
     values = token_values(costs, [row.request.remaining for _, row in live], draining) if auto else []
-    for j, (r, row) in enumerate(live):  # fixed γ rows draft now; auto rows get a plan input
-        request, feed = row.request, len(row.request.target_cache.uncached(row.request.committed.tokens))
-        value = values[j] if values else 1.0
-        if request.draft is None:
-            plans.append(RowPlan(feed=feed, value=value))
-        elif row.spec.gamma != AUTO:
-            drafted[r] = plan_and_draft(request, row.ctx, row.spec.gamma)
-            size = len(drafted[r][0])
-            plans.append(RowPlan((0.0,) * size, size, feed, value=value))
-        else:
-            ctx = row.ctx
-            limit = min(ctx.max_tokens, ctx.costs.max_tokens, costs.widths[-1] - 1)
-            budgets[r] = budget = draft_budget(request, limit, ctx.target.context_length)
-            cheap = ctx.costs.draft_per_token < 0.1
-            bases = ctx.history.bases(budget)
-            rates = tuple(ctx.history.optimistic(i, base) for i, base in enumerate(bases)) if cheap else tuple(bases)
-            scale = ctx.costs.step_s / costs.step_s if ctx.costs.step_s and costs.step_s else 1.0
-            plans.append(RowPlan(rates, 0, feed, ctx.costs.draft_fixed * scale, ctx.costs.draft_per_token * scale,
-                                 value))
+    drafted, plans, budgets = _plan_inputs(costs, live, values)
     if not auto:
         return drafted
     probing = [row.ctx.history.probe_due for r, row in auto if budgets[r]]
@@ -72,30 +62,41 @@ def plan_rows(costs: BatchCostTable | None, live: list, draining: bool = False) 
             with row.ctx.clock.stage("draft"):
                 drafted[r] = (row.request.draft.propose(length) if length else EMPTY), 0.0
             sunk += plan.draft(length)
-    cut = truncate_batch(costs, [_drafted_row(row, plan, drafted.get(r), r in budgets)
+    cut = truncate_batch(costs, [_drafted(row, plan, drafted.get(r), r in budgets)
                                  for (r, row), plan in zip(live, plans, strict=True)], sunk)
     for (r, _), keep in zip(live, cut, strict=True):
-        if r in budgets and keep < len(drafted[r][0]):
-            drafted[r] = _prefix(drafted[r][0], keep), 0.0
+        if r in budgets:
+            drafted[r] = chain_prefix(drafted[r][0], keep), 0.0
     return drafted
 
 
-def _drafted_row(row, plan: RowPlan, drafted, auto: bool) -> DraftedRow:
+def _plan_inputs(costs: BatchCostTable | None, live: list, values: list[float]):
+    """-> (proposals of the fixed-γ rows, drafted now; every row's plan input; each auto row's budget)."""
+    drafted: dict[int, tuple[Proposal, float]] = {}
+    plans: list[RowPlan] = []
+    budgets: dict[int, int] = {}
+    for j, (r, row) in enumerate(live):
+        request, feed = row.request, len(row.request.target_cache.uncached(row.request.committed.tokens))
+        value = values[j] if values else 1.0
+        if request.draft is None:
+            plans.append(RowPlan(feed=feed, value=value))
+        elif row.spec.gamma != AUTO:
+            drafted[r] = plan_and_draft(request, row.ctx, row.spec.gamma)
+            size = len(drafted[r][0])
+            plans.append(RowPlan((0.0,) * size, size, feed, value=value))
+        else:
+            ctx = row.ctx
+            limit = min(ctx.max_tokens, ctx.costs.max_tokens, costs.widths[-1] - 1)
+            budgets[r] = budget = draft_budget(request, limit, ctx.target.context_length)
+            plans.append(auto_row(ctx.history, ctx.costs, costs, budget, feed, value))
+    return drafted, plans, budgets
+
+
+def _drafted(row, plan: RowPlan, drafted, auto: bool) -> DraftedRow:
     if drafted is None:
         return DraftedRow(feed=plan.feed, value=plan.value)
     proposal = drafted[0]
     size = len(proposal)
     if not auto:
         return DraftedRow((0.0,) * size, (0.0,) * size, size, plan.feed, plan.value)
-    history = row.ctx.history
-    confidence = proposal.confidence or [None] * size
-    later = tuple(history.bases(size))
-    known = tuple(history.estimate(t, confidence[t], later[t]) for t in range(size))
-    return DraftedRow(known, later, min(plan.low, size), plan.feed, plan.value)
-
-
-def _prefix(proposal: Proposal, keep: int) -> Proposal:
-    if keep == 0:
-        return EMPTY
-    return Proposal(proposal.tokens[:keep], None if proposal.draft_probs is None else proposal.draft_probs[:keep],
-                    None, None if proposal.confidence is None else proposal.confidence[:keep])
+    return drafted_row(row.ctx.history, proposal.confidence, size, plan)

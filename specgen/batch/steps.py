@@ -8,13 +8,12 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 
 from specgen.batch.kv import BatchKV
-from specgen.batch.plan import plan_rows
-from specgen.batch_planner import BatchCostTable
+from specgen.batch.plan import batch_costs, plan_rows
 from specgen.engine import RequestPlan
 from specgen.errors import ConfigError, DeadEndError, PromptError, SpecgenError
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.options import check_option_names, request_options
-from specgen.planner import AUTO
+from specgen.planning import AUTO, BatchCostTable
 from specgen.round import RoundContext, accept_chain, accept_plain, chain_feed, plain_events, round_events
 from specgen.state import Request
 
@@ -97,9 +96,7 @@ class Batch:
         runs ``spec.stack``) into a free slot; ValueError when the batch is full."""
         r = self.slots.index(None)
         if self.costs is None and spec.use_spec and spec.gamma == AUTO:  # before the row's clock starts
-            from specgen.costmodel import batch_cost_table
-
-            self.costs = batch_cost_table(self.pipe, len(self.slots))  # measured once per machine and cached
+            self.costs = batch_costs(self.pipe, len(self.slots))  # measured once per machine and cached
         self.slots[r] = row = admit(self.pipe, self.kv, r, spec)
         row.owner = owner
         return row

@@ -1,4 +1,4 @@
-"""The speed model's cost terms, from the pipeline's cost table (:mod:`specgen.costmodel`).
+"""The speed model's cost terms, from the pipeline's cost table (:mod:`specgen.planning.measure`).
 
 The planner and the bench use the same measurement: v(n) for chains and for
 trees (n verified tokens = |T| + 1 for a tree of |T| nodes) and the drafting
@@ -10,12 +10,12 @@ untimed prefill and cached per model/dtype/device/threads.
 
 from __future__ import annotations
 
-from specgen.planner import CostTable
+from specgen.planning import CostTable
 
 
 def from_cost_table(table: CostTable) -> dict:
     """``{step_s, v, v_tree: {n: ratio}, c, draft_fixed, context_tokens}`` for the speed model."""
-    from specgen.costmodel import CONTEXT_TOKENS
+    from specgen.planning.measure import CONTEXT_TOKENS
 
     return {"step_s": table.step_s, "v": {n + 1: r for n, r in enumerate(table.chain)},
             "v_tree": {n + 1: r for n, r in enumerate(table.tree)}, "c": table.draft_per_token,

@@ -132,7 +132,7 @@ def _batch_result(run, resolved: Mapping, names, bench: Mapping, out, err) -> Be
 def _show_costs(cfg: DictConfig, settings: Settings, out) -> BenchResult:
     """``bench.costs_only=true``: print the pipeline's cost table (``bench.remeasure_costs=true``: measure again)."""
     from specgen.bench.runner import build_variant
-    from specgen.costmodel import describe
+    from specgen.planning.store import describe
 
     pipe = build_variant(cfg, settings.temperatures[0], settings, progress=False)
     if not pipe.speculative:

@@ -119,7 +119,7 @@ def _legend(ax) -> None:
 
 
 def plot_costs(tables: Mapping[str, object], path: Path, title: str = "") -> Path:
-    """v(n) of each cost table (specgen.planner.CostTable), chain solid and tree dashed, one
+    """v(n) of each cost table (specgen.planning.CostTable), chain solid and tree dashed, one
     colour per label, in units of that table's own 1-token forward; write ``path`` (PNG)."""
     import matplotlib
 

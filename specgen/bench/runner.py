@@ -30,8 +30,8 @@ from specgen.bench.batching import batch_methods, run_hf_batches, run_specgen
 from specgen.bench.calibrate import from_cost_table
 from specgen.bench.prompts import BenchPrompt, load_prompt_sets
 from specgen.errors import ConfigError
-from specgen.costmodel import describe
-from specgen.planner import AUTO
+from specgen.planning.store import describe
+from specgen.planning import AUTO
 from specgen.options import parse_bool, parse_int, parse_seed
 from specgen.events import FinishEvent
 from specgen.stats import Clock, Stats
@@ -356,13 +356,15 @@ def _measure_batches(pipe, encoded: list[tuple], temperature: float, settings: S
                            seed=settings.seed, clock=clock)
 
     if "specgen" in methods:  # the planner's tables: measured (or read from the cache) before any timing
-        from specgen.costmodel import batch_cost_table, describe_batch, table_size
+        from specgen.batch.plan import batch_costs
+        from specgen.planning.measure import table_size
+        from specgen.planning.store import describe_batch
 
         pipe.cost_table(refresh=settings.remeasure_costs)
         refreshed: set[int] = set()
         for size in settings.batch_sizes:
-            key = table_size(size)  # one table serves batches up to 8 rows: measure it again once
-            note = describe_batch(batch_cost_table(pipe, size, refresh=settings.remeasure_costs and key not in refreshed))
+            key = table_size(size)  # one table serves every batch size: measure it again once
+            note = describe_batch(batch_costs(pipe, size, refresh=settings.remeasure_costs and key not in refreshed))
             refreshed.add(key)
             if temperature == settings.temperatures[0] and note not in run.notes:
                 run.notes.append(note)

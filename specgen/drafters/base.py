@@ -66,7 +66,7 @@ class DraftSession(ABC):
     """Per-request drafting state.
 
     stops_online: the session drafts a chain token by token and accepts a ``stopper``
-    in :meth:`propose` (the planner's :class:`~specgen.planner.ChainStopper`), asked
+    in :meth:`propose` (the planner's :class:`~specgen.planning.chain.ChainStopper`), asked
     with each token's confidence before it is drawn; the round then passes one and
     does not truncate afterwards. Sessions without it are never handed a stopper.
     """

@@ -16,7 +16,7 @@ in order, on both paths below, so they draw the same tokens:
 
 Stopping rules: the chain ends before the first step whose row allows nothing
 (the draft's own dead end, e.g. nothing left in the draft vocabulary), and, with a
-``stopper`` (the planner's :class:`~specgen.planner.ChainStopper`), before a step
+``stopper`` (the planner's :class:`~specgen.planning.chain.ChainStopper`), before a step
 whose confidence (max q, known before the draw) the stopper declines, or after a
 draw when it says no further draft pays. All are rules of the drafter's own
 information, so exactness holds. A stopper reads each step's confidence back as

@@ -1,10 +1,9 @@
 """A smooth model of batched forward costs, fitted to noisy timings (pure: no models, no clocks).
 
-On a shared CPU the fastest of three timings of one shape still varies by 30-40 %
-between runs, and a single cell read high or low (4 rows x 1 token priced above
-4 rows x 2 tokens) sends the batch planner the wrong way: it speculates where a
-plain step was cheaper, or the reverse. Every cell of a batched table is therefore
-read from one least-squares fit over all of them,
+Timings of one shape vary between runs, and a single cell read high or low
+(4 rows x 1 token priced above 4 rows x 2 tokens) would send the batch planner
+the wrong way. Every cell of a batched table is therefore read from one
+least-squares fit over all of them,
 
     seconds = a + c * T + d * b + e * b * w + f * w        (every coefficient >= 0)
 
@@ -13,10 +12,11 @@ forward, ``c`` a real token's linear layers, ``d`` a row's own work, ``e`` the
 work done on the padded shape (attention, norms, rotary embeddings) and ``f`` what
 width costs whatever the rows (a few rows' tokens use the matrix kernels less
 well than many rows' do). Where no cell is ragged (T = b * w everywhere) ``c``
-and ``e`` cannot be told apart and one coefficient is fitted. Non-negative coefficients make the fitted table
-non-decreasing in rows, widths and real tokens, and a ragged forward never
+and ``e`` cannot be told apart and one coefficient is fitted. Non-negative
+coefficients make the fitted table non-decreasing in rows, widths and real tokens, and a ragged forward never
 dearer than the uniform one of the same shape. Residuals are relative, so the
-small cells weigh as much as the large ones.
+small cells weigh as much as the large ones. The model is linear in b for a fixed
+w, so it prices batches of more rows than were measured by its continuation.
 """
 
 from __future__ import annotations
