@@ -3,9 +3,8 @@
 transformers' ``sdpa`` path lets PyTorch broadcast grouped key/value heads only
 for a single query token; a query of w > 1 tokens with an explicit mask (every
 speculative verify, every batched step) makes it ``repeat_kv`` the whole cache
-(groups × slots × head_dim per layer) before attending. On a CPU with a wide
-shared batched cache that copy was over half the forward (batched steps of
-w = 3 tokens on ~800 slots cost 2.3–2.9× what the compacted table priced).
+(groups × slots × head_dim per layer) before attending; on a wide shared batched
+cache that copy dominates the forward (docs/benchmarks.md, "Batching").
 
 :func:`packed_gqa_sdpa` folds each key/value group's query heads into the
 query-length axis instead: the query becomes ``[B, kv_heads, groups·w, d]``
