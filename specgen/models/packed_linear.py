@@ -10,7 +10,7 @@ thread; shapes are those of ``F.linear`` (``[..., in] -> [..., out]``).
 Contract:
 
 * Outputs equal ``F.linear``'s to float rounding (the same sums in another
-  order), as those of any two batch shapes already do; they are not bit-equal.
+  order), as those of any two batch shapes already do; they need not be bit-equal.
 * The packed copy costs as much memory as the weights it packs, is made on a
   layer's first eligible call and made again when its weight changes in place
   or is replaced.
@@ -19,7 +19,7 @@ Contract:
   other dtypes or devices, a dtype this CPU cannot pack, autograd, a torch
   build without oneDNN, ``packed_weights=false`` -- ``F.linear`` runs.
 
-What it changes in forward and verify costs: docs/benchmarks.md, "Packed weights"
+What it changes in forward and verify costs: docs/benchmarks.md, "Verify costs and packed weights"
 (``python scripts/packed_linear_bench.py``).
 """
 
