@@ -3,8 +3,8 @@
 Times (a) one batched forward of 8 rows × w tokens after 450-token prefills (compacted) and
 (b) the single-request chain cost table, each with transformers' ``sdpa`` + concatenating
 DynamicCache ("before") and with specgen's ``specgen_sdpa`` + GrowingLayer ("after"). Wall-clock
-figures depend on machine load: report the load with them (docs/benchmarks.md, "Packed
-grouped-query attention and an in-place KV cache").
+figures depend on machine load: report the load with them (CHANGELOG.md,
+2026-12-03, first session).
 
     python scripts/attention_bench.py --threads 1 --dtype float32
 """

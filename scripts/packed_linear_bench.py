@@ -5,7 +5,7 @@
 For each n, over a 192-token context, prints the forward time relative to the
 1-token forward through ``linear`` (every PackedLinear switched off), for
 ``linear`` and for the packed path, measured interleaved in one process: the
-table in docs/benchmarks.md ("Packed weights").
+table in docs/benchmarks.md ("Verify costs and packed weights").
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the real tokens (``packed_linear.real_tokens``); and attention also cut to each 
 real queries (``attention.row_lengths``; with both, the default). Prints the fastest
 and the median of the timed forwards per cell (the first of each cell is a warm-up).
 Wall-clock figures depend on machine load: report the load with them
-(docs/benchmarks.md, "Ragged steps" and "Ragged attention").
+(docs/benchmarks.md, "Batching": one batched forward by feed shape).
 
     python scripts/ragged_bench.py --threads 1 --dtype float32 [--prefill 450]
 """

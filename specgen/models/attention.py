@@ -3,9 +3,7 @@
 transformers' ``sdpa`` path lets PyTorch broadcast grouped key/value heads only
 for a single query token; a query of w > 1 tokens with an explicit mask (every
 speculative verify, every batched step) makes it ``repeat_kv`` the whole cache
-(groups × slots × head_dim per layer) before attending. On a CPU with a wide
-shared batched cache that copy was over half the forward (batched steps of
-w = 3 tokens on ~800 slots cost 2.3–2.9× what the compacted table priced).
+(groups × slots × head_dim per layer) before attending.
 
 :func:`packed_gqa_sdpa` folds each key/value group's query heads into the
 query-length axis instead: the query becomes ``[B, kv_heads, groups·w, d]``
@@ -21,6 +19,7 @@ A ragged batched step pads every row's feed to the widest (:mod:`specgen.batch`)
 Within :func:`row_lengths` each row's query is cut to its own real tokens and
 attended in a call of its own (views, no copies), so the padding costs no
 attention; a row's real outputs are the same arithmetic as in the padded call.
+What both save: docs/benchmarks.md, "Batching", and CHANGELOG.md, 2026-12-03.
 """
 
 from __future__ import annotations

@@ -1,42 +1,26 @@
 """Linear layers on oneDNN with pre-packed weights, for the few rows a decode or verify step feeds (CPU; float32, bfloat16).
 
-A decode step multiplies every weight matrix by 1 row; verifying a draft, by
-2-17; a batched step, by a few rows per request. PyTorch's CPU ``linear`` in
-float32 goes to MKL, which serves 1 row with a single-threaded matrix-vector
-kernel and 2-16 rows with a general kernel 1.5-2.5x slower again, so on this
-project's CPU a forward of 2 tokens cost 1.4-1.7 forwards of 1. oneDNN's inner
-product on a weight reordered once into its blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``, the layout inductor's CPU freezing
-pass uses) streams the weights near the memory's bandwidth for any small row
-count and uses every thread. SmolLM2-135M, a whole forward of n new tokens after
-a 192-token context, relative to a 1-token forward through ``linear``
-(``python scripts/packed_linear_bench.py --threads 1``, then ``--threads 2``;
-this project's 2-core AMD EPYC, AVX-512, idle):
+:class:`PackedLinear` replaces an ``nn.Linear`` of a loaded model and keeps its
+parameters (tied weights stay tied). It runs ``x @ weight.T + bias`` through
+oneDNN's inner product on a copy of the weight reordered once into oneDNN's
+blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the layout
+inductor's CPU freezing pass uses), which serves any small row count on every
+thread; shapes are those of ``F.linear`` (``[..., in] -> [..., out]``).
 
-=============  ====  ====  ====  ====  ====  ====  ====  ====
-layers          n=1   n=2   n=3   n=4   n=5   n=8  n=12  n=16
-=============  ====  ====  ====  ====  ====  ====  ====  ====
-1 thread:
-linear         1.00  1.65  2.03  1.60  1.80  1.86  2.20  2.51
-packed         0.69  0.76  0.79  0.79  0.83  0.93  1.06  1.20
-2 threads:
-linear         1.00  1.67  2.03  1.59  1.45  1.53  1.68  1.86
-packed         0.62  0.68  0.70  0.66  0.68  0.76  0.81  0.87
-=============  ====  ====  ====  ====  ====  ====  ====  ====
+Contract:
 
-So a plain step is 1.45x (1 thread) to 1.6x (2 threads) faster, and verifying 4
-tokens costs 1.15x (1 thread) / 1.06x (2 threads) a plain step instead of 1.6x.
+* Outputs equal ``F.linear``'s to float rounding (the same sums in another
+  order), as those of any two batch shapes already do; they need not be bit-equal.
+* The packed copy costs as much memory as the weights it packs, is made on a
+  layer's first eligible call and made again when its weight changes in place
+  or is replaced.
+* bfloat16 is packed only where this CPU's oneDNN packs it
+  (:func:`specgen.models.cpu.packs`: AVX-512 or AVX-NE-CONVERT). Elsewhere --
+  other dtypes or devices, a dtype this CPU cannot pack, autograd, a torch
+  build without oneDNN, ``packed_weights=false`` -- ``F.linear`` runs.
 
-Outputs differ from ``linear``'s by float32 rounding (the same sums in another
-order), as those of any two batch shapes already do.
-
-The packed copy costs as much memory as the weights it packs (SmolLM2-135M:
-about 540 MB more; packing it all takes ~0.4 s), is made on a layer's first eligible call and made again when
-its weight changes in place or is replaced. bfloat16 is packed too where this CPU's
-oneDNN packs it (:func:`specgen.models.cpu.packs`: AVX-512 or AVX-NE-CONVERT; a 1-token
-SmolLM2 forward: 0.79x bfloat16 ``linear``'s). Elsewhere -- other dtypes or
-devices, a dtype this CPU cannot pack, autograd, a torch build without oneDNN,
-``packed_weights=false`` -- ``linear`` runs as before.
+What it changes in forward and verify costs: docs/benchmarks.md, "Verify costs and packed weights"
+(``python scripts/packed_linear_bench.py``).
 """
 
 from __future__ import annotations
@@ -52,7 +36,7 @@ from specgen.models import cpu
 
 #: The dtypes served packed (on a CPU that packs them: :func:`packable`).
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-#: The row count the weights are packed for (a hint: every count runs on it; 8 measured fastest here).
+#: The row count the weights are packed for (a hint to oneDNN: every row count runs on the packed copy).
 PACK_ROWS = 8
 
 
