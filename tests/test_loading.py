@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specgen.errors import ModelLoadError
-from specgen.models import loading
+from specgen.models import gguf_cache, loading
 from specgen.models.loading import cache_root, load_model_and_tokenizer, resolve_model_dir
 from specgen.models.packaged import join_parts, locate_parts, part_package_names
 
@@ -151,7 +151,7 @@ def test_package_parts_joins_then_converts(cache, tmp_path, monkeypatch):
         seen.append(path.read_bytes())
         return path
 
-    monkeypatch.setattr(loading, "_converted", converted)
+    monkeypatch.setattr(gguf_cache, "converted", converted)
     resolve_model_dir(source, progress=False)
     assert seen == [joined]
     assert not (cache / "gguf" / "m.gguf").exists()
@@ -219,14 +219,14 @@ def test_source_without_required_key():
 def test_file_hash_is_cached_by_stat(cache, tmp_path, monkeypatch):
     data = tmp_path / "blob.bin"
     data.write_bytes(b"x" * 1000)
-    first = loading._file_sha256(data)
+    first = gguf_cache.file_sha256(data)
     assert first == hashlib.sha256(b"x" * 1000).hexdigest()
 
     def rehash(*args):
         raise AssertionError("the file was hashed again although it did not change")
 
-    monkeypatch.setattr(loading.hashlib, "sha256", rehash)
-    assert loading._file_sha256(data) == first
+    monkeypatch.setattr(gguf_cache.hashlib, "sha256", rehash)
+    assert gguf_cache.file_sha256(data) == first
 
 
 def test_interrupted_conversion_leaves_no_cache_entry(cache, tmp_path, monkeypatch):
@@ -237,7 +237,7 @@ def test_interrupted_conversion_leaves_no_cache_entry(cache, tmp_path, monkeypat
         (out_dir / "model.safetensors").write_bytes(b"half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loading, "_convert_gguf", interrupted)
+    monkeypatch.setattr(gguf_cache, "_convert_gguf", interrupted)
     with pytest.raises(KeyboardInterrupt):
         resolve_model_dir({"kind": "gguf", "path": str(gguf)}, progress=False)
     assert list((cache / "converted").iterdir()) == []
@@ -260,7 +260,7 @@ def test_smollm2_round_trip_through_cache():
     assert (model_dir / "model.safetensors").is_file()
     assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
     gguf_path = loading.find_package_file(SMOLLM2["package"], SMOLLM2["file"])
-    assert loading._gguf_string(gguf_path, "tokenizer.chat_template") == tokenizer.chat_template
+    assert gguf_cache._gguf_string(gguf_path, "tokenizer.chat_template") == tokenizer.chat_template
     assert model.config.vocab_size == 49152 == len(tokenizer)
     assert not model.training
     ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
@@ -279,5 +279,5 @@ def test_stale_temp_dirs_of_dead_processes_are_removed(tmp_path):
     alive = tmp_path / f".tmp-{os.getpid()}-def"
     dead.mkdir()
     alive.mkdir()
-    loading._remove_stale_temps(tmp_path)
+    gguf_cache._remove_stale_temps(tmp_path)
     assert not dead.exists() and alive.exists()

@@ -24,15 +24,15 @@ from specgen.sampling.rejection import (
     verify_chain,
     verify_chain_greedy,
 )
-from specgen.sampling.tree import (
+from specgen.sampling.tree import verify_tree
+from specgen.sampling.tree_greedy import verify_tree_greedy
+from specgen.sampling.tree_structure import (
     TreeVerdict,
     ancestor_matrix,
     ancestors,
     tree_children,
     tree_depths,
     tree_paths,
-    verify_tree,
-    verify_tree_greedy,
 )
 
 __all__ = [

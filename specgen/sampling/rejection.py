@@ -128,6 +128,85 @@ def _draft_row(draft_probs: torch.Tensor | None, token: int, like: torch.Tensor)
     return row
 
 
+@dataclass(frozen=True)
+class _ChainReads:
+    """What :func:`verify_chain` reads back in its one read of the inputs, checked.
+
+    dead: num_draft + 1 flags, True where the target row allows nothing; p_values,
+    q_values: p(x_i) and q(x_i) of each draft token (q = 1.0 for a deterministic draft);
+    u_values: the num_draft + 1 uniforms; ahead: the draws made ahead (None without
+    draw_ahead), as :func:`_draws_ahead` lays them out."""
+
+    dead: list[bool]
+    p_values: list[float]
+    q_values: list[float]
+    u_values: list[float]
+    ahead: list[float] | None
+
+
+def _check_chain_shapes(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                        draft_tokens: list[int]) -> int:
+    """Shape and token-id checks of :func:`verify_chain`'s inputs (reads nothing back); -> vocab."""
+    num_draft = len(draft_tokens)
+    if target_probs.dim() != 2 or target_probs.shape[0] != num_draft + 1:
+        raise ValueError(f"need {num_draft + 1} target rows for {num_draft} draft tokens, "
+                         f"got shape {tuple(target_probs.shape)}")
+    vocab = target_probs.shape[1]
+    if draft_probs is not None and tuple(draft_probs.shape) != (num_draft, vocab):
+        raise ValueError(f"draft_probs shape {tuple(draft_probs.shape)} does not match {num_draft} x vocab")
+    check_tokens(draft_tokens, vocab)
+    return vocab
+
+
+def _read_chain(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, index: torch.Tensor,
+                generator: torch.Generator, draw_ahead: bool) -> _ChainReads:
+    """Gather the rows' health, the empty rows, p(x) and q(x) of every draft token, the
+    num_draft + 1 uniforms (drawn here, in one call) and, with ``draw_ahead``, every final
+    draw, and read them back in one transfer; raise for unhealthy rows (NoAllowedToken for
+    an empty target row 0).
+
+    index: [num_draft] the draft token ids on the target rows' device."""
+    num_draft = index.shape[0]
+    device = target_probs.device
+    positions = torch.arange(num_draft, device=device)  # [num_draft]
+    p_x = target_probs[positions, index].to(torch.float64)  # [num_draft]
+    empty = (target_probs.sum(dim=-1) == 0).to(torch.float64)  # [num_draft + 1] 1.0 where nothing is allowed
+    parts = [row_health(target_probs), empty, p_x]
+    if draft_probs is not None:
+        parts += [row_health(draft_probs), draft_probs[positions, index].to(torch.float64)]
+    u = uniforms(generator, num_draft + 1).to(device, torch.float64)  # [num_draft + 1]
+    if draw_ahead:
+        parts.append(_draws_ahead(target_probs, draft_probs, index, u))  # [2 * (num_draft + 1)]
+    values = torch.cat([*parts, u]).tolist()  # the one read of the inputs
+    ahead = None
+    if draw_ahead:  # take the draws out: [..., draws ahead (2 (n + 1)), u (n + 1)]
+        width = num_draft + 1
+        ahead, values = values[-3 * width: -width], values[: -3 * width] + values[-width:]
+    check_health(values[:4], "target_probs", allow_empty=True)
+    dead = [bool(v) for v in values[4: 5 + num_draft]]
+    if dead[0]:
+        raise NoAllowedToken("target_probs: every token is forbidden at the first position (all logits are -inf)")
+    values = values[5 + num_draft:]
+    if draft_probs is not None:
+        check_health(values[num_draft: 4 + num_draft], "draft_probs")
+        q_values = values[4 + num_draft: 4 + 2 * num_draft]
+    else:
+        q_values = [1.0] * num_draft
+    return _ChainReads(dead, values[:num_draft], q_values, values[-(num_draft + 1):], ahead)
+
+
+def _resample(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens: list[int],
+              reads: _ChainReads, i: int, generator: torch.Generator) -> int:
+    """The token drawn after rejecting draft token ``i``: from the normalised positive
+    residual of target row ``i`` against draft row ``i`` (one-hot for a deterministic
+    draft) with ``u[i + 1]``, or the draw made ahead for that row."""
+    if reads.ahead is not None:
+        return _drawn_ahead(reads.ahead, i, len(draft_tokens))
+    p_row = target_probs[i]
+    q_row = _draft_row(None if draft_probs is None else draft_probs[i], draft_tokens[i], p_row)
+    return sample_token(positive_residual(p_row, q_row), generator, reads.u_values[i + 1])
+
+
 def verify_chain(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor | None,
@@ -159,61 +238,25 @@ def verify_chain(
     with nothing allowed) or a draft token with zero draft probability.
     """
     num_draft = len(draft_tokens)
-    if target_probs.dim() != 2 or target_probs.shape[0] != num_draft + 1:
-        raise ValueError(f"need {num_draft + 1} target rows for {num_draft} draft tokens, "
-                         f"got shape {tuple(target_probs.shape)}")
-    vocab = target_probs.shape[1]
-    if draft_probs is not None and tuple(draft_probs.shape) != (num_draft, vocab):
-        raise ValueError(f"draft_probs shape {tuple(draft_probs.shape)} does not match {num_draft} x vocab")
-    check_tokens(draft_tokens, vocab)
-    device = target_probs.device
-    index = torch.tensor(draft_tokens, dtype=torch.long, device=device)  # [num_draft]
-    positions = torch.arange(num_draft, device=device)  # [num_draft]
-    p_x = target_probs[positions, index].to(torch.float64)  # [num_draft]
-    empty = (target_probs.sum(dim=-1) == 0).to(torch.float64)  # [num_draft + 1] 1.0 where nothing is allowed
-    parts = [row_health(target_probs), empty, p_x]
-    if draft_probs is not None:
-        parts += [row_health(draft_probs), draft_probs[positions, index].to(torch.float64)]
-    u = uniforms(generator, num_draft + 1).to(device, torch.float64)  # [num_draft + 1]
-    if draw_ahead:
-        parts.append(_draws_ahead(target_probs, draft_probs, index, u))  # [2 * (num_draft + 1)]
-    values = torch.cat([*parts, u]).tolist()  # the one read of the inputs
-    if draw_ahead:  # take the draws out: [..., draws ahead (2 (n + 1)), u (n + 1)]
-        width = num_draft + 1
-        ahead, values = values[-3 * width: -width], values[: -3 * width] + values[-width:]
-    check_health(values[:4], "target_probs", allow_empty=True)
-    dead = [bool(v) for v in values[4: 5 + num_draft]]
-    if dead[0]:
-        raise NoAllowedToken("target_probs: every token is forbidden at the first position (all logits are -inf)")
-    values = values[5 + num_draft:]
-    p_values = values[:num_draft]
-    if draft_probs is not None:
-        check_health(values[num_draft: 4 + num_draft], "draft_probs")
-        q_values = values[4 + num_draft: 4 + 2 * num_draft]
-    else:
-        q_values = [1.0] * num_draft
-    u_values = values[-(num_draft + 1):]
+    _check_chain_shapes(target_probs, draft_probs, draft_tokens)
+    index = torch.tensor(draft_tokens, dtype=torch.long, device=target_probs.device)  # [num_draft]
+    reads = _read_chain(target_probs, draft_probs, index, generator, draw_ahead)
     accept_probs: list[float] = []
     for i, token in enumerate(draft_tokens):
-        if dead[i]:
+        if reads.dead[i]:
             return Verdict(i, None, "dead_end", tuple(accept_probs))
-        if not q_values[i] > 0.0:
+        if not reads.q_values[i] > 0.0:
             raise NumericalError(f"draft token {token} at position {i + 1} has zero draft probability")
-        ratio = min(1.0, p_values[i] / q_values[i])
+        ratio = min(1.0, reads.p_values[i] / reads.q_values[i])
         accept_probs.append(ratio)
-        if u_values[i] < ratio:
-            continue
-        if draw_ahead:
-            return Verdict(i, _drawn_ahead(ahead, i, num_draft), "resampled", tuple(accept_probs))
-        p_row = target_probs[i]
-        q_row = _draft_row(None if draft_probs is None else draft_probs[i], token, p_row)
-        next_token = sample_token(positive_residual(p_row, q_row), generator, u_values[i + 1])
-        return Verdict(i, next_token, "resampled", tuple(accept_probs))
-    if dead[num_draft]:
+        if not reads.u_values[i] < ratio:
+            next_token = _resample(target_probs, draft_probs, draft_tokens, reads, i, generator)
+            return Verdict(i, next_token, "resampled", tuple(accept_probs))
+    if reads.dead[num_draft]:
         return Verdict(num_draft, None, "dead_end", tuple(accept_probs))
-    if draw_ahead:
-        return Verdict(num_draft, _drawn_ahead(ahead, num_draft, num_draft), "bonus", tuple(accept_probs))
-    bonus = sample_token(target_probs[num_draft], generator, u_values[num_draft])
+    if reads.ahead is not None:
+        return Verdict(num_draft, _drawn_ahead(reads.ahead, num_draft, num_draft), "bonus", tuple(accept_probs))
+    bonus = sample_token(target_probs[num_draft], generator, reads.u_values[num_draft])
     return Verdict(num_draft, bonus, "bonus", tuple(accept_probs))
 
 

@@ -28,142 +28,50 @@ accepted node allows nothing (all zero), the prefix through that node is a dead
 end (:mod:`specgen.sampling.rejection`); the verdict keeps the path, adds no
 token, and the request ends with ``finish_reason="dead_end"``. An empty root row
 still raises NoAllowedToken.
+
+**Exactness**, one level at a time (then induct on depth, since an accepted child
+c restarts the same procedure with p = target_probs(c) and c's children): at a
+node with row r, the first child x ~ q is kept with prob min(r, q)(x), so the
+output is x with mass min(r, q)(x), and on rejection (total mass sum (r - q)+)
+the rest of the level is an RRS against the residual (r - q)+ / sum, which does
+not depend on the rejected token; by induction on the number of remaining
+siblings (base: a direct draw from the row) that rest emits exactly the
+residual, so the total is min(r, q) + (r - q)+ = r. Later siblings may be drawn
+from any law given the earlier ones (i.i.d., without replacement) as long as
+draft_probs holds that law. With one-hot siblings x1, x2, ... this reads:
+accept x1 w.p. p(x1), else x2 w.p. p(x2) / (1 - p(x1)), ..., else sample p with
+those tokens removed. Each level's uniforms are fresh and used once in both
+modes (lazy and prefetched target rows), so the two are the same procedure.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from specgen.errors import NumericalError
-from specgen.sampling.probs import NoAllowedToken, sample_token, uniforms
+from specgen.sampling.probs import sample_token, uniforms
 from specgen.sampling.rejection import (
     RESIDUAL_EPS,
-    VerdictKind,
     check_health,
     positive_residual,
     row_health,
     rows_health,
 )
+from specgen.sampling.tree_structure import (
+    ROOT,
+    TreeVerdict,
+    check_tree,
+    ancestor_matrix,
+    ancestors,
+    tree_children,
+    tree_depths,
+    tree_paths,
+)
 
-
-ROOT = -1
-
-
-@dataclass(frozen=True)
-class TreeVerdict:
-    """Outcome of verifying one draft tree.
-
-    path: accepted node indices, root -> leaf (empty if the first level failed).
-    tokens: the accepted nodes' tokens, same order as ``path``.
-    next_token: the one token the target adds after the path (resampled or bonus);
-        None for "dead_end".
-    kind: "dead_end" if the last accepted node's row allows nothing, else
-        "resampled" if a child of the last accepted node (or of the root) was
-        rejected, else "bonus" (that node is a leaf of the tree).
-    checked: every node whose acceptance was tested, in test order (accepted
-        nodes and rejected siblings alike).
-    accept_probs: ``min(1, r/q)`` for each node in ``checked`` (aligned with it);
-        ``r`` is the row in force at that moment (a residual after a rejected
-        sibling). The accepted nodes' values are ``accept_probs`` at the
-        positions where ``checked`` holds a ``path`` node.
-    """
-
-    path: list[int]
-    tokens: list[int]
-    next_token: int | None
-    kind: VerdictKind
-    checked: tuple[int, ...] = field(default=())
-    accept_probs: tuple[float, ...] = field(default=())
-
-    @property
-    def num_accepted(self) -> int:
-        """How many draft nodes were kept (the depth of the accepted path)."""
-        return len(self.path)
-
-    @property
-    def emitted(self) -> list[int]:
-        """All tokens this round commits: accepted tokens, then ``next_token`` (if any)."""
-        return [*self.tokens] if self.next_token is None else [*self.tokens, self.next_token]
-
-
-# --------------------------------------------------------------------------- structure
-
-
-def _check_parents(parents: list[int]) -> None:
-    for i, parent in enumerate(parents):
-        if not isinstance(parent, int) or isinstance(parent, bool):
-            raise ValueError(f"parents[{i}] must be an int, got {type(parent).__name__}")
-        if not -1 <= parent < i:
-            raise ValueError(f"parents[{i}] = {parent}: a node's parent must be -1 (root) or an earlier node (< {i})")
-
-
-def _check_tree(tokens: list[int], parents: list[int]) -> None:
-    if len(tokens) != len(parents):
-        raise ValueError(f"tree has {len(tokens)} tokens but {len(parents)} parents")
-    _check_parents(parents)
-    for i, token in enumerate(tokens):
-        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-            raise ValueError(f"tokens[{i}] = {token!r} is not a token id")
-
-
-def tree_children(parents: list[int]) -> dict[int, list[int]]:
-    """{node: its children in order}, with key ``-1`` for the root; leaves map to []."""
-    _check_parents(parents)
-    children: dict[int, list[int]] = {ROOT: [], **{i: [] for i in range(len(parents))}}
-    for i, parent in enumerate(parents):
-        children[parent].append(i)
-    return children
-
-
-def tree_depths(parents: list[int]) -> list[int]:
-    """Depth of each node; children of the root have depth 1."""
-    _check_parents(parents)
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(1 if parent == ROOT else depths[parent] + 1)
-    return depths
-
-
-def tree_paths(parents: list[int]) -> list[list[int]]:
-    """For each node, the node indices from the root's child down to it (inclusive)."""
-    _check_parents(parents)
-    paths: list[list[int]] = []
-    for i, parent in enumerate(parents):
-        paths.append([i] if parent == ROOT else [*paths[parent], i])
-    return paths
-
-
-def ancestors(parents: list[int], node: int) -> list[int]:
-    """Strict ancestors of ``node`` (node indices), nearest first; [] for a root child."""
-    _check_parents(parents)
-    if not 0 <= node < len(parents):
-        raise ValueError(f"node {node} is not in a tree of {len(parents)} nodes")
-    out: list[int] = []
-    node = parents[node]
-    while node != ROOT:
-        out.append(node)
-        node = parents[node]
-    return out
-
-
-def ancestor_matrix(parents: list[int], device: torch.device | str | None = None) -> torch.Tensor:
-    """Bool [N, N]: ``[i, j]`` is True iff ``j == i`` or ``j`` is an ancestor of ``i``.
-
-    Row ``i`` is the set of tree nodes that node ``i`` may attend to (on top of the
-    committed prefix), i.e. the tree part of a 4D attention mask. Lower-triangular
-    because ``parents[i] < i``.
-    """
-    _check_parents(parents)
-    num_nodes = len(parents)
-    mask = torch.zeros((num_nodes, num_nodes), dtype=torch.bool)  # [N, N]
-    for i, parent in enumerate(parents):
-        if parent != ROOT:
-            mask[i] = mask[parent]
-        mask[i, i] = True
-    return mask if device is None else mask.to(device)
+__all__ = ["ROOT", "TreeVerdict", "ancestor_matrix", "ancestors", "tree_children", "tree_depths", "tree_paths",
+           "verify_tree"]
 
 
 # --------------------------------------------------------------------------- rows
@@ -212,7 +120,8 @@ def verify_tree(
     target_probs: Callable[[int], torch.Tensor] | torch.Tensor,
     generator: torch.Generator,
 ) -> TreeVerdict:
-    """Exact speculative sampling over a draft tree by recursive rejection sampling.
+    """Exact speculative sampling over a draft tree by recursive rejection sampling
+    (the proof: module docstring, "Exactness").
 
     tokens:       num_nodes token ids
     parents:      num_nodes parent indices (-1 = root, parents[i] < i)
@@ -233,50 +142,55 @@ def verify_tree(
     Prefetched: one for the whole tree, one per rejected sampled sibling after the
     first, and one for the final draw -- independent of the tree's size.
 
-    Exactness, one level at a time (then induct on depth, since an accepted child
-    c restarts the same procedure with p = target_probs(c) and c's children): at a
-    node with row r, the first child x ~ q is kept with prob min(r, q)(x), so the
-    output is x with mass min(r, q)(x), and on rejection (total mass sum (r - q)+)
-    the rest of the level is an RRS against the residual (r - q)+ / sum, which does
-    not depend on the rejected token; by induction on the number of remaining
-    siblings (base: a direct draw from the row) that rest emits exactly the
-    residual, so the total is min(r, q) + (r - q)+ = r. Later siblings may be drawn
-    from any law given the earlier ones (i.i.d., without replacement) as long as
-    draft_probs holds that law. With one-hot siblings x1, x2, ... this reads:
-    accept x1 w.p. p(x1), else x2 w.p. p(x2) / (1 - p(x1)), ..., else sample p with
-    those tokens removed. Each level's uniforms are fresh and used once in both
-    modes, so the two are the same procedure.
-
     Raises ValueError for a malformed tree or mismatched shapes, NumericalError for
     NaN / negative / unnormalised rows or a node with zero draft probability.
     """
-    _check_tree(tokens, parents)
+    check_tree(tokens, parents)
     num_nodes = len(tokens)
     if draft_probs is not None and (draft_probs.dim() != 2 or draft_probs.shape[0] != num_nodes):
         raise ValueError(f"draft_probs shape {tuple(draft_probs.shape)} does not match {num_nodes} x vocab")
     children = tree_children(parents)
-
     prefetched = isinstance(target_probs, torch.Tensor)
+    root_row = None if prefetched else _as_row(target_probs(ROOT), None, "target_probs(-1)")  # [vocab] float64
+    vocab = _tree_vocab(tokens, target_probs if prefetched else None, root_row)
+    if draft_probs is not None:
+        draft_probs = _check_draft(draft_probs, num_nodes, vocab)
     if prefetched:
-        if target_probs.dim() != 2 or target_probs.shape[0] != num_nodes + 1:
-            raise ValueError(f"target_probs shape {tuple(target_probs.shape)} does not match "
-                             f"{num_nodes + 1} x vocab (the root, then every node)")
-        vocab = target_probs.shape[1]
+        visit = _prefetch(target_probs, tokens, parents, children, draft_probs, generator)
     else:
-        root_row = _as_row(target_probs(ROOT), None, "target_probs(-1)")  # [vocab] float64
+        visit = _lazy_visitor(root_row, target_probs, tokens, children, draft_probs, vocab, generator)
+    return _walk(visit, tokens, children, draft_probs, generator)
+
+
+def _tree_vocab(tokens: list[int], rows: torch.Tensor | None, root_row: torch.Tensor | None) -> int:
+    """The vocabulary size, from the prefetched ``rows`` ([num_nodes + 1, vocab]) or the
+    lazily read ``root_row`` ([vocab]); ValueError for a shape or token id that does not fit."""
+    if rows is not None:
+        if rows.dim() != 2 or rows.shape[0] != len(tokens) + 1:
+            raise ValueError(f"target_probs shape {tuple(rows.shape)} does not match "
+                             f"{len(tokens) + 1} x vocab (the root, then every node)")
+        vocab = rows.shape[1]
+    else:
         vocab = root_row.shape[0]
     for i, token in enumerate(tokens):
         if token >= vocab:
             raise ValueError(f"tokens[{i}] = {token} is outside the vocabulary of {vocab}")
-    one_hot = draft_probs is None
-    if draft_probs is not None:
-        draft_probs = _check_draft(draft_probs, num_nodes, vocab)
+    return vocab
 
-    def visit_lazy(node: int) -> tuple[torch.Tensor, list, bool]:
-        """The checked row after ``node``, with what its level needs, in one read: p of the
-        children's tokens (and, for sampled drafts, their q), the level's uniforms (one per
-        child plus one for a final draw) and, at the root, the draft rows' checks; and
-        whether the row (of a node, not the root) is empty."""
+
+def _lazy_visitor(root_row: torch.Tensor, target_probs: Callable[[int], torch.Tensor], tokens: list[int],
+                  children: dict[int, list[int]], draft_probs: torch.Tensor | None, vocab: int,
+                  generator: torch.Generator):
+    """``visit(node) -> (row, level values, empty)`` for the lazy walk: the checked row after
+    ``node``, with what its level needs, in one read: p of the children's tokens (and, for
+    sampled drafts, their q), the level's uniforms (one per child plus one for a final draw)
+    and, at the root, the draft rows' checks; and whether the row (of a node, not the root)
+    is empty.
+
+    root_row: [vocab] float64, already fetched; draft_probs: [num_nodes, vocab] float64 or None."""
+    one_hot = draft_probs is None
+
+    def visit(node: int) -> tuple[torch.Tensor, list, bool]:
         row = root_row if node == ROOT else target_probs(node)
         kids = children[node]
         read = [tokens[c] for c in kids]
@@ -295,15 +209,21 @@ def verify_tree(
             values = values[: len(read)] + values[len(read) + 4:]
         return row, values, empty
 
-    visit = _prefetch(target_probs, tokens, parents, children, draft_probs, generator) if prefetched else visit_lazy
-    p_row, level, _ = visit(ROOT)  # [vocab], values for the root's children
+    return visit
 
+
+def _walk(visit, tokens: list[int], children: dict[int, list[int]], draft_probs: torch.Tensor | None,
+          generator: torch.Generator) -> TreeVerdict:
+    """Recursive rejection sampling from the root: one level at a time (one-hot or sampled
+    siblings), descending into each accepted child, until a level rejects every child (or
+    is a leaf) and the next token is drawn, or an accepted node's row is empty."""
+    p_row, level, _ = visit(ROOT)  # [vocab], values for the root's children
     path: list[int] = []
     checked: list[int] = []
     accept_probs: list[float] = []
     node = ROOT
     while True:
-        if one_hot:
+        if draft_probs is None:
             accepted, row, u = _one_hot_level(p_row, level, children[node], tokens, checked, accept_probs)
         else:
             accepted, row, u = _sampled_level(p_row, draft_probs, level, children[node], tokens, checked,
@@ -416,48 +336,3 @@ def _sampled_level(p_row, draft_probs, values, kids, tokens, checked, accept_pro
             return child, row, None
         row = positive_residual(row, draft_probs[child])
     return None, row, u[-1]
-
-
-def verify_tree_greedy(
-    tokens: list[int],
-    parents: list[int],
-    target_argmax: Callable[[int], int | None],
-) -> TreeVerdict:
-    """Greedy verification: follow the children equal to the target's argmax.
-
-    target_argmax: node -> argmax id of the processed target row after that node's
-    path (-1 = root), None where nothing is allowed; called for the root and each
-    accepted node. None at an accepted node ends with "dead_end" (module docstring);
-    None at the root raises NoAllowedToken.
-    At each node the first child (in node order) whose token equals the argmax is
-    accepted; the next token is the argmax at the last accepted node, so the output
-    equals plain greedy decoding token for token. ``checked``/``accept_probs`` list
-    the children tried (0.0 for mismatches, 1.0 for the accepted one).
-    """
-    _check_tree(tokens, parents)
-    children = tree_children(parents)
-    path: list[int] = []
-    checked: list[int] = []
-    accept_probs: list[float] = []
-    node = ROOT
-    while True:
-        best = target_argmax(node)
-        if best is None:
-            if node == ROOT:
-                raise NoAllowedToken("target: every token is forbidden at the first position (all logits are -inf)")
-            return TreeVerdict(path, [tokens[i] for i in path], None, "dead_end", tuple(checked),
-                               tuple(accept_probs))
-        best = int(best)
-        accepted = None
-        for child in children[node]:
-            checked.append(child)
-            if tokens[child] == best:
-                accept_probs.append(1.0)
-                accepted = child
-                break
-            accept_probs.append(0.0)
-        if accepted is None:
-            kind = "resampled" if children[node] else "bonus"
-            return TreeVerdict(path, [tokens[i] for i in path], best, kind, tuple(checked), tuple(accept_probs))
-        path.append(accepted)
-        node = accepted
