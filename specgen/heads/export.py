@@ -62,6 +62,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specgen.errors import ConfigError, ModelLoadError
+from specgen.heads.fingerprint import refuse_other_target
+from specgen.heads.kinds import build_head, fill_head
+from specgen.heads.modules import HeadConfig
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
@@ -93,7 +96,7 @@ def export_eagle3(head, out_dir, *, target_config, fingerprint: Mapping | None =
     """Write ``head`` (an attached eagle3 head) as a vLLM / SGLang EAGLE-3 drafter directory.
 
     ``target_config``: the target's transformers config; ``fingerprint``: the target's
-    (:func:`specgen.heads.store.target_fingerprint`), stored so a round trip stays bound
+    (:func:`specgen.heads.fingerprint.target_fingerprint`), stored so a round trip stays bound
     to it. Writes config.json, model.safetensors and README.md (the serving commands);
     returns the directory."""
     if getattr(head.cfg, "kind", None) != "eagle3":
@@ -226,9 +229,6 @@ def load_eagle3_dir(path, target, *, device: torch.device | None = None, dtype: 
     The file's own ``lm_head`` rows replace the borrowed target rows. A specgen
     export is refused for another target by its fingerprint; a foreign head is
     checked by shapes only (hidden size, vocabulary, layer ids)."""
-    from specgen.heads.modules import HeadConfig, build_head
-    from specgen.heads.store import fill_head, refuse_other_target
-
     path = pathlib.Path(path)
     config = _read_config(path)
     meta, state = _read_weights(path / WEIGHTS)
