@@ -65,6 +65,7 @@ from specgen.errors import ConfigError, ModelLoadError
 from specgen.heads.fingerprint import refuse_other_target
 from specgen.heads.kinds import build_head, fill_head
 from specgen.heads.modules import HeadConfig
+from specgen.paths import check_output_dir
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
@@ -193,8 +194,6 @@ def train_export_dir(value, kind: str, out_path: pathlib.Path, feature_layers=No
 
 def check_export_dir(path: pathlib.Path, name: str) -> pathlib.Path:
     """ConfigError unless ``path`` is new, empty, or an earlier export (only our files in it)."""
-    from specgen.checks import check_output_dir
-
     check_output_dir(path, name)
     if path.is_dir():
         others = sorted(p.name for p in path.iterdir() if p.name not in _OWN_FILES)

@@ -22,9 +22,9 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from specgen.checks import check_output_file
 from specgen.config import compose, conf_dir, exits_on_error, run_console, to_container
 from specgen.errors import ConfigError
+from specgen.paths import check_output_file
 
 CONFIG_NAME = "train"
 
