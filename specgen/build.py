@@ -137,14 +137,14 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
     extra_eos = tuple(target_cfg.get("eos_ids") or ())
     llama = dict(cfg.get("llama_cpp") or {})
 
-    def load(source, name="drafter", dtype=dtype, backend=backend):
+    def load(source, name="drafter", dtype=dtype, backend=backend, vocab_size=None):
         if backend == "llama_cpp" and draft_backend(source) == "llama_cpp":
             return load_llama_cpp(source, name=name, threads=threads, extra_eos=extra_eos, progress=progress,
                                   sequences=int(llama.get("sequences", 4)),
                                   tiny_type=str(llama.get("tiny_type", "Q8_0")),
-                                  flash_attention=str(llama.get("flash_attention", "on")))
+                                  flash_attention=str(llama.get("flash_attention", "on")), vocab_size=vocab_size)
         return load_model(source, name=name, dtype=dtype, device=device, extra_eos=extra_eos, progress=progress,
-                          packed=packed)
+                          packed=packed, vocab_size=vocab_size)
 
     target = load(target_cfg["source"], name="target")
     if cfg["compile"]:
@@ -164,7 +164,5 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
     guarantee = cuda_condition(guarantee, device, dtype)
     if drafter is not None and target.lm.backend == "llama_cpp":
         guarantee = _batch_invariance(guarantee, target.lm, drafter.max_tokens)
-    if drafter is not None and getattr(drafter, "lm", None) is not None:
-        drafter.lm.vocab_size = target.tokenizer.vocab_size
     return Pipeline(target=target.lm, tokenizer=target.tokenizer, drafter=drafter, stack=stack,
                     guarantee=guarantee, defaults=Defaults.from_config(cfg), config=cfg)

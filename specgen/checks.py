@@ -12,14 +12,13 @@ key, so the commands can print it as their one error line.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
 from specgen.errors import ConfigError
 from specgen.options import parse_bool, parse_chat, parse_int, parse_optional_text, parse_seed, parse_stop
+from specgen.paths import check_output_file
 
 #: Hydra's marker for a value that must be given on the command line.
 MISSING = "???"
@@ -109,22 +108,22 @@ def check_llama_cpp(section: Mapping) -> dict:
     return section
 
 
-#: Drafter kinds the batched engine refuses (trees, or feature-level heads): see specgen.batch.
-UNBATCHED_DRAFTERS = ("eagle", "medusa", "mtp")
-
-
 def check_batch_size(cfg: Mapping) -> int:
     """``batch_size`` as a positive int; ConfigError when it is above 1 with a setting the batched
-    engine refuses (a tree drafter while ``speculative`` is on, or ``compile=true``)."""
+    engine refuses (:func:`specgen.drafters.batch_refusal`: a built-in drafter that is not batchable
+    while ``speculative`` is on, or ``compile=true``)."""
     size = parse_int(cfg.get("batch_size"), "batch_size", minimum=1)
     if size > 1:
+        from specgen.drafters import batch_refusal, drafter_class
+
         kind = (cfg.get("drafter") or {}).get("kind")
-        if kind in UNBATCHED_DRAFTERS and cfg.get("speculative", True):
-            raise ConfigError(f"batch_size={size}: tree drafters (eagle, medusa, mtp) are not batched yet; "
-                              f"drafter={kind} needs batch_size=1 (or speculative=false)")
-        if cfg.get("compile", False):
-            raise ConfigError(f"batch_size={size}: compiled targets are not batched yet; "
-                              "use compile=false or batch_size=1")
+        drafter = drafter_class(kind) if cfg.get("speculative", True) else None
+        why = batch_refusal(drafter)
+        if why:
+            raise ConfigError(f"batch_size={size}: {why}; drafter={kind} needs batch_size=1 (or speculative=false)")
+        why = batch_refusal(None, compiled=bool(cfg.get("compile", False)))
+        if why:
+            raise ConfigError(f"batch_size={size}: {why}; use compile=false or batch_size=1")
     return size
 
 
@@ -202,57 +201,6 @@ def check_source(source: Mapping, where: str) -> None:
                               f"add {where}.{key}=... to the command line")
         if isinstance(value, Mapping):
             check_source(value, f"{where}.{key}")
-
-
-def check_output_file(path: Path, name: str, *, create_parents: bool = False, example: str = "out.jsonl") -> None:
-    """ConfigError (one line naming ``name``) unless ``path`` can be written as a regular file.
-
-    Refused: a directory or another non-regular file (a device, a FIFO), an existing file that
-    cannot be opened for writing, a directory that does not exist (unless ``create_parents``: then
-    its nearest existing ancestor must let a directory be made in it), and a directory in which no
-    file can be created (read-only or pseudo file systems such as /proc and /sys, where even root
-    cannot write). Checked before any work by creating and removing a probe file, so nothing is left
-    behind and an existing file's content is untouched. ``example``: the file name a hint suggests.
-    """
-    if path.is_dir():
-        raise ConfigError(f"{name}={path} is a directory; give a file path such as {path / example}")
-    if path.exists() and not path.is_file():
-        raise ConfigError(f"{name}={path} is not a regular file; give the path of a file to write")
-    parent = path.absolute().parent
-    if not create_parents and not parent.is_dir():
-        what = "is a file, not a directory" if parent.exists() else "does not exist; create it first"
-        raise ConfigError(f"{name}={path} cannot be created: {parent} {what}")
-    _check_creatable(parent, name, path)
-    if path.exists():
-        try:
-            with open(path, "ab"):
-                pass
-        except OSError as exc:
-            raise ConfigError(f"{name}={path} cannot be written: {exc.strerror or exc}") from None
-
-
-def check_output_dir(path: Path, name: str) -> None:
-    """ConfigError unless ``path`` is, or can be created as, a writable directory (nothing is created)."""
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{name}={path} is a file, not a directory; give a directory for the results")
-    _check_creatable(path, name, path)
-
-
-def _check_creatable(directory: Path, name: str, value: Path) -> None:
-    """The nearest existing ancestor of ``directory`` must be a directory a file can be created in
-    (probed with a temporary file, removed at once)."""
-    existing = directory.absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"{name}={value} cannot be created: {existing} is a file, not a directory")
-    try:
-        handle, probe = tempfile.mkstemp(prefix=".specgen-probe-", dir=existing)
-    except OSError as exc:
-        raise ConfigError(f"{name}={value} cannot be written: no file can be created in {existing} "
-                          f"({exc.strerror or exc})") from None
-    os.close(handle)
-    os.unlink(probe)
 
 
 def _check_tiny(source: Mapping, where: str) -> None:

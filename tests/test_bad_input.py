@@ -269,7 +269,7 @@ def test_train_out_that_cannot_be_written_fails_before_loading(monkeypatch, caps
 
 
 def test_output_checks_create_nothing(tmp_path):
-    from specgen.checks import check_output_file
+    from specgen.paths import check_output_file
 
     check_output_file(tmp_path / "new" / "dir" / "head.safetensors", "train.out", create_parents=True)
     with pytest.raises(ConfigError, match="new does not exist; create it first"):

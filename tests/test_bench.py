@@ -21,7 +21,7 @@ from specgen.bench.calibrate import from_cost_table, verify_ratio
 from specgen.bench.cli import compose_bench, run_bench
 from specgen.bench.plots import PLOT_FILES
 from specgen.bench.report import markdown
-from specgen.bench.runner import Settings
+from specgen.bench.settings import Settings
 from specgen.bench.summary import spread, summarise
 from specgen.errors import ConfigError
 from specgen.stats import Clock
@@ -344,7 +344,7 @@ def test_sharegpt_reader_takes_held_out_turns_and_survives_truncation(tmp_path, 
     text = json.dumps(records)
     path = tmp_path / "sharegpt.json"
     path.write_text(text[: len(text) - 40])  # cut mid-record, like the packaged file
-    monkeypatch.setattr(prompt_sets, "_sharegpt_path", lambda: path)
+    monkeypatch.setattr(prompt_sets, "sharegpt_path", lambda: path)
     loaded = prompt_sets.load_prompt_sets(["sharegpt"], 3)
     assert len(loaded) == 3 and all(prompt_sets.is_held_out(p.source_id) for p in loaded)
     assert sum(1 for _ in prompt_sets.iter_json_array(path)) == 399

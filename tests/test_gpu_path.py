@@ -46,7 +46,7 @@ def _fingerprints(model, dtypes=(torch.float32, torch.bfloat16, torch.float16)):
 
 
 def test_fingerprint_accepts_every_dtype_of_the_same_weights():
-    from specgen.heads.store import fingerprint_mismatch
+    from specgen.heads.fingerprint import fingerprint_mismatch
 
     model = build_tiny_model(seed=0, init_scale=0.01)  # small weights: float16 rounds some of them to subnormals
     prints = _fingerprints(model)
@@ -59,7 +59,7 @@ def test_fingerprint_accepts_every_dtype_of_the_same_weights():
 
 def test_fingerprint_refuses_another_target():
     from specgen.heads import target_fingerprint
-    from specgen.heads.store import fingerprint_mismatch
+    from specgen.heads.fingerprint import fingerprint_mismatch
 
     model = build_tiny_model(seed=0)
     expected = target_fingerprint(model)
@@ -79,7 +79,7 @@ def test_v1_fingerprints_still_load_and_float16_reads_the_source(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from specgen.heads import target_fingerprint
-    from specgen.heads.store import fingerprint_mismatch
+    from specgen.heads.fingerprint import fingerprint_mismatch
 
     build_tiny_model(seed=0, init_scale=0.01).save_pretrained(tmp_path / "src")
     loads = {dtype: AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=dtype)

@@ -165,7 +165,7 @@ def test_packed_weights_false_keeps_linear_in_every_model():
 def test_a_packed_head_drafts_what_the_unpacked_head_drafts(kind):
     import copy
 
-    from specgen.heads.modules import HeadConfig, build_head
+    from specgen.heads import HeadConfig, build_head
 
     generator = torch.Generator().manual_seed(1)
     cfg = HeadConfig(kind=kind, hidden_size=32, draft_vocab_size=30, intermediate_size=48)

@@ -156,7 +156,7 @@ def test_loss_decreases(tmp_path, monkeypatch):
 
 
 def test_features_are_cached_and_reused(tmp_path):
-    from specgen.heads.store import target_fingerprint
+    from specgen.heads import target_fingerprint
     from specgen.train.data import cached_features, random_corpus
 
     model = build_tiny_model(seed=0)

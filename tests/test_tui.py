@@ -22,13 +22,14 @@ import pytest
 import specgen
 from specgen.build import build_pipeline
 from specgen.config import compose
+from specgen.chat import ChatHistory
 from specgen.errors import PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.tui import app as app_module
 from specgen.tui.app import ChatApp, ConfigScreen, chat_config, main
 from specgen.tui.panel import StatsPanel, bar, guarantee_class, split_cells
 from specgen.tui.reply import ErrorMessage, Notice, ReplyView, UserMessage, token_class
-from specgen.tui.session import ChatHistory, ReplyRequest, ReplyUpdate, UpdateInbox, fit_history, run_reply
+from specgen.tui.session import ReplyRequest, ReplyUpdate, UpdateInbox, fit_history, run_reply
 from specgen.tui.tally import PanelSnapshot, Tally
 
 TINY = ["target=tiny", "drafter=tiny", "threads=1", "sampling.temperature=0.8",

@@ -26,8 +26,9 @@ each row's slots left-aligned into fresh tensors when dead slots pile up.
 A step is a transaction over all its rows: an exception anywhere (the batched
 forward included) restores every row to its state before the step. A grammar
 dead end in one row ends that row only, as in the single-request engine.
-Tree drafters (eagle, medusa, mtp) and compiled targets are not batched yet and
-are refused with a ConfigError.
+Drafters that are not ``batchable`` (tree drafters and those reading target
+features: eagle, medusa, mtp) and compiled targets are not batched yet and are
+refused with a ConfigError (:func:`specgen.drafters.batch_refusal` decides).
 
 One step loop (:class:`Batch`), two clients: :func:`stream_batch` admits a list
 given up front; :class:`BatchScheduler` is online (a thread admits requests as
@@ -36,7 +37,8 @@ they are submitted and slots free up, and drops cancelled ones between steps).
 
 from specgen.batch.kv import COMPACT_SLACK, BatchKV, RowCache
 from specgen.batch.scheduler import BatchScheduler, Cancelled, Handle, StepError
-from specgen.batch.steps import Batch, Row, RowSpec, admit, batchable, generate_batch, prepare, step, stream_batch
+from specgen.batch.steps import (Batch, Row, RowSpec, admit, generate_batch, prepare, step, stream_batch,
+                                 unbatched_reason)
 
 __all__ = ["COMPACT_SLACK", "Batch", "BatchKV", "BatchScheduler", "Cancelled", "Handle", "Row", "RowCache", "RowSpec",
-           "StepError", "admit", "batchable", "generate_batch", "prepare", "step", "stream_batch"]
+           "StepError", "admit", "generate_batch", "prepare", "step", "stream_batch", "unbatched_reason"]

@@ -34,7 +34,7 @@ class RowCache(KVCache):
         del self.slots[length:]
 
     def keep_rows(self, prefix: int, rows: list[int]) -> None:
-        raise ConfigError("tree drafters (eagle, medusa, mtp) are not batched yet; use generate() per prompt")
+        raise ConfigError("tree drafters are not batched yet; use generate() per prompt")
 
 
 class BatchKV:

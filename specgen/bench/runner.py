@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import copy
 import gc
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specgen.bench.baselines import HF_KERNELS, HF_METHODS, generate_kwargs, hf_unavailable, run_hf
+from specgen.bench.baselines import HF_METHODS, generate_kwargs, hf_unavailable, run_hf
 from specgen.bench.llama_baselines import LLAMA_METHODS, llama_unavailable, run_llama_arm
 from specgen.bench.batching import batch_methods, run_hf_batches, run_specgen
 from specgen.bench.calibrate import from_cost_table
 from specgen.bench.prompts import BenchPrompt, load_prompt_sets
+from specgen.bench.settings import Settings
+from specgen.drafters import HFAssistant
 from specgen.errors import ConfigError
 from specgen.planning.store import describe
 from specgen.planning import AUTO
@@ -36,7 +37,6 @@ from specgen.options import parse_bool, parse_int, parse_seed
 from specgen.events import FinishEvent
 from specgen.stats import Clock, Stats
 
-BASELINES = ("plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", *LLAMA_METHODS)
 WARMUP_TOKENS = 16
 
 
@@ -44,66 +44,6 @@ WARMUP_TOKENS = 16
 class Arm:
     method: str
     gamma: int | None = None
-
-
-@dataclass
-class Settings:
-    """The validated ``bench`` config group (see conf/bench/default.yaml).
-
-    :meth:`from_config` raises ConfigError naming the first bad ``bench.*`` key.
-    """
-
-    prompts: object
-    num_prompts: int | None
-    max_prompt_tokens: int
-    max_new_tokens: int
-    gammas: list[int]
-    temperatures: list[float]
-    baselines: list[str]
-    warmup: int = 1
-    ignore_eos: bool = True
-    seed: int = 0
-    calibration_repeats: int = 3
-    remeasure_costs: bool = False
-    batch_sizes: list[int] = field(default_factory=list)
-    batch_repeats: int = 2
-    hf_kernels: str = "stock"
-
-    @classmethod
-    def from_config(cls, bench: Mapping) -> Settings:
-        names = ("prompts", "num_prompts", "max_prompt_tokens", "max_new_tokens", "gammas", "temperatures",
-                 "baselines", "warmup", "ignore_eos", "seed", "calibration_repeats", "remeasure_costs",
-                 "batch_sizes", "batch_repeats", "hf_kernels")
-        settings = cls(**{name: bench[name] for name in names if name in bench})
-        settings.batch_sizes = sorted({parse_int(b, "bench.batch_sizes", minimum=1)
-                                       for b in _as_list(settings.batch_sizes or [])})
-        settings.batch_repeats = parse_int(settings.batch_repeats, "bench.batch_repeats", minimum=1)
-        settings.gammas = [AUTO if str(g).strip().lower() == AUTO else parse_int(g, "bench.gammas", minimum=1)
-                           for g in _as_list(settings.gammas)]
-        settings.temperatures = [_temperature(t) for t in _as_list(settings.temperatures)]
-        settings.baselines = [str(b) for b in _as_list(settings.baselines)]
-        unknown = sorted(set(settings.baselines) - set(BASELINES))
-        if unknown:
-            raise ConfigError(f"bench.baselines: unknown {unknown}; choose from {list(BASELINES)}")
-        for name, example in (("gammas", "[2,4]"), ("temperatures", "[0,0.7]")):
-            if not getattr(settings, name):
-                raise ConfigError(f"bench.{name} needs at least one value, e.g. bench.{name}={example}")
-        if settings.num_prompts is not None and (isinstance(settings.num_prompts, bool)
-                                                 or not isinstance(settings.num_prompts, int)
-                                                 or settings.num_prompts < 1):
-            raise ConfigError(f"bench.num_prompts must be a positive integer (or null = every prompt), "
-                              f"got {settings.num_prompts!r}")
-        settings.max_prompt_tokens = parse_int(settings.max_prompt_tokens, "bench.max_prompt_tokens", minimum=1)
-        settings.max_new_tokens = parse_int(settings.max_new_tokens, "bench.max_new_tokens", minimum=1)
-        settings.warmup = parse_int(settings.warmup, "bench.warmup", minimum=0)
-        settings.calibration_repeats = parse_int(settings.calibration_repeats, "bench.calibration_repeats", minimum=0)
-        settings.seed = parse_seed(settings.seed, "bench.seed")
-        settings.ignore_eos = parse_bool(settings.ignore_eos, "bench.ignore_eos")
-        settings.remeasure_costs = parse_bool(settings.remeasure_costs, "bench.remeasure_costs")
-        settings.hf_kernels = str(settings.hf_kernels).strip().lower()
-        if settings.hf_kernels not in HF_KERNELS:
-            raise ConfigError(f"bench.hf_kernels: unknown {settings.hf_kernels!r}; choose from {list(HF_KERNELS)}")
-        return settings
 
 
 @dataclass
@@ -120,16 +60,6 @@ class BenchRun:
     environment: dict = field(default_factory=dict)
     calibration: dict | None = None
     batch_samples: list[dict] = field(default_factory=list)
-
-
-def _as_list(value) -> list:
-    return list(value) if isinstance(value, (list, tuple)) or OmegaConf.is_list(value) else [value]
-
-
-def _temperature(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ConfigError(f"bench.temperatures must hold finite numbers >= 0 (0 = greedy), got {value!r}")
-    return float(value)
 
 
 def plan_arms(pipe, settings: Settings) -> tuple[list[Arm], list[str]]:
@@ -154,26 +84,23 @@ def plan_arms(pipe, settings: Settings) -> tuple[list[Arm], list[str]]:
             notes.append(f"{name} skipped: {hf_reason}")
         elif name == "hf_generate":
             arms.append(Arm("hf_generate"))
-        elif name == "hf_assisted" and draft_model(pipe) is None:
+        elif name == "hf_assisted" and _assistant(pipe, "hf_assisted") is None:
             notes.append("hf_assisted skipped: the drafter has no draft model (use drafter=small_model or similar)")
         elif name in ("hf_assisted", "hf_prompt_lookup"):
             arms += [Arm(name, g) for g in settings.gammas if g != AUTO]
     return arms, notes
 
 
-def draft_model(pipe) -> torch.nn.Module | None:
-    """The HF model of a small-model drafter, else None."""
-    lm = getattr(pipe.drafter, "lm", None)
-    return getattr(lm, "model", None)
+def _assistant(pipe, method: str | None = None) -> HFAssistant | None:
+    """The drafter's HF counterpart (of ``method``, when given), or None."""
+    view = pipe.drafter.hf_assistant if pipe.drafter is not None else None
+    return view if view is not None and method in (None, view.method) else None
 
 
 def hf_spec_method(pipe) -> str | None:
     """HF's counterpart of the pipeline's drafter: assisted generation or prompt lookup."""
-    if draft_model(pipe) is not None:
-        return "hf_assisted"
-    if getattr(pipe.drafter, "name", None) == "ngram":
-        return "hf_prompt_lookup"
-    return None
+    view = _assistant(pipe)
+    return None if view is None else view.method
 
 
 def build_variant(cfg: DictConfig, temperature: float, settings: Settings, progress: bool):
@@ -219,8 +146,9 @@ def run_arm(pipe, arm: Arm, ids: list[int], *, max_new: int, seed: int, hf_kwarg
     if arm.method in LLAMA_METHODS:
         return run_llama_arm(pipe, arm.method, ids, arm.gamma, max_new=max_new, seed=seed, clock=clock)
     if arm.method in HF_METHODS:
-        result = run_hf(arm.method, pipe.target.model, ids, hf_kwargs, clock=clock, seed=seed, gamma=arm.gamma,
-                        assistant=draft_model(pipe), max_ngram=getattr(pipe.drafter, "max_ngram", 3),
+        assisted, lookup = _assistant(pipe, "hf_assisted"), _assistant(pipe, "hf_prompt_lookup")
+        result = run_hf(arm.method, pipe.target.hf_model, ids, hf_kwargs, clock=clock, seed=seed, gamma=arm.gamma,
+                        assistant=assisted and assisted.model, max_ngram=lookup.max_ngram if lookup else 3,
                         kernels=hf_kernels)
         memory = pipe.drafter.extra_memory_bytes if arm.method == "hf_assisted" else 0  # the same draft weights
         return dict(result, drafter_memory_bytes=memory)
@@ -240,7 +168,7 @@ def run_arm(pipe, arm: Arm, ids: list[int], *, max_new: int, seed: int, hf_kwarg
         "rounds": stats.rounds, "target_calls": stats.target_calls, "drafted": stats.drafted,
         "accepted": stats.accepted, "proposed_per_position": list(stats.proposed_per_position),
         "accepted_per_position": list(stats.accepted_per_position), "timings": asdict(stats.timings),
-        "draft_size_counts": list(stats.draft_size_counts), "tree": getattr(pipe.drafter, "tree_width", 1) > 1,
+        "draft_size_counts": list(stats.draft_size_counts), "tree": pipe.drafter is not None and pipe.drafter.tree_width > 1,
         "drafter_memory_bytes": stats.drafter_memory_bytes, "guarantee": gen.guarantee,
         "finish_reason": gen.finish_reason, "mask_us": [round(1e6 * s, 2) for s in stats.mask_seconds],
     }
@@ -350,7 +278,7 @@ def _measure_batches(pipe, encoded: list[tuple], temperature: float, settings: S
     def once(method: str, size: int) -> dict:
         bar.set_postfix_str(f"T={temperature:g} batch {size} {method}")
         if method == "hf_generate":
-            return run_hf_batches(pipe.target.model, prompts, size, hf_kwargs, pad_id=pad_id, seed=settings.seed,
+            return run_hf_batches(pipe.target.hf_model, prompts, size, hf_kwargs, pad_id=pad_id, seed=settings.seed,
                                   clock=clock, kernels=settings.hf_kernels)
         return run_specgen(pipe, prompts, size, speculative=method == "specgen", max_new=settings.max_new_tokens,
                            seed=settings.seed, clock=clock)

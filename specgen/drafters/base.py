@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -104,6 +105,24 @@ class DraftSession(ABC):
 MAX_NUM_TOKENS = 64
 
 
+#: What a drafter proposes: a chain (``Proposal.parents`` None) or a tree of candidates.
+DraftShape = Literal["chain", "tree"]
+
+
+@dataclass(frozen=True)
+class HFAssistant:
+    """Hugging Face ``generate()``'s counterpart of a drafter, for the bench's baselines.
+
+    method: ``hf_assisted`` (assisted generation with ``model``, a transformers model
+    sharing the target's tokenizer) or ``hf_prompt_lookup`` (prompt lookup decoding
+    with ``max_ngram``).
+    """
+
+    method: Literal["hf_assisted", "hf_prompt_lookup"]
+    model: torch.nn.Module | None = None
+    max_ngram: int = 3
+
+
 class Drafter(ABC):
     """A proposal source. ``deterministic`` drafters always return draft_probs=None.
 
@@ -111,12 +130,23 @@ class Drafter(ABC):
     int or "auto" (the planner chooses each round, up to ``auto_max_tokens``).
     max_tokens: the most a round may draft. tree_width: nodes per tree level, for
     the planner's cost estimate before drafting (1 for chains).
+
+    What a drafter is and needs is declared on its class, so a config can be
+    checked before anything is built: ``shape`` (chain or tree), ``needs_features``
+    (it reads target hidden states: ``feature_layers`` is then a list, else None)
+    and ``batchable`` (its rows can share :mod:`specgen.batch`'s batched steps; see
+    :func:`batch_refusal`). An instance also names its ``draft_model`` (the
+    :class:`~specgen.models.target.Target` it drafts with, or None) and its
+    ``hf_assistant`` (None: HF has no counterpart).
     """
 
     name = "drafter"
     deterministic = False
     auto_max_tokens = 8
     tree_width = 1
+    shape: DraftShape = "chain"
+    needs_features = False
+    batchable = True
     #: The tokenizer of an independent draft model, or None when it shares the target's.
     tokenizer = None
     #: Target hidden states the drafter reads (see ``select_features``); None: none.
@@ -147,13 +177,44 @@ class Drafter(ABC):
         """Bytes of weights the drafter adds beyond the target."""
         return 0
 
+    @property
+    def draft_model(self):
+        """The independent draft model (a :class:`~specgen.models.target.Target`), or None."""
+        return None
+
+    @property
+    def hf_assistant(self) -> HFAssistant | None:
+        """HF ``generate()``'s counterpart of this drafter, or None when it has none."""
+        return None
+
+
+def batch_refusal(drafter: Drafter | type[Drafter] | None, *, compiled: bool = False,
+                  backend: str | None = None) -> str | None:
+    """Why rows cannot share batched steps, or None when they can: the one rule of :mod:`specgen.batch`.
+
+    drafter: what the rows draft with (a Drafter or its class; None: they do not
+    speculate); compiled: the target is compiled; backend: the name of a target
+    backend without batched forwards (None: it has them). The reason is a clause
+    ending in "not batched yet", for messages.
+    """
+    if compiled:
+        return "compiled targets are not batched yet"
+    if backend is not None:
+        return f"the {backend} backend is not batched yet"
+    if drafter is None or drafter.batchable:
+        return None
+    if drafter.shape == "tree":
+        return f"tree drafters ({drafter.name}) are not batched yet"
+    return f"drafters that read target features ({drafter.name}) are not batched yet"
+
 
 @dataclass
 class DrafterRuntime:
     """What drafter factories get besides their config: the loaded target and a loader.
 
-    load: ``load(source_mapping, name=..., dtype=...) -> LoadedModel`` on the pipeline's device, in its dtype
-        unless ``dtype`` (``drafter.dtype``) names another.
+    load: ``load(source_mapping, name=..., dtype=..., vocab_size=...) -> LoadedModel`` on the pipeline's
+        device, in its dtype unless ``dtype`` (``drafter.dtype``) names another; ``vocab_size`` (None: the
+        model tokenizer's) is how many logits its forwards keep, the target's for a draft model.
     """
 
     target: object

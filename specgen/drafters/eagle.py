@@ -199,6 +199,7 @@ class EagleDrafter(LearnedDrafter):
     expand: nodes expanded per level. nodes: tree size after reranking."""
 
     name = "eagle"
+    shape = "tree"
     deterministic = True
     auto_max_tokens = 6
     session_class = EagleSession

@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from specgen.drafters.base import DraftContext
+from specgen.processors import GrammarSlot
 
 #: Upper bound on the forced text looked at per round, in bytes.
 FORCED_BYTES = 64
 
 
-def grammar_of(ctx: DraftContext):
-    """The grammar processor in the request's stack, or None."""
+def grammar_of(ctx: DraftContext) -> GrammarSlot | None:
+    """The grammar in the request's stack (its grammar slot), or None."""
     return ctx.stack.grammar
 
 
@@ -29,7 +30,7 @@ def forced_tokens(ctx: DraftContext, encode: Callable[[str], list[int]], budget:
     grammar = grammar_of(ctx)
     if grammar is None or budget <= 0:
         return []
-    timer = getattr(grammar, "timer", None)
+    timer = grammar.timer
     start = timer.now() if timer is not None else 0.0
     try:
         return _forced(grammar, ctx, encode, budget)

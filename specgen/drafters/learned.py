@@ -71,8 +71,11 @@ class LearnedSession(DraftSession):
 
 
 class LearnedDrafter(Drafter):
-    """A drafter backed by a trained head for this exact target."""
+    """A drafter backed by a trained head for this exact target: every head reads target
+    features (``feature_layers``, [] = the last hidden state), so none is batched."""
 
+    needs_features = True
+    batchable = False
     session_class: type[LearnedSession] = LearnedSession
 
     def __init__(self, head: DraftHead, vocab_size: int, num_tokens: int, head_file: pathlib.Path | None = None):

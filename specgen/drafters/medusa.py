@@ -103,6 +103,7 @@ class MedusaDrafter(LearnedDrafter):
     """num_tokens: maximum tree depth (at most the number of heads)."""
 
     name = "medusa"
+    shape = "tree"
     deterministic = True
     session_class = MedusaSession
 

@@ -37,6 +37,8 @@ class MtpSession(LearnedSession):
 
 
 class MtpDrafter(LearnedDrafter):
+    """Drafts a chain (not a tree) from the target's last feature: not batched, as it reads features."""
+
     name = "mtp"
     session_class = MtpSession
     auto_max_tokens = 6

@@ -9,7 +9,7 @@ first (:mod:`specgen.drafters.grammar_lookahead`) and the lookup continues after
 
 from __future__ import annotations
 
-from specgen.drafters.base import EMPTY, DraftContext, Drafter, DraftSession, Proposal
+from specgen.drafters.base import EMPTY, DraftContext, Drafter, DraftSession, HFAssistant, Proposal
 from specgen.drafters.grammar_lookahead import forced_tokens
 
 
@@ -62,6 +62,10 @@ class NgramDrafter(Drafter):
 
     def session(self, ctx: DraftContext) -> DraftSession:
         return NgramSession(self, ctx)
+
+    @property
+    def hf_assistant(self) -> HFAssistant:
+        return HFAssistant("hf_prompt_lookup", max_ngram=self.max_ngram)
 
 
 def build(*, runtime, kind: str = "ngram", num_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1,

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from specgen.drafters.base import EMPTY, DraftContext, Drafter, DraftSession, Proposal
+from specgen.drafters.base import EMPTY, DraftContext, Drafter, DraftSession, HFAssistant, Proposal
 from specgen.drafters.chain_draw import ChainDraws
 from specgen.models import CausalLM, resolve_drafter_dtype
+from specgen.models.target import Target
 
 
 class SmallModelSession(DraftSession):
@@ -74,11 +75,21 @@ class SmallModelDrafter(Drafter):
     def extra_memory_bytes(self) -> int:
         return self.lm.memory_bytes
 
+    @property
+    def draft_model(self) -> Target:
+        return self.lm
+
+    @property
+    def hf_assistant(self) -> HFAssistant | None:
+        """Assisted generation with the draft model, when a transformers model backs it."""
+        model = self.lm.hf_model
+        return None if model is None else HFAssistant("hf_assisted", model=model)
+
 
 def build(*, runtime, source, kind: str = "small_model", num_tokens: int = 4, dtype=None) -> SmallModelDrafter:
     """Hydra factory: load the draft model described by ``source``, in ``dtype`` (None = the target's;
     q is whatever the draft model computes, so its dtype never changes the guarantee)."""
     lm = runtime.target.lm
-    loaded = runtime.load(source, name="drafter",
-                          dtype=resolve_drafter_dtype(dtype, lm.dtype, lm.device))
+    loaded = runtime.load(source, name="drafter", dtype=resolve_drafter_dtype(dtype, lm.dtype, lm.device),
+                          vocab_size=runtime.target.tokenizer.vocab_size)
     return SmallModelDrafter(loaded.lm, loaded.tokenizer, num_tokens=num_tokens)

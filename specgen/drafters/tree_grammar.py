@@ -22,7 +22,7 @@ import torch
 
 from specgen.drafters.base import DraftContext
 from specgen.drafters.grammar_lookahead import grammar_of
-from specgen.processors import CommittedCounts
+from specgen.processors import CommittedCounts, GrammarSlot
 
 NEG_INF = float("-inf")
 
@@ -33,17 +33,17 @@ class TreeGrammar:
     Built once per draft session (:func:`tree_grammar`); each round starts from
     :meth:`root`, the state after the committed generated tokens."""
 
-    def __init__(self, grammar, vocab_ids: torch.Tensor):
+    def __init__(self, grammar: GrammarSlot, vocab_ids: torch.Tensor):
         self.grammar = grammar
         self.automaton = grammar.automaton
-        self.min_new_tokens = int(getattr(grammar, "min_new_tokens", 0))
+        self.min_new_tokens = grammar.min_new_tokens
         width = self.automaton.vocab_size
         self.columns = vocab_ids.clamp(max=width - 1)  # [Vd] mask columns of the draft vocabulary
         self.in_grammar = vocab_ids < width  # [Vd] bool: ids past the grammar's vocabulary are never allowed
         eos = torch.tensor(sorted(self.automaton.eos_ids), dtype=torch.long, device=vocab_ids.device)
         self.is_eos = torch.isin(vocab_ids, eos)  # [Vd] bool
         self.num_generated = 0
-        self.timer = getattr(grammar, "timer", None)  # the request's GrammarTimer, if any
+        self.timer = grammar.timer  # the request's GrammarTimer, if any
 
     def root(self, committed: CommittedCounts):
         """The state after the committed generated tokens; None when they are already outside

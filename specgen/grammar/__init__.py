@@ -4,7 +4,7 @@
 >>> proc = grammar_processor({"kind": "regex", "pattern": "(at|ta)e*"}, tokenizer_info)  # doctest: +SKIP
 
 ``grammar_processor`` validates the spec, compiles it for the tokenizer with the
-chosen backend (``auto``: the first of :data:`~specgen.grammar.backend.AUTO_ORDER`
+chosen backend (``auto``: the first of :data:`~specgen.grammar.registry.AUTO_ORDER`
 that supports it; cached in memory, and on disk where the backend can) and
 returns a :class:`GrammarProcessor` to put at the front of the processor stack,
 so it shapes both the target's p and the drafter's q. Every bad input raises
@@ -19,7 +19,8 @@ from collections.abc import Mapping
 
 from specgen.errors import ConfigError
 from specgen.grammar.automaton import TokenAutomaton
-from specgen.grammar.backend import AUTO_ORDER, BACKENDS, CompiledAutomaton, GrammarBackend, candidates, get_backend
+from specgen.grammar.backend import CompiledAutomaton, GrammarBackend
+from specgen.grammar.registry import AUTO_ORDER, BACKENDS, candidates, get_backend
 from specgen.grammar.processor import GrammarProcessor
 from specgen.grammar.schema_check import Unsupported
 from specgen.grammar.spec import GrammarSpec, load_schema, parse_spec

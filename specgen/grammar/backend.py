@@ -21,8 +21,8 @@ backend may take it; ``auto`` tries the next) and bad input with ConfigError.
 Compiling is bounded by ``spec.compile_timeout_s`` (and a size budget), and a
 line on stderr reports progress when it takes more than a few seconds.
 
-Backends are registered by name in :data:`BACKENDS`; ``auto`` tries
-:data:`AUTO_ORDER` (fastest first, by the measurements in docs/grammar.md).
+Backends are registered by name in :mod:`specgen.grammar.registry`, which
+imports the implementations; they import this module, never the registry.
 """
 
 from __future__ import annotations
@@ -40,8 +40,6 @@ from contextlib import contextmanager
 
 import torch
 
-from specgen.errors import ConfigError
-from specgen.grammar.schema_check import Unsupported
 from specgen.grammar.spec import GrammarSpec
 from specgen.grammar.vocabulary import TokenBytes
 
@@ -167,43 +165,3 @@ def dist_version(name: str) -> str:
         return version(name)
     except PackageNotFoundError:
         return "unknown"
-
-
-def _outlines():
-    from specgen.grammar.outlines_backend import OutlinesBackend
-
-    return OutlinesBackend()
-
-
-def _llguidance():
-    from specgen.grammar.llguidance_backend import LLGuidanceBackend
-
-    return LLGuidanceBackend()
-
-
-BACKENDS = {"llguidance": _llguidance, "outlines_core": _outlines}
-#: ``outlines`` was the only backend's name before there were several.
-ALIASES = {"outlines": "outlines_core"}
-#: What ``auto`` tries, in order: the first backend that takes the spec compiles it.
-AUTO_ORDER = ("llguidance", "outlines_core")
-_instances: dict[str, GrammarBackend] = {}
-_instances_lock = threading.Lock()
-
-
-def get_backend(name: str) -> GrammarBackend:
-    """The backend registered as ``name`` (instantiated once); ConfigError if unknown or not installed."""
-    name = ALIASES.get(name, name)
-    if name not in BACKENDS:
-        raise ConfigError(f"unknown grammar.backend {name!r}; available: auto, {', '.join(sorted(BACKENDS))}")
-    with _instances_lock:
-        if name not in _instances:
-            try:
-                _instances[name] = BACKENDS[name]()
-            except ImportError as exc:
-                raise Unsupported(f"grammar.backend={name} needs a package that is not installed: {exc}") from exc
-        return _instances[name]
-
-
-def candidates(name: str) -> list[str]:
-    """The backend names to try for ``grammar.backend=name`` (several for ``auto``)."""
-    return list(AUTO_ORDER) if name == "auto" else [ALIASES.get(name, name)]

@@ -48,7 +48,8 @@ import torch
 from specgen.errors import DeadEndError
 from specgen.grammar.automaton import TokenAutomaton
 from specgen.processors.history import History
-from specgen.processors.standard import NEG_INF, Processor, banned_after
+from specgen.processors.stack import GrammarSlot
+from specgen.processors.standard import NEG_INF, BadWords, MinNewTokens, banned_after
 from specgen.stats import GrammarTimer
 
 
@@ -67,7 +68,7 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return lo
 
 
-class GrammarProcessor(Processor):
+class GrammarProcessor(GrammarSlot):
     """automaton: the compiled grammar for the pipeline's tokenizer."""
 
     name = "grammar"
@@ -176,8 +177,8 @@ class GrammarProcessor(Processor):
         """
         from specgen.grammar.compat import check_reachable
 
-        min_new = max((getattr(p, "min_new_tokens", 0) for p in processors if p.name == "min_new_tokens"), default=0)
-        bad = tuple(tuple(seq) for p in processors if p.name == "bad_words" for seq in p.sequences)
+        min_new = max((p.min_new_tokens for p in processors if isinstance(p, MinNewTokens)), default=0)
+        bad = tuple(tuple(seq) for p in processors if isinstance(p, BadWords) for seq in p.sequences)
         bound = GrammarProcessor(self.automaton, min_new, bad)
         check_reachable(bound)
         return bound

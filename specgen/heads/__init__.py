@@ -1,15 +1,16 @@
-"""Learned draft heads (EAGLE, MTP, Medusa) and their files."""
+"""Learned draft heads (EAGLE, EAGLE-3, MTP, Medusa) and their files."""
 
+from specgen.heads.fingerprint import target_fingerprint
+from specgen.heads.kinds import build_head
 from specgen.heads.modules import (
            DraftHead,
            EagleHead,
            HeadConfig,
            MedusaHead,
            MtpHead,
-           build_head,
            select_features,
 )
-from specgen.heads.store import load_head, read_metadata, save_head, target_fingerprint
+from specgen.heads.store import load_head, read_metadata, save_head
 
 __all__ = ["DraftHead", "EagleHead", "HeadConfig", "MedusaHead", "MtpHead", "build_head", "load_head",
            "read_metadata", "save_head", "select_features", "target_fingerprint"]

@@ -62,6 +62,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specgen.errors import ConfigError, ModelLoadError
+from specgen.heads.fingerprint import refuse_other_target
+from specgen.heads.kinds import build_head, fill_head
+from specgen.heads.modules import HeadConfig
+from specgen.paths import check_output_dir
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
@@ -93,7 +97,7 @@ def export_eagle3(head, out_dir, *, target_config, fingerprint: Mapping | None =
     """Write ``head`` (an attached eagle3 head) as a vLLM / SGLang EAGLE-3 drafter directory.
 
     ``target_config``: the target's transformers config; ``fingerprint``: the target's
-    (:func:`specgen.heads.store.target_fingerprint`), stored so a round trip stays bound
+    (:func:`specgen.heads.fingerprint.target_fingerprint`), stored so a round trip stays bound
     to it. Writes config.json, model.safetensors and README.md (the serving commands);
     returns the directory."""
     if getattr(head.cfg, "kind", None) != "eagle3":
@@ -190,8 +194,6 @@ def train_export_dir(value, kind: str, out_path: pathlib.Path, feature_layers=No
 
 def check_export_dir(path: pathlib.Path, name: str) -> pathlib.Path:
     """ConfigError unless ``path`` is new, empty, or an earlier export (only our files in it)."""
-    from specgen.checks import check_output_dir
-
     check_output_dir(path, name)
     if path.is_dir():
         others = sorted(p.name for p in path.iterdir() if p.name not in _OWN_FILES)
@@ -226,9 +228,6 @@ def load_eagle3_dir(path, target, *, device: torch.device | None = None, dtype: 
     The file's own ``lm_head`` rows replace the borrowed target rows. A specgen
     export is refused for another target by its fingerprint; a foreign head is
     checked by shapes only (hidden size, vocabulary, layer ids)."""
-    from specgen.heads.modules import HeadConfig, build_head
-    from specgen.heads.store import fill_head, refuse_other_target
-
     path = pathlib.Path(path)
     config = _read_config(path)
     meta, state = _read_weights(path / WEIGHTS)

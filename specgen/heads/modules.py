@@ -18,7 +18,7 @@ handles like any other zero of q.
 The EAGLE and MTP decoder blocks have no self-attention: a target feature
 already summarises the whole prefix, and an attention-free block keeps draft
 state to one vector per node (no draft KV cache to roll back). The ``eagle3``
-kind (:mod:`specgen.heads.eagle3`) has one real attention layer over the
+kind (:mod:`specgen.heads.eagle3`; :mod:`specgen.heads.kinds` builds any kind) has one real attention layer over the
 context and the draft path, with a per-request draft KV cache.
 """
 
@@ -208,17 +208,4 @@ class MedusaHead(DraftHead):
         return self.draft_logits(hidden)
 
 
-__all__ = ["DraftHead", "EagleHead", "HeadConfig", "MedusaHead", "MtpHead", "build_head", "select_features"]
-
-HEADS: dict[str, type[DraftHead]] = {"eagle": EagleHead, "mtp": MtpHead, "medusa": MedusaHead}
-
-
-def build_head(cfg: HeadConfig, vocab_ids: torch.Tensor) -> DraftHead:
-    if cfg.kind == "eagle3":
-        from specgen.heads.eagle3 import Eagle3Head
-
-        return Eagle3Head(cfg, vocab_ids)
-    if cfg.kind not in HEADS:
-        raise ValueError(f"unknown head kind {cfg.kind!r}; expected one of eagle3, {', '.join(HEADS)}")
-    return HEADS[cfg.kind](cfg, vocab_ids)
-
+__all__ = ["DraftHead", "EagleHead", "HeadConfig", "MedusaHead", "MtpHead", "select_features"]

@@ -104,14 +104,17 @@ def resolve_drafter_dtype(name, target_dtype: torch.dtype, device: torch.device)
 
 
 def load_model(source: Mapping, *, name: str, dtype: torch.dtype, device: torch.device,
-               extra_eos: tuple[int, ...] = (), progress: bool = True, packed: bool = True) -> LoadedModel:
-    """Build or load the model described by a config ``source`` mapping (``packed``: as for :class:`CausalLM`)."""
+               extra_eos: tuple[int, ...] = (), progress: bool = True, packed: bool = True,
+               vocab_size: int | None = None) -> LoadedModel:
+    """Build or load the model described by a config ``source`` mapping (``packed``: as for :class:`CausalLM`;
+    ``vocab_size``: the logits kept, None = its tokenizer's, a draft model's is the target's)."""
     kind = source.get("kind")
     if kind == "tiny":
         args = {k: v for k, v in source.items() if k != "kind"}
         model = build_tiny_model(**args).to(device=device, dtype=dtype)
         tokenizer = TinyTokenizer(model.config.vocab_size)
-        return LoadedModel(CausalLM(model, len(tokenizer), name, packed), TokenizerInfo(tokenizer, extra_eos))
+        return LoadedModel(CausalLM(model, vocab_size or len(tokenizer), name, packed),
+                           TokenizerInfo(tokenizer, extra_eos))
     from specgen.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(source, dtype=dtype, device=device, progress=progress)
@@ -120,15 +123,16 @@ def load_model(source: Mapping, *, name: str, dtype: torch.dtype, device: torch.
     if gen_eos is not None:
         eos.extend(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
     info = TokenizerInfo(tokenizer, eos)
-    return LoadedModel(CausalLM(model, info.vocab_size, name, packed), info)
+    return LoadedModel(CausalLM(model, vocab_size or info.vocab_size, name, packed), info)
 
 
 def load_llama_cpp(source: Mapping, *, name: str, threads: int, extra_eos: tuple[int, ...] = (),
                    progress: bool = True, sequences: int = 4, tiny_type: str = "Q8_0",
-                   flash_attention: str = "on") -> LoadedModel:
+                   flash_attention: str = "on", vocab_size: int | None = None) -> LoadedModel:
     """The model of a GGUF-kind (or ``tiny``) ``source`` on the llama.cpp backend
     (:mod:`specgen.models.llama_cpp`), with specgen's tokenizer for it; a tiny model is
-    written as a GGUF in ``tiny_type`` first (:mod:`specgen.models.gguf_write`)."""
+    written as a GGUF in ``tiny_type`` first (:mod:`specgen.models.gguf_write`).
+    ``vocab_size``: as for :func:`load_model`."""
     from specgen.models.llama_cpp import LlamaCppLM
     from specgen.models.loading import gguf_file, load_tokenizer, writable_cache_dir
 
@@ -142,6 +146,6 @@ def load_llama_cpp(source: Mapping, *, name: str, threads: int, extra_eos: tuple
         path = gguf_file(source, progress=progress)
         tokenizer, eos = load_tokenizer(source, progress=progress)
     info = TokenizerInfo(tokenizer, (*extra_eos, *eos))
-    lm = LlamaCppLM(path, vocab_size=info.vocab_size, name=name, threads=threads, sequences=sequences,
+    lm = LlamaCppLM(path, vocab_size=vocab_size or info.vocab_size, name=name, threads=threads, sequences=sequences,
                     flash_attention=flash_attention)
     return LoadedModel(lm, info)

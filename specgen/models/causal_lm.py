@@ -194,6 +194,11 @@ class CausalLM:
         """The parameters' size in bytes."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+    @property
+    def hf_model(self) -> torch.nn.Module:
+        """The wrapped transformers model (for HF ``generate()`` baselines on the same weights)."""
+        return self.model
+
     def describe(self) -> dict:
         """What this backend's costs and numerics depend on: backend, dtype, attention kernel."""
         return {"backend": self.backend, "dtype": str(self.dtype),

@@ -93,6 +93,7 @@ class LlamaCppLM:
     backend = "llama_cpp"
     capabilities = Capabilities(trees=False, features=False, batches=False)
     compiled = None
+    hf_model = None
 
     def __init__(self, path, *, vocab_size: int, name: str = "model", threads: int = 1,
                  context_length: int | None = None, sequences: int = 4, flash_attention: str = "on"):

