@@ -19,6 +19,7 @@ import torch
 from specgen.drafters import DraftContext, Drafter
 from specgen.errors import ConfigError, DeadEndError, PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
+from specgen.guarantee import Guarantee
 from specgen.models import CausalLM, TokenizerInfo
 from specgen.options import (RequestOptions, check_option_names, check_prompt, check_prompt_ids, check_prompt_size,
                              parse_chat, parse_optional_text, parse_seed, parse_stop, request_options)
@@ -56,7 +57,7 @@ class RequestPlan:
     context_bound: bool
     options: RequestOptions
     use_spec: bool
-    guarantee: str
+    guarantee: Guarantee
     stack: ProcessorStack
     gamma: int | str
 
@@ -64,15 +65,15 @@ class RequestPlan:
 class Pipeline:
     """A composed target + drafter + processor stack with a declared guarantee.
 
-    guarantee: "exact" | "greedy" | "approximate: <why>" | "off: <reason>";
-    speculation runs only when it is not "off".
+    guarantee: what the build decided (:class:`~specgen.guarantee.Guarantee`);
+    speculation runs only when its kind is not "off".
     read_once: rounds that spend FLOPs to read back once per verification (constant
     host reads per round), the default off the CPU; on the CPU, where a read costs
     nothing, rounds do less arithmetic instead (see :class:`specgen.round.RoundContext`).
     """
 
     def __init__(self, *, target: CausalLM, tokenizer: TokenizerInfo, drafter: Drafter | None,
-                 stack: ProcessorStack, guarantee: str, defaults: Defaults, config=None):
+                 stack: ProcessorStack, guarantee: Guarantee, defaults: Defaults, config=None):
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -94,7 +95,7 @@ class Pipeline:
 
     @property
     def speculative(self) -> bool:
-        return self.drafter is not None and not self.guarantee.startswith("off")
+        return self.drafter is not None and self.guarantee.speculative
 
     def encode(self, prompt, *, chat=None, system=None) -> list[int]:
         """Token ids for a prompt string or chat messages (checked; PromptError names what is wrong)."""
@@ -169,7 +170,7 @@ class Pipeline:
             raise PromptError(f"the prompt has {len(ids)} tokens but the model's context is "
                               f"{self.target.context_length}; shorten the prompt")
         use_spec = self.speculative and options.speculative
-        guarantee = self.guarantee if use_spec or not self.speculative else "off: speculative=false"
+        guarantee = self.guarantee if use_spec or not self.speculative else Guarantee.off("speculative=false")
         gamma = 0
         if use_spec:
             gamma = self.drafter.num_tokens if options.num_tokens is None else options.num_tokens

@@ -188,7 +188,7 @@ def result_record(row: Row, gen: Generation) -> dict:
              "tokens_per_target_call": round(s.tokens_per_target_call, 4), "wall_s": round(s.wall, 6),
              "ttft_s": None if s.ttft is None else round(s.ttft, 6), "tokens_per_s": round(s.tokens_per_s, 2)}
     return {"index": row.index, "id": row.id, "text": gen.text, "finish_reason": gen.finish_reason,
-            "guarantee": gen.guarantee, "stats": stats}
+            "guarantee": str(gen.guarantee), "stats": stats}
 
 
 def error_record(row: Row, message: str) -> dict:

@@ -241,7 +241,7 @@ def run_arm(pipe, arm: Arm, ids: list[int], *, max_new: int, seed: int, hf_kwarg
         "accepted": stats.accepted, "proposed_per_position": list(stats.proposed_per_position),
         "accepted_per_position": list(stats.accepted_per_position), "timings": asdict(stats.timings),
         "draft_size_counts": list(stats.draft_size_counts), "tree": getattr(pipe.drafter, "tree_width", 1) > 1,
-        "drafter_memory_bytes": stats.drafter_memory_bytes, "guarantee": gen.guarantee,
+        "drafter_memory_bytes": stats.drafter_memory_bytes, "guarantee": str(gen.guarantee),
         "finish_reason": gen.finish_reason, "mask_us": [round(1e6 * s, 2) for s in stats.mask_seconds],
     }
 

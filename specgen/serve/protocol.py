@@ -244,7 +244,7 @@ def finish_reason(reason: str) -> str:
 def specgen_field(gen: Generation, seed: int) -> dict:
     """The run's guarantee and acceptance numbers, sent as the response's ``specgen`` field."""
     stats = gen.stats
-    return {"guarantee": gen.guarantee, "accepted": stats.accepted, "drafted": stats.drafted,
+    return {"guarantee": str(gen.guarantee), "accepted": stats.accepted, "drafted": stats.drafted,
             "acceptance": stats.acceptance_rate, "tokens_per_target_call": stats.tokens_per_target_call,
             "finish_reason": gen.finish_reason, "seed": seed}
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from specgen.errors import PromptError, SpecgenError, first_line
 from specgen.events import FinishEvent, TokenEvent
+from specgen.guarantee import Guarantee
 from specgen.options import parse_chat
 from specgen.stats import Stats
 from specgen.tui.tally import PanelSnapshot, Tally
@@ -115,10 +116,10 @@ def fit_history(pipe, history: ChatHistory, max_new_tokens: int | None = None) -
                       + (" (Ctrl+N starts a new chat)" if len(drops) > 1 else ""))
 
 
-def reply_guarantee(pipe, speculative: bool) -> str:
+def reply_guarantee(pipe, speculative: bool) -> Guarantee:
     """The guarantee a reply runs under when speculation is on or off for it."""
     if pipe.speculative and not speculative:
-        return "off: toggled off (^t)"
+        return Guarantee.off("toggled off (^t)")
     return pipe.guarantee
 
 
