@@ -97,7 +97,7 @@ def test_failed_step_rolls_every_row_back_and_the_batch_continues(monkeypatch):
     expected = [g.token_ids for g in pipe.generate_batch(prompts, batch_size=3)]
 
     kv = BatchKV(pipe.target, 3)
-    rows = [admit(pipe, kv, r, prepare(pipe, p, {}, r)) for r, p in enumerate(prompts)]
+    rows = [admit(pipe, kv, r, prepare(pipe, p, None, r)) for r, p in enumerate(prompts)]
     step(kv, list(enumerate(rows)))
     kv.maybe_compact()  # what the next step does first, outside its transaction
     before = [_state(row) for row in rows]
@@ -128,7 +128,7 @@ def test_compaction_keeps_outputs():
     prompts = _ragged_prompts(5)
     expected = [g.token_ids for g in pipe.generate_batch(prompts, batch_size=3)]
     kv = BatchKV(pipe.target, 3)
-    rows = [admit(pipe, kv, r, prepare(pipe, p, {}, r)) for r, p in enumerate(prompts[:3])]
+    rows = [admit(pipe, kv, r, prepare(pipe, p, None, r)) for r, p in enumerate(prompts[:3])]
     compacted = 0
     while any(row.request.finish_reason is None for row in rows):
         kv.compact()
@@ -147,7 +147,7 @@ def test_trim_and_tight_compaction_keep_outputs_and_the_cache_narrow():
     prompts = _ragged_prompts(3)
     expected = [g.token_ids for g in pipe.generate_batch(prompts, batch_size=3)]
     kv = BatchKV(pipe.target, 3)
-    rows = [admit(pipe, kv, r, prepare(pipe, p, {}, r)) for r, p in enumerate(prompts)]
+    rows = [admit(pipe, kv, r, prepare(pipe, p, None, r)) for r, p in enumerate(prompts)]
     trimmed = 0
     while any(row.request.finish_reason is None for row in rows):
         before = kv.width

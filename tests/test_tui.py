@@ -88,7 +88,9 @@ class FloodPipe(GatedPipe):
     """A real pipeline whose streams yield made-up tokens until closed, about a thousand a second
     (a GPU's pace: dozens per frame), never ending on their own."""
 
-    def stream(self, prompt, *, stats, **kwargs):
+    def stream(self, prompt, options):
+        stats = options.stats
+
         def flood():
             for index in range(10**9):
                 time.sleep(0.001)
@@ -260,7 +262,8 @@ def test_run_reply_uses_live_engine_stats_when_offered():
 
         speculative, guarantee, drafter = True, Guarantee("exact"), None
 
-        def stream(self, prompt, *, max_new_tokens, seed, stop, speculative, stats):
+        def stream(self, prompt, options):
+            stats = options.stats
             for index in range(3):
                 stats.record_round(2, 1)
                 stats.timings.draft += 0.01
@@ -282,7 +285,7 @@ def test_run_reply_reports_errors_without_raising(pipe):
     class Broken:
         speculative, guarantee, drafter = False, Guarantee.off("test"), None
 
-        def stream(self, prompt, **kwargs):
+        def stream(self, prompt, options):
             raise PromptError("the prompt is empty")
 
     final = run_reply(Broken(), ReplyRequest("", False, seed=0), threading.Event(), lambda u: None)

@@ -32,7 +32,7 @@ from specgen.bench.prompts import BenchPrompt, load_prompt_sets
 from specgen.errors import ConfigError
 from specgen.costmodel import describe
 from specgen.planner import AUTO
-from specgen.options import parse_bool, parse_int, parse_seed
+from specgen.options import RequestOptions, parse_bool, parse_int, parse_seed
 from specgen.events import FinishEvent
 from specgen.stats import Clock, Stats
 
@@ -227,8 +227,9 @@ def run_arm(pipe, arm: Arm, ids: list[int], *, max_new: int, seed: int, hf_kwarg
     speculative = arm.method == "specgen"
     stats, first, gen = Stats(), None, None
     start = clock()
-    for event in pipe.stream(prompt_ids=ids, max_new_tokens=max_new, seed=seed, speculative=speculative,
-                             stats=stats, num_tokens=arm.gamma if speculative else None):
+    options = RequestOptions(max_new_tokens=max_new, seed=seed, speculative=speculative, stats=stats,
+                             num_tokens=arm.gamma if speculative else None)
+    for event in pipe.stream(prompt_ids=ids, options=options):
         if first is None:
             first = {"seconds": clock() - start, "rounds": stats.rounds, "new_tokens": stats.new_tokens,
                      "drafted": stats.drafted, "timings": asdict(stats.timings)}

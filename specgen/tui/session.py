@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from specgen.errors import PromptError, SpecgenError, first_line
 from specgen.events import FinishEvent, TokenEvent
 from specgen.guarantee import Guarantee
-from specgen.options import parse_chat
+from specgen.options import RequestOptions, parse_chat
 from specgen.stats import Stats
 from specgen.tui.tally import PanelSnapshot, Tally
 
@@ -194,8 +194,9 @@ class ReplyRequest:
 
 def open_stream(pipe, prompt: str | list[dict], request: ReplyRequest, stats: Stats):
     """Start the stream; the engine fills ``stats`` as rounds commit."""
-    return pipe.stream(prompt, max_new_tokens=request.max_new_tokens, seed=request.seed,
-                       stop=list(request.stop), speculative=request.speculative, stats=stats)
+    options = RequestOptions(max_new_tokens=request.max_new_tokens, seed=request.seed, stop=request.stop,
+                             speculative=request.speculative, stats=stats)
+    return pipe.stream(prompt, options)
 
 
 def run_reply(pipe, request: ReplyRequest, cancel: threading.Event, emit: Callable[[ReplyUpdate], None],
