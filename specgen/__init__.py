@@ -2,15 +2,17 @@
 
 >>> import specgen
 >>> pipe = specgen.pipeline("target=tiny", "drafter=tiny", "sampling.temperature=0.8")
->>> gen = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=8, seed=0)
->>> gen.guarantee
-'exact'
+>>> gen = pipe.generate(prompt_ids=[1, 2, 3], options=specgen.RequestOptions(max_new_tokens=8, seed=0))
+>>> str(gen.guarantee), gen.guarantee.speculative
+('exact', True)
 """
 
 from __future__ import annotations
 
 from specgen.errors import ConfigError, ModelLoadError, NumericalError, PromptError, SpecgenError
 from specgen.events import FinishEvent, Generation, TokenEvent
+from specgen.guarantee import Guarantee
+from specgen.options import RequestOptions
 
 __version__ = "0.1.0"
 
@@ -18,9 +20,11 @@ __all__ = [
     "ConfigError",
     "FinishEvent",
     "Generation",
+    "Guarantee",
     "ModelLoadError",
     "NumericalError",
     "PromptError",
+    "RequestOptions",
     "SpecgenError",
     "TokenEvent",
     "pipeline",

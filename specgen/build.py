@@ -1,6 +1,6 @@
 """cfg -> Pipeline: instantiate the components, check alignment, declare the guarantee.
 
-The guarantee is decided here, once, before any generation:
+The :class:`~specgen.guarantee.Guarantee` is decided here, once, before any generation:
 
 * ``off: <reason>`` -- speculation disabled (by the user, no drafter, or p and q
   cannot be aligned: different tokenizers, an impure processor);
@@ -22,6 +22,7 @@ from specgen.config import to_container
 from specgen.drafters import Drafter, DrafterRuntime
 from specgen.engine import Defaults, Pipeline
 from specgen.errors import ConfigError, SpecgenError
+from specgen.guarantee import Guarantee
 from specgen.models import LoadedModel, cuda_condition, load_llama_cpp, load_model, resolve_device, resolve_dtype
 from specgen.models.backends import choose_backend, draft_backend
 from specgen.models.threads import resolve_auto_threads
@@ -88,38 +89,39 @@ REDUCED_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def _decide_guarantee(cfg: Mapping, drafter: Drafter | None, target: LoadedModel, stack,
-                      dtype: torch.dtype) -> tuple[str, Drafter | None]:
+                      dtype: torch.dtype) -> tuple[Guarantee, Drafter | None]:
     if not cfg["speculative"]:
-        return "off: speculative=false", None
+        return Guarantee.off("speculative=false"), None
     if drafter is None:
-        return "off: drafter=none", None
+        return Guarantee.off("drafter=none"), None
     if drafter.tokenizer is not None:
         mismatch = target.tokenizer.mismatch(drafter.tokenizer)
         if mismatch:
-            return f"off: drafter tokenizer does not match the target's ({mismatch})", None
+            return Guarantee.off(f"drafter tokenizer does not match the target's ({mismatch})"), None
     impure = stack.impure
     if impure:
         names = ", ".join(p.name for p in impure)
-        return f"off: processor {names} cannot be evaluated on hypothetical histories (declare pure: true if it is)", None
+        return Guarantee.off(f"processor {names} cannot be evaluated on hypothetical histories "
+                             "(declare pure: true if it is)"), None
     if dtype in REDUCED_PRECISION:
         name = str(dtype).removeprefix("torch.")
-        return (f"approximate: {name} rounds a multi-token verify pass differently from single-token steps, "
-                "so near-ties can flip; use dtype=float32 for the exact guarantee"), drafter
-    return ("greedy" if stack.greedy else "exact"), drafter
+        return Guarantee("approximate", f"{name} rounds a multi-token verify pass differently from single-token "
+                         "steps, so near-ties can flip; use dtype=float32 for the exact guarantee"), drafter
+    return Guarantee("greedy" if stack.greedy else "exact"), drafter
 
 
-def _batch_invariance(guarantee: str, lm, max_tokens: int) -> str:
+def _batch_invariance(guarantee: Guarantee, lm, max_tokens: int) -> Guarantee:
     """An ``exact``/``greedy`` claim on a backend whose verify logits are measured, not assumed:
     kept where every verify width's logits equal single-token logits bit for bit, else approximate."""
-    if guarantee not in ("exact", "greedy"):
+    if not guarantee.unconditional:
         return guarantee
     widths = sorted({2, min(4, max_tokens + 1), max_tokens + 1})
     gap, width = lm.verify_gap(widths)
     if gap == 0.0:
         return guarantee
-    return (f"approximate: {lm.name} on {lm.backend} ({lm.describe()['dtype']}) computes {width}-token verify logits "
-            f"up to {gap:.2g} away from single-token ones, so near-ties can flip; quantised GGUFs with "
-            "llama_cpp.flash_attention=on measured bit-exact")
+    return Guarantee("approximate", f"{lm.name} on {lm.backend} ({lm.describe()['dtype']}) computes {width}-token "
+                     f"verify logits up to {gap:.2g} away from single-token ones, so near-ties can flip; quantised "
+                     "GGUFs with llama_cpp.flash_attention=on measured bit-exact")
 
 
 def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:

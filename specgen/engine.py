@@ -19,12 +19,14 @@ import torch
 from specgen.drafters import DraftContext, Drafter
 from specgen.errors import ConfigError, DeadEndError, PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
+from specgen.guarantee import Guarantee
 from specgen.models import CausalLM, TokenizerInfo
-from specgen.options import (RequestOptions, check_option_names, check_prompt, check_prompt_ids, check_prompt_size,
-                             parse_chat, parse_optional_text, parse_seed, parse_stop, request_options)
+from specgen.options import (RequestOptions, check_prompt, check_prompt_ids, check_prompt_size, parse_chat,
+                             parse_optional_text, parse_seed, parse_stop, request_options, with_overrides)
 from specgen.planning import AUTO, CostTable
 from specgen.planning.measure import Subject
 from specgen.processors import ProcessorStack
+from specgen.request_plan import RequestPlan, finish, record
 from specgen.round import RoundContext, plain_step, speculative_round
 from specgen.state import Request
 from specgen.stats import Clock, GrammarTimer, Stats
@@ -46,34 +48,18 @@ class Defaults:
                    chat=cfg["chat"], system=cfg["system"])
 
 
-@dataclass
-class RequestPlan:
-    """One checked request: the prompt's ids, its token limit (``context_bound``: the
-    context, not max_new_tokens, sets it), its options, whether it speculates, its
-    guarantee, processor stack and γ."""
-
-    ids: list[int]
-    max_new: int
-    context_bound: bool
-    options: RequestOptions
-    use_spec: bool
-    guarantee: str
-    stack: ProcessorStack
-    gamma: int | str
-
-
 class Pipeline:
     """A composed target + drafter + processor stack with a declared guarantee.
 
-    guarantee: "exact" | "greedy" | "approximate: <why>" | "off: <reason>";
-    speculation runs only when it is not "off".
+    guarantee: what the build decided (:class:`~specgen.guarantee.Guarantee`);
+    speculation runs only when its kind is not "off".
     read_once: rounds that spend FLOPs to read back once per verification (constant
     host reads per round), the default off the CPU; on the CPU, where a read costs
     nothing, rounds do less arithmetic instead (see :class:`specgen.round.RoundContext`).
     """
 
     def __init__(self, *, target: CausalLM, tokenizer: TokenizerInfo, drafter: Drafter | None,
-                 stack: ProcessorStack, guarantee: str, defaults: Defaults, config=None):
+                 stack: ProcessorStack, guarantee: Guarantee, defaults: Defaults, config=None):
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -112,7 +98,7 @@ class Pipeline:
 
     @property
     def speculative(self) -> bool:
-        return self.drafter is not None and not self.guarantee.startswith("off")
+        return self.drafter is not None and self.guarantee.speculative
 
     def encode(self, prompt, *, chat=None, system=None) -> list[int]:
         """Token ids for a prompt string or chat messages (checked; PromptError names what is wrong)."""
@@ -122,60 +108,59 @@ class Pipeline:
         system = parse_optional_text(self.defaults.system if system is None else system, "system")
         return self.tokenizer.encode_prompt(prompt, chat=chat, system=system)
 
-    def generate(self, prompt=None, **kwargs) -> Generation:
-        """Run :meth:`stream` to the end and return its :class:`Generation`.
-
-        kwargs: :meth:`stream`'s keyword arguments; an unknown one raises
-        ConfigError naming it (and the closest known one).
-        """
-        check_option_names(kwargs, "generate()", extra=("prompt_ids",))
-        for event in self.stream(prompt, **kwargs):
+    def generate(self, prompt: str | Sequence[dict] | None = None, options: RequestOptions | None = None, *,
+                 prompt_ids: Sequence[int] | None = None, **overrides) -> Generation:
+        """Run :meth:`stream` to the end and return its :class:`Generation` (arguments as :meth:`stream`'s)."""
+        plan = self.plan_request(prompt, prompt_ids, self.resolve(options, overrides, "generate()"))
+        for event in self.run_plan(plan):
             if isinstance(event, FinishEvent):
                 return event.generation
         raise RuntimeError("stream ended without a finish event")
 
-    def generate_batch(self, prompts: Sequence, *, batch_size: int = 8, **kwargs) -> list[Generation]:
+    def generate_batch(self, prompts: Sequence, *, batch_size: int = 8, options: RequestOptions | None = None,
+                       **overrides) -> list[Generation]:
         """Generate every prompt with continuous batching (see :mod:`specgen.batch`); -> Generations in input order.
 
         prompts: each a str, chat messages, or a dict of per-row options (prompt or
         prompt_ids, max_new_tokens, seed, stop, schema, regex, speculative, ...);
-        kwargs: options shared by every row. Each row's output law equals :meth:`generate`'s.
+        options / overrides: shared by every row, as :meth:`stream` takes them.
+        Each row's output law equals :meth:`generate`'s.
         """
         from specgen.batch import generate_batch
 
-        return generate_batch(self, prompts, batch_size=batch_size, **kwargs)
+        return generate_batch(self, prompts, batch_size=batch_size, options=options, **overrides)
 
-    def stream(self, prompt: str | Sequence[dict] | None = None, *, prompt_ids: Sequence[int] | None = None,
-               max_new_tokens: int | None = None, seed: int | None = None, stop: str | Sequence[str] | None = None,
-               speculative: bool | None = None, chat=None, system=None,
-               schema=None, regex: str | None = None, stats: Stats | None = None,
-               num_tokens: int | str | None = None) -> Iterator[TokenEvent | FinishEvent]:
+    def stream(self, prompt: str | Sequence[dict] | None = None, options: RequestOptions | None = None, *,
+               prompt_ids: Sequence[int] | None = None, **overrides) -> Iterator[TokenEvent | FinishEvent]:
         """Generate from ``prompt`` (text or chat messages) or ``prompt_ids``.
 
-        The arguments are checked by :func:`specgen.options.request_options`
-        before the first event: a bad one raises a SpecgenError subclass that
-        names it (nothing is truncated or coerced). stop: one string is one stop
-        string. speculative / chat: bools or the usual spellings ("no", "off",
-        ...); False forces plain decoding for this call, True or None uses the
-        pipeline's setting. schema / regex: constrain this call's output (a
-        JSON schema as dict, JSON string, file path or pydantic model class; a
-        regex); the grammar mask joins the processor stack of both p and q.
-        stats: a fresh Stats for the engine to fill as rounds commit (live
-        numbers for a UI, readable between events); the FinishEvent's generation
-        carries the same object; a Stats that already holds numbers is refused.
-        num_tokens: draft tokens per round (γ) for this call instead of the
-        drafter's setting.
+        options: a :class:`~specgen.options.RequestOptions` (None: the pipeline's
+        defaults); overrides: RequestOptions fields by name, set over ``options``
+        (``stream(p, max_new_tokens=8)``; an override of None changes nothing). An
+        unknown name raises ConfigError naming it (and the closest known one).
+        Every value is checked by :func:`specgen.options.request_options` before
+        the first event: a bad one raises a SpecgenError subclass that names it
+        (nothing is truncated or coerced). stop: one string is one stop string.
+        speculative / chat: bools or the usual spellings ("no", "off", ...);
+        False forces plain decoding for this call, True or None uses the
+        pipeline's setting. schema / regex: constrain this call's output (a JSON
+        schema as dict, JSON string, file path or pydantic model class; a regex);
+        the grammar mask joins the processor stack of both p and q. stats: a
+        fresh Stats for the engine to fill as rounds commit (live numbers for a
+        UI, readable between events); the FinishEvent's generation carries the
+        same object; a Stats that already holds numbers is refused. num_tokens:
+        draft tokens per round (γ) for this call instead of the drafter's setting.
         """
-        options = request_options(self.defaults, max_new_tokens=max_new_tokens, seed=seed, stop=stop,
-                                  speculative=speculative, chat=chat, system=system, schema=schema,
-                                  regex=regex, num_tokens=num_tokens, stats=stats)
-        return self.run_plan(self.plan_request(prompt, prompt_ids, options))
+        return self.run_plan(self.plan_request(prompt, prompt_ids, self.resolve(options, overrides, "stream()")))
+
+    def resolve(self, options: RequestOptions | None, overrides: dict, where: str) -> RequestOptions:
+        """``options`` with ``overrides`` (RequestOptions field names), checked and with this
+        pipeline's defaults filled in; ConfigError names an unknown override and ``where``."""
+        return request_options(self.defaults, with_overrides(options, overrides, where))
 
     def run_plan(self, plan: RequestPlan) -> Iterator[TokenEvent | FinishEvent]:
         """The events of one checked request (:meth:`plan_request`), as :meth:`stream` yields them."""
-        options = plan.options
-        return self._run(plan.ids, plan.max_new, plan.context_bound, options.seed, options.stop, plan.use_spec,
-                         plan.guarantee, plan.stack, options.stats, plan.gamma)
+        return self._run(plan)
 
     def plan_request(self, prompt, prompt_ids, options: RequestOptions) -> RequestPlan:
         """Encode and check one request's prompt against the context, and derive what runs it
@@ -187,7 +172,7 @@ class Pipeline:
             raise PromptError(f"the prompt has {len(ids)} tokens but the model's context is "
                               f"{self.target.context_length}; shorten the prompt")
         use_spec = self.speculative and options.speculative
-        guarantee = self.guarantee if use_spec or not self.speculative else "off: speculative=false"
+        guarantee = self.guarantee if use_spec or not self.speculative else Guarantee.off("speculative=false")
         gamma = 0
         if use_spec:
             gamma = self.drafter.num_tokens if options.num_tokens is None else options.num_tokens
@@ -242,31 +227,26 @@ class Pipeline:
             stats.drafter_memory_bytes = self.drafter.extra_memory_bytes
         return request, ctx
 
-    def _run(self, ids, max_new, context_bound, seed, stop, use_spec, guarantee, stack, stats, gamma):
-        request, ctx = self.open_request(ids, max_new_tokens=max_new, seed=seed, stop=stop,
-                                         use_spec=use_spec, stack=stack, stats=stats)
-        stats = ctx.stats
-        if request.draft is not None and gamma == AUTO:
+    def open_plan(self, plan: RequestPlan) -> tuple[Request, RoundContext]:
+        """:meth:`open_request` for a checked request (shared by the engine loop and batch rows)."""
+        options = plan.options
+        return self.open_request(plan.ids, max_new_tokens=plan.max_new, seed=options.seed, stop=options.stop,
+                                 use_spec=plan.use_spec, stack=plan.stack, stats=options.stats)
+
+    def _run(self, plan: RequestPlan) -> Iterator[TokenEvent | FinishEvent]:
+        request, ctx = self.open_plan(plan)
+        if request.draft is not None and plan.gamma == AUTO:
             ctx.costs = self.cost_table()  # measured once per machine and cached; not part of this request's time
         start = time.perf_counter()
         while request.finish_reason is None:
             try:
                 if request.draft is not None:
-                    events = speculative_round(request, ctx, gamma)
+                    events = speculative_round(request, ctx, plan.gamma)
                 else:
                     events = plain_step(request, ctx)
             except DeadEndError:
                 request.finish_reason = "dead_end"
                 break
-            if stats.ttft is None:
-                stats.ttft = time.perf_counter() - start
-            stats.new_tokens += len(events)
-            stats.wall = time.perf_counter() - start
+            record(ctx.stats, events, start)
             yield from events
-        stats.wall = time.perf_counter() - start
-        finish_reason = request.finish_reason
-        if finish_reason == "length" and context_bound:
-            finish_reason = "context"
-        tail = request.text.flush()
-        generation = Generation(request.text.text, list(request.generated), guarantee, finish_reason, stats, ids)
-        yield FinishEvent(tail, finish_reason, generation)
+        yield finish(request, plan, ctx.stats, start)

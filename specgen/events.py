@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
+from specgen.guarantee import Guarantee
 from specgen.stats import Stats
 
-#: How a committed token was produced.
-TOKEN_KINDS = ("accepted", "resampled", "bonus", "plain")
+#: How a committed token was produced (see :class:`TokenEvent`).
+TokenKind = Literal["accepted", "resampled", "bonus", "plain"]
+TOKEN_KINDS: tuple[str, ...] = get_args(TokenKind)
+
+#: Why a request ended (see :class:`Generation`).
+FinishReason = Literal["eos", "length", "stop", "context", "dead_end"]
+FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 
 
 @dataclass(frozen=True)
@@ -29,7 +36,7 @@ class TokenEvent:
 
     token_id: int
     text: str
-    kind: str
+    kind: TokenKind
     draft_position: int | None
     accept_prob: float | None
     round: int
@@ -41,7 +48,7 @@ class FinishEvent:
     """Last event of a stream: remaining text and the whole result."""
 
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     generation: Generation
 
     kind = "finish"
@@ -52,13 +59,13 @@ class Generation:
     """The result of one request.
 
     text / token_ids: new tokens only (token_ids include an EOS that ended it).
-    guarantee: "exact" | "greedy" | "approximate: <why>" | "off: <reason>".
+    guarantee: what the run promised (``str(guarantee)`` is its printed form, e.g. "exact").
     finish_reason: "eos" | "length" | "stop" | "context" (context window full) | "dead_end".
     """
 
     text: str
     token_ids: list[int]
-    guarantee: str
-    finish_reason: str
+    guarantee: Guarantee
+    finish_reason: FinishReason
     stats: Stats
     prompt_ids: list[int]

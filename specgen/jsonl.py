@@ -47,7 +47,7 @@ from pathlib import Path
 from specgen.errors import ConfigError, PromptError, SpecgenError, first_line
 from specgen.events import FinishEvent, Generation
 from specgen.jsonl_output import RecordWriter, scan_output, sort_records
-from specgen.options import check_prompt, check_prompt_size, prompt_size_bound, request_options
+from specgen.options import RequestOptions, check_prompt, check_prompt_size, prompt_size_bound, request_options
 
 #: The keys a row object may have: the prompt, an id, and the request options.
 ROW_KEYS = ("prompt", "id", "max_new_tokens", "seed", "stop", "schema", "regex", "speculative", "system", "chat")
@@ -57,13 +57,14 @@ _OPTION_KEYS = ROW_KEYS[2:]
 @dataclass(frozen=True)
 class Row:
     """One input row. index: 0-based among non-blank lines; line: 1-based line number in the file;
-    options: ``Pipeline.stream`` keyword arguments the row sets; error: why it cannot run, or None."""
+    options: the ``Pipeline.stream`` options the row sets (None where the command line's apply);
+    error: why it cannot run, or None."""
 
     index: int
     line: int
     id: str | int | None = None
     prompt: str | list[dict] | None = None
-    options: dict = field(default_factory=dict)
+    options: RequestOptions = field(default_factory=RequestOptions)
     error: str | None = None
 
 
@@ -95,10 +96,10 @@ def parse_row(text: str, index: int, line: int, defaults, *, context_length: int
         prompt = check_prompt(value["prompt"])
         if context_length is not None:
             check_prompt_size(prompt, context_length)
-        options = {key: value[key] for key in _OPTION_KEYS if value.get(key) is not None}
-        if "schema" in options and not isinstance(options["schema"], dict):
-            raise ConfigError(f"schema must be a JSON object (the JSON schema), got {_json_type(options['schema'])}")
-        request_options(defaults, **options)
+        options = RequestOptions(**{key: value.get(key) for key in _OPTION_KEYS})
+        if options.schema is not None and not isinstance(options.schema, dict):
+            raise ConfigError(f"schema must be a JSON object (the JSON schema), got {_json_type(options.schema)}")
+        request_options(defaults, options)
     except SpecgenError as exc:
         return Row(index, line, row_id, error=f"line {line}: {first_line(exc)}")
     return Row(index, line, row_id, prompt, options)
@@ -188,7 +189,7 @@ def result_record(row: Row, gen: Generation) -> dict:
              "tokens_per_target_call": round(s.tokens_per_target_call, 4), "wall_s": round(s.wall, 6),
              "ttft_s": None if s.ttft is None else round(s.ttft, 6), "tokens_per_s": round(s.tokens_per_s, 2)}
     return {"index": row.index, "id": row.id, "text": gen.text, "finish_reason": gen.finish_reason,
-            "guarantee": gen.guarantee, "stats": stats}
+            "guarantee": str(gen.guarantee), "stats": stats}
 
 
 def error_record(row: Row, message: str) -> dict:
@@ -204,7 +205,7 @@ def generate_record(pipe, row: Row) -> dict:
     if row.error is not None:
         return error_record(row, row.error)
     try:
-        with closing(pipe.stream(row.prompt, **row.options)) as stream:
+        with closing(pipe.stream(row.prompt, row.options)) as stream:
             for event in stream:
                 if isinstance(event, FinishEvent):
                     return result_record(row, event.generation)
@@ -304,7 +305,7 @@ def _run_batched(pipe, rows: list[Row], batch_size: int, put: Callable[[Row, dic
             put(row, error_record(row, row.error))
             continue
         try:
-            prepare(pipe, _batch_prompt(row), {}, None)  # None: the message names no batch index
+            prepare(pipe, _batch_prompt(row), None, None)  # None: the message names no batch index
         except SpecgenError as exc:
             put(row, error_record(row, f"line {row.line}: {first_line(exc)}"))
             continue
@@ -326,7 +327,7 @@ def _run_batched(pipe, rows: list[Row], batch_size: int, put: Callable[[Row, dic
 
 def _batch_prompt(row: Row) -> dict:
     """The row as one prompt of :func:`specgen.batch.stream_batch` (its options ride along)."""
-    return {"prompt": row.prompt, **row.options}
+    return {"prompt": row.prompt, "options": row.options}
 
 
 def job_from_config(cfg: Mapping, context_length: int | None = None) -> JsonlJob:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import operator
 from collections.abc import Iterable, Mapping, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Literal
 
 from specgen.errors import ConfigError, PromptError
@@ -224,20 +224,23 @@ def check_prompt_ids(prompt_ids: object, vocab_size: int, name: str = "prompt_id
 
 @dataclass(frozen=True)
 class RequestOptions:
-    """One request's settings, validated and with the pipeline's defaults filled in.
+    """One request's settings: what ``Pipeline.stream(prompt, options)`` runs with.
 
-    max_new_tokens >= 1; seed in [0, 2**64); stop: the stop strings;
-    speculative: False forces plain decoding, True uses the pipeline's setting;
-    chat: True, False or "auto"; system: a system message or None; schema /
-    regex: an output constraint (at most one); num_tokens: draft tokens per round,
-    None for the drafter's own setting; stats: a fresh Stats to fill, or None.
+    A field left None takes the pipeline's default when the request is planned
+    (:func:`request_options` validates every field and fills them in; the options a
+    :class:`~specgen.request_plan.RequestPlan` holds are resolved so). Resolved:
+    max_new_tokens >= 1; seed in [0, 2**64); stop: the stop strings; speculative:
+    False forces plain decoding, True uses the pipeline's setting; chat: True, False
+    or "auto"; system: a system message or None; schema / regex: an output
+    constraint (at most one); num_tokens: draft tokens per round, None for the
+    drafter's own setting; stats: a fresh Stats to fill, or None.
     """
 
-    max_new_tokens: int
-    seed: int
-    stop: tuple[str, ...] = ()
-    speculative: bool = True
-    chat: bool | Literal["auto"] = "auto"
+    max_new_tokens: int | None = None
+    seed: int | None = None
+    stop: str | tuple[str, ...] | None = None
+    speculative: bool | None = None
+    chat: bool | Literal["auto"] | None = None
     system: str | None = None
     schema: object = None
     regex: str | None = None
@@ -245,9 +248,8 @@ class RequestOptions:
     stats: Stats | None = field(default=None, compare=False)
 
 
-#: The keyword arguments of :func:`request_options` (and of ``Pipeline.stream`` besides prompt and prompt_ids).
-OPTION_NAMES = ("max_new_tokens", "seed", "stop", "speculative", "chat", "system", "schema", "regex", "num_tokens",
-                "stats")
+#: The fields of :class:`RequestOptions`: the override names of ``Pipeline.stream`` besides prompt and prompt_ids.
+OPTION_NAMES = tuple(f.name for f in fields(RequestOptions))
 
 
 def check_option_names(names: Iterable[str], where: str, extra: Iterable[str] = ()) -> None:
@@ -260,25 +262,45 @@ def check_option_names(names: Iterable[str], where: str, extra: Iterable[str] = 
             raise ConfigError(f"{where} got an unknown argument {name!r}{hint}")
 
 
-def request_options(defaults, *, max_new_tokens=None, seed=None, stop=None, speculative=None, chat=None,
-                    system=None, schema=None, regex=None, num_tokens=None, stats=None) -> RequestOptions:
-    """Validate one request's arguments; ``None`` takes the value from ``defaults`` (a pipeline's Defaults).
+def with_overrides(options: RequestOptions | None, overrides: Mapping[str, object],
+                   where: str) -> RequestOptions:
+    """``options`` (None: all defaults) with each non-None override (a RequestOptions field name) set.
+
+    ConfigError naming an unknown override (see :func:`check_option_names`); ``options``
+    of another type is a ConfigError too. Nothing is validated here (see :func:`request_options`)."""
+    if options is not None and not isinstance(options, RequestOptions):
+        raise ConfigError(f"{where} options must be a specgen.RequestOptions, got {type(options).__name__}")
+    check_option_names(overrides, where)
+    given = {name: value for name, value in overrides.items() if value is not None}
+    base = RequestOptions() if options is None else options
+    return replace(base, **given) if given else base
+
+
+def set_fields(options: RequestOptions) -> dict[str, object]:
+    """The fields of ``options`` that are set (not None), by name: what it overrides when laid over others."""
+    return {f.name: getattr(options, f.name) for f in fields(options) if getattr(options, f.name) is not None}
+
+
+def request_options(defaults, options: RequestOptions | None = None, **overrides) -> RequestOptions:
+    """``options`` with ``overrides`` (:func:`with_overrides`), validated and resolved: a field that
+    is None takes the value from ``defaults`` (a pipeline's Defaults).
 
     Raises a :class:`~specgen.errors.SpecgenError` subclass naming the first bad
     argument; never converts a wrong type silently.
     """
-    if schema is not None and regex is not None:
+    o = with_overrides(options, overrides, "request_options()")
+    if o.schema is not None and o.regex is not None:
         raise ConfigError("give schema= or regex=, not both")
     return RequestOptions(
-        max_new_tokens=parse_int(defaults.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        max_new_tokens=parse_int(defaults.max_new_tokens if o.max_new_tokens is None else o.max_new_tokens,
                                  "max_new_tokens", minimum=1),
-        seed=parse_seed(defaults.seed if seed is None else seed),
-        stop=parse_stop(defaults.stop if stop is None else stop),
-        speculative=True if speculative is None else parse_bool(speculative, "speculative"),
-        chat=parse_chat(defaults.chat if chat is None else chat),
-        system=parse_optional_text(defaults.system if system is None else system, "system"),
-        schema=schema,
-        regex=parse_optional_text(regex, "regex"),
-        num_tokens=None if num_tokens is None else parse_num_tokens(num_tokens),
-        stats=parse_stats(stats),
+        seed=parse_seed(defaults.seed if o.seed is None else o.seed),
+        stop=parse_stop(defaults.stop if o.stop is None else o.stop),
+        speculative=True if o.speculative is None else parse_bool(o.speculative, "speculative"),
+        chat=parse_chat(defaults.chat if o.chat is None else o.chat),
+        system=parse_optional_text(defaults.system if o.system is None else o.system, "system"),
+        schema=o.schema,
+        regex=parse_optional_text(o.regex, "regex"),
+        num_tokens=None if o.num_tokens is None else parse_num_tokens(o.num_tokens),
+        stats=parse_stats(o.stats),
     )

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specgen.drafters import DraftSession
+from specgen.events import FinishReason
 from specgen.models import KVCache
 from specgen.processors import CommittedCounts
 from specgen.text import TextState, TextStream
@@ -28,7 +29,7 @@ class Snapshot:
     target_rng: torch.Tensor
     draft_rng: torch.Tensor
     text: TextState
-    finish_reason: str | None
+    finish_reason: FinishReason | None
 
 
 class Request:
@@ -44,7 +45,7 @@ class Request:
         self.target_rng = torch.Generator(device=device).manual_seed(seed)
         self.draft_rng = torch.Generator(device=device).manual_seed(seed ^ 0x5DEECE66D)
         self.draft: DraftSession | None = None
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
 
     @property
     def generated(self) -> list[int]:

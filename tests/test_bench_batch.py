@@ -103,6 +103,6 @@ def test_batch_size_one_runs_the_single_request_engine(monkeypatch):
     generate = type(pipe).generate
     monkeypatch.setattr(type(pipe), "generate", lambda self, *a, **k: calls.append(k) or generate(self, *a, **k))
     single = run_specgen(pipe, prompts, 1, speculative=True, max_new=8, seed=0, clock=lambda: next(ticks))
-    assert [c["seed"] for c in calls] == [0, 1] and all(c["speculative"] for c in calls)
+    assert [c["options"].seed for c in calls] == [0, 1] and all(c["options"].speculative for c in calls)
     assert single["outputs"] == batched["outputs"] and len(single["outputs"][0]) == 8
     assert single["latency"][0] < single["latency"][1] <= single["wall"]

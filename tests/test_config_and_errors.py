@@ -33,18 +33,18 @@ def test_every_option_composes(group):
 def test_tiny_builds_with_every_weightless_drafter(drafter, sampling):
     pipe = tiny_pipeline(f"sampling={sampling}", drafter=drafter)
     expected = {"none": "off: drafter=none"}.get(drafter, "greedy" if sampling == "default" else "exact")
-    assert pipe.guarantee == expected
+    assert str(pipe.guarantee) == expected
     assert pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=4).token_ids
 
 
 def test_speculative_false_is_declared():
-    assert tiny_pipeline("speculative=false").guarantee == "off: speculative=false"
+    assert str(tiny_pipeline("speculative=false").guarantee) == "off: speculative=false"
 
 
 def test_vocab_mismatch_turns_speculation_off_with_reason():
     pipe = tiny_pipeline("drafter.source.vocab_size=12")
-    assert pipe.guarantee.startswith("off: drafter tokenizer does not match")
-    assert "vocab sizes differ (16 vs 12)" in pipe.guarantee
+    assert pipe.guarantee.kind == "off" and pipe.guarantee.reason.startswith("drafter tokenizer does not match")
+    assert "vocab sizes differ (16 vs 12)" in pipe.guarantee.reason
     gen = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=5)
     assert gen.guarantee == pipe.guarantee and gen.stats.drafted == 0
 
@@ -52,7 +52,8 @@ def test_vocab_mismatch_turns_speculation_off_with_reason():
 def test_impure_processor_turns_speculation_off():
     pipe = tiny_pipeline("sampling.temperature=0.7",
                          "processors=[{_target_: transformers.TopKLogitsWarper, top_k: 4}]")
-    assert pipe.guarantee.startswith("off: processor hf:TopKLogitsWarper cannot be evaluated")
+    assert pipe.guarantee.kind == "off"
+    assert pipe.guarantee.reason.startswith("processor hf:TopKLogitsWarper cannot be evaluated")
     assert len(pipe.generate(prompt_ids=[1, 2], max_new_tokens=5).token_ids) == 5
 
 
@@ -121,7 +122,8 @@ def test_bad_generate_arguments():
 
 def test_reduced_precision_is_declared_approximate():
     pipe = specgen.pipeline("target=tiny", "drafter=tiny", "threads=1", "dtype=bfloat16", progress=False)
-    assert pipe.guarantee.startswith("approximate: bfloat16 rounds a multi-token verify pass differently")
+    assert pipe.guarantee.kind == "approximate"
+    assert str(pipe.guarantee).startswith("approximate: bfloat16 rounds a multi-token verify pass differently")
     assert pipe.speculative
     assert len(pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=6).token_ids) > 0
 

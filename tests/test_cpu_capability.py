@@ -74,7 +74,7 @@ def test_where_the_cpu_packs_bfloat16_a_layer_is_packed():
 def test_bfloat16_runs_and_declares_approximate_without_packed_bfloat16(no_packed_bfloat16, drafter):
     pipe = specgen.pipeline(*TINY, drafter, "dtype=bfloat16", progress=False)
     out = pipe.generate("12 13 14 12 13 14", max_new_tokens=8)
-    assert out.guarantee.startswith("approximate: bfloat16") and out.token_ids
+    assert str(out.guarantee).startswith("approximate: bfloat16") and out.token_ids
     layers = [m for m in pipe.target.model.modules() if isinstance(m, PackedLinear)]
     assert layers and all(m.packed.packed is None for m in layers)  # every product ran on linear
 

@@ -191,7 +191,7 @@ def test_speculation_meets_dead_ends_like_plain_decoding(drafter, prompt, reques
     """Sampled chain (small model), deterministic chain (ngram + grammar lookahead) and tree (EAGLE)."""
     head = request.getfixturevalue("tiny_eagle_head") if drafter == "eagle" else None
     pipe = _bound_stack("sampling.temperature=1.0", "drafter.num_tokens=3", drafter=drafter, head=head)
-    assert pipe.guarantee == "exact"
+    assert str(pipe.guarantee) == "exact"
     expected = exact_outcomes(pipe, prompt, 6)
     assert sum(expected.values()) == pytest.approx(1.0, abs=1e-6)
     # non-vacuous: plain decoding dead-ends after generated tokens with positive probability, and
@@ -208,7 +208,7 @@ def test_speculation_meets_dead_ends_like_plain_decoding(drafter, prompt, reques
 def test_greedy_speculation_meets_dead_ends_token_for_token(drafter, request):
     head = request.getfixturevalue("tiny_eagle_head") if drafter == "eagle" else None
     pipe = _bound_stack("sampling.temperature=0", "drafter.num_tokens=3", drafter=drafter, head=head)
-    assert pipe.guarantee == "greedy"
+    assert str(pipe.guarantee) == "greedy"
     reasons = []
     for prompt in ([1, 2, 3], [5], [4, 3, 1, 4], [1, 1, 1], [6, 2], [2]):  # ids < 8: the EAGLE target's vocab
         plain = pipe.generate(prompt_ids=prompt, max_new_tokens=6, speculative=False)

@@ -267,7 +267,7 @@ def test_drafter_eagle_runs_an_exported_directory_greedy_equal_to_plain(tmp_path
     out = _export(_head(target), target, tmp_path / "draft", dtype=torch.float32)
     pipe = specgen.pipeline(*TINY, *TINY_ARGS[1:], "drafter=eagle", f"drafter.head_file={out}",
                             "sampling.temperature=0", progress=False)
-    assert pipe.guarantee == "greedy"
+    assert str(pipe.guarantee) == "greedy"
     spec = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=24, seed=0)
     plain = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=24, seed=0, speculative=False)
     assert spec.token_ids == plain.token_ids and spec.stats.drafted > 0

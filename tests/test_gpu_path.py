@@ -125,7 +125,7 @@ def test_learned_heads_run_on_a_reduced_precision_target(tmp_path, kind, layers,
     for temperature in ("0", "0.8"):
         pipe = specgen.pipeline(*TINY, f"dtype={dtype}", f"drafter={kind}", f"drafter.head_file={head}",
                                 "drafter.num_tokens=3", f"sampling.temperature={temperature}", progress=False)
-        assert pipe.guarantee.startswith("approximate")
+        assert pipe.guarantee.kind == "approximate"
         assert next(pipe.drafter.head.parameters()).dtype == getattr(torch, dtype)
         drafted = 0
         for seed, prompt in enumerate(([1, 2, 3], [5, 4, 7, 1], [9, 9])):
@@ -142,7 +142,7 @@ def test_drafter_in_its_own_dtype_keeps_the_guarantee(tmp_path, kind):
     head = () if kind == "tiny" else (f"drafter.head_file={_head_file(tmp_path, kind)}",)
     pipe = specgen.pipeline(*TINY, f"drafter={kind}", *head, "drafter.dtype=bfloat16", "drafter.num_tokens=3",
                             "sampling.temperature=0", "sampling.repetition_penalty=1.3", progress=False)
-    assert pipe.guarantee == "greedy"
+    assert str(pipe.guarantee) == "greedy"
     drafter = pipe.drafter
     params = drafter.lm.model.parameters() if kind == "tiny" else drafter.head.parameters()
     assert next(params).dtype == torch.bfloat16
@@ -213,16 +213,18 @@ def test_auto_dtype_needs_native_bfloat16(monkeypatch, native, expected):
 # ---- item 7: the guarantee on CUDA names its condition and sets it --------------------------------------------
 
 def test_cuda_float32_guarantee_turns_tf32_off_and_says_so():
+    from specgen.guarantee import Guarantee
     from specgen.models import cuda_condition
 
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         cuda, cpu = torch.device("cuda:0"), torch.device("cpu")
-        assert cuda_condition("greedy", cpu, torch.float32) == "greedy"
-        assert cuda_condition("approximate: bfloat16 ...", cuda, torch.bfloat16) == "approximate: bfloat16 ..."
+        assert cuda_condition(Guarantee("greedy"), cpu, torch.float32) == Guarantee("greedy")
+        approximate = Guarantee("approximate", "bfloat16 ...")
+        assert cuda_condition(approximate, cuda, torch.bfloat16) == approximate
         assert torch.backends.cuda.matmul.allow_tf32, "nothing changes off CUDA float32"
-        declared = cuda_condition("exact", cuda, torch.float32)
+        declared = str(cuda_condition(Guarantee("exact"), cuda, torch.float32))
         assert declared.startswith("exact: on CUDA float32 with TF32 off") and "scripts/gpu_check.sh" in declared
         assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     finally:

@@ -85,7 +85,7 @@ EXACT_CASES = {
 def test_learned_drafters_are_exact(name, heads):
     kind, overrides = EXACT_CASES[name]
     pipe = _pipe(kind, heads, *overrides)
-    assert pipe.guarantee == "exact"
+    assert str(pipe.guarantee) == "exact"
     length = 4
     expected = exact_distribution(pipe, PROMPT, length)
     counts = sample_counts(pipe, PROMPT, length, NUM_SAMPLES)
@@ -98,7 +98,7 @@ def test_learned_drafters_are_exact(name, heads):
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "mtp"])
 def test_greedy_learned_drafters_equal_plain(kind, heads):
     pipe = _pipe(kind, heads, "sampling.temperature=0", "sampling.repetition_penalty=1.3")
-    assert pipe.guarantee == "greedy"
+    assert str(pipe.guarantee) == "greedy"
     for prompt in ([1, 2, 3], [5, 4, 7, 1], [2]):
         spec = pipe.generate(prompt_ids=prompt, max_new_tokens=40, seed=0)
         plain = pipe.generate(prompt_ids=prompt, max_new_tokens=40, seed=0, speculative=False)

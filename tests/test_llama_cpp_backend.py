@@ -96,7 +96,7 @@ def test_bad_tokens_and_overlong_feeds_are_refused_and_leave_the_cache_as_it_was
 @pytest.mark.parametrize("drafter,gamma", [("tiny", 1), ("tiny", 3), ("tiny", "auto"), ("ngram", 4), ("ngram", "auto")])
 def test_greedy_speculation_equals_plain_decoding_token_for_token(drafter, gamma):
     pipe = _pipe(f"drafter.num_tokens={gamma}", drafter=drafter)
-    assert pipe.guarantee == "greedy" and pipe.target.backend == "llama_cpp"
+    assert str(pipe.guarantee) == "greedy" and pipe.target.backend == "llama_cpp"
     drafted = 0
     for prompt in PROMPTS:
         spec = pipe.generate(prompt_ids=prompt, max_new_tokens=24)
@@ -108,7 +108,7 @@ def test_greedy_speculation_equals_plain_decoding_token_for_token(drafter, gamma
 
 def test_speculative_sampling_matches_the_backends_distribution():
     pipe = _pipe("target.source.vocab_size=8", "drafter.source.vocab_size=8", "sampling.temperature=1.0")
-    assert pipe.guarantee == "exact"
+    assert str(pipe.guarantee) == "exact"
     expected = exact_distribution(pipe, [1, 2, 3], 3)
     counts = sample_counts(pipe, [1, 2, 3], 3, 1200)
     assert pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=3, seed=0).stats.drafted > 0
@@ -127,9 +127,9 @@ def test_negative_control_the_same_test_catches_a_wrong_residual(monkeypatch):
 def test_a_measured_verify_gap_makes_the_run_approximate(monkeypatch):
     monkeypatch.setattr(llama_cpp.LlamaCppLM, "verify_gap", lambda self, widths, prefix=16: (3e-6, 9))
     pipe = _pipe()
-    assert pipe.guarantee.startswith("approximate: target on llama_cpp") and "9-token verify logits" in pipe.guarantee
+    assert str(pipe.guarantee).startswith("approximate: target on llama_cpp") and "9-token verify logits" in pipe.guarantee.reason
     plain = _pipe("speculative=false")
-    assert plain.guarantee == "off: speculative=false"  # nothing verified, nothing to measure
+    assert str(plain.guarantee) == "off: speculative=false"  # nothing verified, nothing to measure
 
 
 @pytest.mark.parametrize("setting", ["llama_cpp.tiny_type=Q8_0", "llama_cpp.tiny_type=F32",
@@ -137,7 +137,7 @@ def test_a_measured_verify_gap_makes_the_run_approximate(monkeypatch):
 def test_the_guarantee_follows_the_measurement_for_each_file_type_and_attention(setting):
     pipe = _pipe(setting)
     gap, _ = pipe.target.verify_gap(sorted({2, 4, pipe.drafter.max_tokens + 1}))
-    assert (pipe.guarantee == "greedy") == (gap == 0.0), (setting, gap, pipe.guarantee)
+    assert (str(pipe.guarantee) == "greedy") == (gap == 0.0), (setting, gap, pipe.guarantee)
 
 
 def test_an_unknown_flash_attention_setting_is_refused():

@@ -28,6 +28,7 @@ uvicorn = pytest.importorskip("uvicorn")
 import specgen  # noqa: E402
 from specgen.config import compose, to_container  # noqa: E402
 from specgen.errors import ConfigError  # noqa: E402
+from specgen.guarantee import Guarantee  # noqa: E402
 from specgen.serve import create_app  # noqa: E402
 from specgen.serve.cli import check_server_config  # noqa: E402
 from specgen.serve.metrics import CONTENT_TYPE  # noqa: E402
@@ -339,12 +340,12 @@ def test_serve_config_binds_loopback_and_checks_host_and_port():
 def test_per_request_sampling_keeps_a_guarantee_the_stack_does_not_decide():
     plain = _pipe("speculative=false")
     variant = with_sampling(plain, Sampling(temperature=0.7))
-    assert variant.guarantee == plain.guarantee == "off: speculative=false"
+    assert variant.guarantee == plain.guarantee == Guarantee.off("speculative=false")
     assert not variant.stack.greedy and plain.stack.greedy
     assert variant.target is plain.target and plain.stack is not variant.stack
     spec = _pipe()
-    assert with_sampling(spec, Sampling(temperature=0.7)).guarantee == "exact"
-    assert with_sampling(spec, Sampling(temperature=0.0, top_p=0.9)).guarantee == "greedy"
+    assert str(with_sampling(spec, Sampling(temperature=0.7)).guarantee) == "exact"
+    assert str(with_sampling(spec, Sampling(temperature=0.0, top_p=0.9)).guarantee) == "greedy"
 
 
 def test_tree_drafters_are_served_one_request_at_a_time(tiny_eagle_head):

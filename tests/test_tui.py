@@ -25,6 +25,7 @@ from specgen.config import compose
 from specgen.chat import ChatHistory
 from specgen.errors import PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
+from specgen.guarantee import Guarantee
 from specgen.tui import app as app_module
 from specgen.tui.app import ChatApp, ConfigScreen, chat_config, main
 from specgen.tui.panel import StatsPanel, bar, guarantee_class, split_cells
@@ -88,7 +89,9 @@ class FloodPipe(GatedPipe):
     """A real pipeline whose streams yield made-up tokens until closed, about a thousand a second
     (a GPU's pace: dozens per frame), never ending on their own."""
 
-    def stream(self, prompt, *, stats, **kwargs):
+    def stream(self, prompt, options):
+        stats = options.stats
+
         def flood():
             for index in range(10**9):
                 time.sleep(0.001)
@@ -206,13 +209,13 @@ def test_bars_and_cells():
     assert len("".join(bar(0.37, 10))) == 10
     assert sum(split_cells([0.5, 0.3, 0.15, 0.05], 24)) == 24
     assert split_cells([0, 0], 5) == [0, 0]
-    assert [guarantee_class(g) for g in ("exact", "off: drafter=none", "approximate: x", "weird")] == \
-        ["-exact", "-off", "-approximate", "-off"]
+    assert [guarantee_class(g) for g in ("exact", "off", "approximate", "loading", "weird")] == \
+        ["-exact", "-off", "-approximate", "-loading", "-off"]
 
 
 def test_live_stats_match_the_final_stats(pipe):
     """The Stats the engine fills while streaming is the request's own: live numbers grow, then finish."""
-    tally = Tally("exact", True)
+    tally = Tally(Guarantee("exact"), True)
     seen_rounds = []
     for event in pipe.stream("User: hi\nAssistant:", seed=3, max_new_tokens=50, stats=tally.live):
         if isinstance(event, FinishEvent):
@@ -236,7 +239,7 @@ def test_run_reply_streams_batches_and_finishes(pipe):
     tokens = [t for u in updates for t in u.tokens]
     assert len(tokens) == final.snapshot.new_tokens
     assert {t.kind for t in tokens} <= {"accepted", "resampled", "bonus"}
-    assert final.snapshot.guarantee == "exact" and final.snapshot.rounds == final.snapshot.target_calls
+    assert str(final.snapshot.guarantee) == "exact" and final.snapshot.rounds == final.snapshot.target_calls
 
 
 def test_run_reply_cancel_keeps_partial_and_engine_usable(long_pipe):
@@ -258,9 +261,10 @@ def test_run_reply_uses_live_engine_stats_when_offered():
     class LivePipe:
         """An engine whose stream fills the caller's Stats (timings included) as rounds commit."""
 
-        speculative, guarantee, drafter = True, "exact", None
+        speculative, guarantee, drafter = True, Guarantee("exact"), None
 
-        def stream(self, prompt, *, max_new_tokens, seed, stop, speculative, stats):
+        def stream(self, prompt, options):
+            stats = options.stats
             for index in range(3):
                 stats.record_round(2, 1)
                 stats.timings.draft += 0.01
@@ -268,7 +272,7 @@ def test_run_reply_uses_live_engine_stats_when_offered():
                 stats.new_tokens += 2
                 yield TokenEvent(1, "a", "accepted", 1, 0.9, index + 1)
                 yield TokenEvent(2, "b", "resampled", 2, 0.2, index + 1)
-            yield FinishEvent("", "length", Generation("ab" * 3, [1, 2] * 3, "exact", "length", stats, [1]))
+            yield FinishEvent("", "length", Generation("ab" * 3, [1, 2] * 3, Guarantee("exact"), "length", stats, [1]))
 
     updates = []
     final = run_reply(LivePipe(), ReplyRequest("hi", True, seed=0), threading.Event(), updates.append,
@@ -280,9 +284,9 @@ def test_run_reply_uses_live_engine_stats_when_offered():
 
 def test_run_reply_reports_errors_without_raising(pipe):
     class Broken:
-        speculative, guarantee, drafter = False, "off: test", None
+        speculative, guarantee, drafter = False, Guarantee.off("test"), None
 
-        def stream(self, prompt, **kwargs):
+        def stream(self, prompt, options):
             raise PromptError("the prompt is empty")
 
     final = run_reply(Broken(), ReplyRequest("", False, seed=0), threading.Event(), lambda u: None)
@@ -398,7 +402,7 @@ def test_reply_view_restyles_only_what_changed_and_stays_right(cfg, pipe):
 
 def test_update_inbox_wakes_the_ui_once_and_merges():
     inbox = UpdateInbox()
-    snap = PanelSnapshot("exact", True)
+    snap = PanelSnapshot(Guarantee("exact"), True)
     one, two = (TokenEvent(i, str(i), "bonus", None, None, i) for i in (1, 2))
     assert inbox.put(ReplyUpdate((one,), snap)) is True
     assert inbox.put(ReplyUpdate((two,), snap, dropped=2)) is False

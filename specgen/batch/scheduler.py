@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from specgen.batch.steps import Batch, _check_batch_size, prepare, unbatched_reason
 from specgen.errors import ConfigError, SpecgenError, first_line
 from specgen.events import FinishEvent, Generation, TokenEvent
+from specgen.options import RequestOptions, with_overrides
 
 log = logging.getLogger("specgen.batch")
 
@@ -37,9 +38,9 @@ class Handle:
     raises the error.
     """
 
-    def __init__(self, prompt: object, variant: Hashable | None, callback: Callable[[object], None] | None,
-                 cancelled: threading.Event | None = None):
-        self.prompt, self.variant = prompt, variant
+    def __init__(self, prompt: object, prompt_ids: object, options: RequestOptions, variant: Hashable | None,
+                 callback: Callable[[object], None] | None, cancelled: threading.Event | None = None):
+        self.prompt, self.prompt_ids, self.options, self.variant = prompt, prompt_ids, options, variant
         self.cancelled = cancelled or threading.Event()
         self.delivered = 0  # TokenEvents delivered so far
         self._items: queue.SimpleQueue | None = None if callback else queue.SimpleQueue()
@@ -116,13 +117,15 @@ class BatchScheduler:
 
     def submit(self, prompt=None, *, prompt_ids=None, variant: Hashable | None = None,
                callback: Callable[[object], None] | None = None, cancelled: threading.Event | None = None,
-               **options) -> Handle:
-        """Queue one request (the options of :meth:`specgen.engine.Pipeline.stream`); -> its handle.
-        It is checked when admitted: a bad one's handle gets the SpecgenError. cancelled: an
-        Event that cancels the request when set (default: a new one; :meth:`cancel` sets it)."""
+               options: RequestOptions | None = None, **overrides) -> Handle:
+        """Queue one request (options and overrides as :meth:`specgen.engine.Pipeline.stream` takes
+        them); -> its handle. An unknown override raises ConfigError here; the values are checked
+        when admitted: a bad one's handle gets the SpecgenError. cancelled: an Event that cancels
+        the request when set (default: a new one; :meth:`cancel` sets it)."""
         if variant is not None and self.variants is None:
             raise ConfigError("this BatchScheduler has no variants; submit without variant=")
-        handle = Handle(dict(options, prompt=prompt, prompt_ids=prompt_ids), variant, callback, cancelled)
+        options = with_overrides(options, overrides, "a request")
+        handle = Handle(prompt, prompt_ids, options, variant, callback, cancelled)
         self.start()
         self._waiting.put(handle)
         return handle
@@ -140,9 +143,9 @@ class BatchScheduler:
             self._waiting.put(None)
             thread.join()
 
-    def generate(self, prompt=None, **options) -> Generation:
+    def generate(self, prompt=None, options: RequestOptions | None = None, **overrides) -> Generation:
         """Submit and wait (any thread); -> the Generation. Raises the request's SpecgenError."""
-        for item in self.submit(prompt, **options):
+        for item in self.submit(prompt, options=options, **overrides):
             if isinstance(item, FinishEvent):
                 return item.generation
         raise SpecgenError("the request was cancelled")
@@ -179,7 +182,8 @@ class BatchScheduler:
             return
         try:
             pipe = self.pipe if handle.variant is None else self.variants(handle.variant)
-            self.batch.add(prepare(pipe, handle.prompt, {}, None, caller="a request"), handle)
+            spec = prepare(pipe, handle.prompt, handle.options, None, prompt_ids=handle.prompt_ids, caller="a request")
+            self.batch.add(spec, handle)
         except SpecgenError as exc:
             handle.deliver(exc)
         except Exception as exc:  # a bug must not take the scheduler (and every later request) down

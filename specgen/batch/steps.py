@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from specgen.batch.kv import BatchKV
 from specgen.batch.plan import batch_costs, plan_rows
 from specgen.drafters import batch_refusal
-from specgen.engine import RequestPlan
 from specgen.errors import ConfigError, DeadEndError, PromptError, SpecgenError
 from specgen.events import FinishEvent, Generation, TokenEvent
-from specgen.options import check_option_names, request_options
+from specgen.options import RequestOptions, request_options, set_fields, with_overrides
 from specgen.planning import AUTO, BatchCostTable
+from specgen.request_plan import RequestPlan, finish, record
 from specgen.round import RoundContext, accept_chain, accept_plain, chain_feed, plain_events, round_events
 from specgen.state import Request
 
@@ -42,20 +42,22 @@ def unbatched_reason(pipe) -> str | None:
                          backend=None if target.capabilities.batches else target.backend)
 
 
-def prepare(pipe, prompt, common: dict, index: int | None, *, caller: str = "generate_batch()") -> RowSpec:
-    """Validate one prompt (a str, chat messages, or a dict of per-row options with
-    ``prompt`` or ``prompt_ids``); a SpecgenError names the prompt's index (when not None)."""
+def prepare(pipe, prompt, common: RequestOptions | None, index: int | None, *, prompt_ids=None,
+            caller: str = "generate_batch()") -> RowSpec:
+    """Validate one prompt (a str, chat messages, or a dict with ``prompt`` or ``prompt_ids``,
+    optionally ``options``, a RequestOptions, and option overrides by name) under ``common``
+    (unresolved options; the row's own set fields override them); a SpecgenError names the
+    prompt's index (when not None). A row cannot carry stats (each Generation has its own)."""
     try:
-        options_in = dict(common)
-        prompt_ids = None
+        options = with_overrides(common, {}, caller)
         if isinstance(prompt, Mapping):
             own = dict(prompt)
             prompt, prompt_ids = own.pop("prompt", None), own.pop("prompt_ids", None)
-            check_option_names(own, caller)
-            if "stats" in own:
-                raise ConfigError(f"stats is not a per-row option of {caller}; read each Generation's stats")
-            options_in.update(own)
-        plan = pipe.plan_request(prompt, prompt_ids, request_options(pipe.defaults, **options_in))
+            options = with_overrides(options, set_fields(with_overrides(own.pop("options", None), {}, caller)), caller)
+            options = with_overrides(options, own, caller)
+        if options.stats is not None:
+            raise ConfigError(f"stats is not a per-row option of {caller}; read each Generation's stats")
+        plan = pipe.plan_request(prompt, prompt_ids, request_options(pipe.defaults, options))
         why = batch_refusal(pipe.drafter) if plan.use_spec else None
         if why:
             raise ConfigError(f"{why}; {pipe.drafter.name!r} cannot run in {caller} "
@@ -121,30 +123,28 @@ class Batch:
         live = [(r, row) for r, row in enumerate(self.slots) if row is not None]
         for r, events in step(self.kv, live, self.costs, draining):
             row = self.slots[r]
-            stats = row.ctx.stats
-            if stats.ttft is None:
-                stats.ttft = time.perf_counter() - row.start
-            stats.new_tokens += len(events)
-            stats.wall = time.perf_counter() - row.start
+            record(row.ctx.stats, events, row.start)
             for event in events:
                 yield row, event
             if row.request.finish_reason is not None:
                 self.remove(row)
-                yield row, _finish(row)
+                yield row, finish(row.request, row.spec, row.ctx.stats, row.start)
 
 
-def stream_batch(pipe, prompts: Sequence, *, batch_size: int = 8,
-                 **common) -> Iterator[tuple[int, TokenEvent | FinishEvent]]:
+def stream_batch(pipe, prompts: Sequence, *, batch_size: int = 8, options: RequestOptions | None = None,
+                 **overrides) -> Iterator[tuple[int, TokenEvent | FinishEvent]]:
     """Generate every prompt, at most ``batch_size`` at a time; yield (prompt index, event).
 
     Each prompt's events come in order and end with its FinishEvent; prompts are
     admitted in input order as rows free up. Every prompt and option is checked
-    before the first forward. common: options shared by all rows (a row's dict overrides them).
+    before the first forward. options / overrides: shared by all rows, as ``Pipeline.stream``
+    takes them (a row's dict overrides them).
     """
     _check_batch_size(batch_size)
     if isinstance(prompts, (str, Mapping)) or not isinstance(prompts, Sequence):
         raise PromptError("generate_batch() takes a list of prompts")
-    if "stats" in common:
+    common = with_overrides(options, overrides, "generate_batch()")
+    if common.stats is not None:
         raise ConfigError("stats is not an option of generate_batch(); read each Generation's stats")
     if pipe.target.compiled is not None:
         raise ConfigError("generate_batch() does not run compiled targets yet; set compile=false")
@@ -163,35 +163,22 @@ def stream_batch(pipe, prompts: Sequence, *, batch_size: int = 8,
             yield row.spec.index, event
 
 
-def generate_batch(pipe, prompts: Sequence, *, batch_size: int = 8, **common) -> list[Generation]:
+def generate_batch(pipe, prompts: Sequence, *, batch_size: int = 8, options: RequestOptions | None = None,
+                   **overrides) -> list[Generation]:
     """Run :func:`stream_batch` to the end; -> one Generation per prompt, in input order."""
     out: list[Generation | None] = [None] * len(prompts) if isinstance(prompts, Sequence) else []
-    for index, event in stream_batch(pipe, prompts, batch_size=batch_size, **common):
+    for index, event in stream_batch(pipe, prompts, batch_size=batch_size, options=options, **overrides):
         if isinstance(event, FinishEvent):
             out[index] = event.generation
     return out
 
 
 def admit(pipe, kv: BatchKV, r: int, spec: RowSpec) -> Row:
-    o = spec.options
-    request, ctx = pipe.open_request(spec.ids, max_new_tokens=spec.max_new, seed=o.seed, stop=o.stop,
-                                     use_spec=spec.use_spec, stack=spec.stack)
+    request, ctx = pipe.open_plan(spec)
     request.target_cache = kv.clear_row(r)
     if request.draft is not None and spec.gamma == AUTO:
         ctx.costs = pipe.cost_table()
     return Row(spec, request, ctx, time.perf_counter())
-
-
-def _finish(row: Row) -> FinishEvent:
-    request, spec = row.request, row.spec
-    row.ctx.stats.wall = time.perf_counter() - row.start
-    reason = request.finish_reason
-    if reason == "length" and spec.context_bound:
-        reason = "context"
-    tail = request.text.flush()
-    generation = Generation(request.text.text, list(request.generated), spec.guarantee, reason, row.ctx.stats,
-                            spec.ids)
-    return FinishEvent(tail, reason, generation)
 
 
 def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None = None, draining: bool = False

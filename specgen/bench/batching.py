@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -29,6 +30,7 @@ from specgen.bench.baselines import hf_kernels, hf_unavailable
 from specgen.drafters import batch_refusal
 from specgen.errors import ConfigError
 from specgen.events import FinishEvent
+from specgen.options import RequestOptions
 
 BATCH_METHODS = ("plain", "specgen", "hf_generate")
 
@@ -62,17 +64,17 @@ def run_specgen(pipe, prompts: list[list[int]], batch_size: int, *, speculative:
     request at a time gets, e.g. the CLI's ``batch_size=1``); prompt i uses seed + i."""
     from specgen.batch import stream_batch
 
+    options = RequestOptions(max_new_tokens=max_new, speculative=speculative)
     rows = [{"prompt_ids": ids, "seed": seed + i} for i, ids in enumerate(prompts)]
     outputs: list[list[int]] = [[] for _ in prompts]
     latency = [0.0] * len(prompts)
     start = clock()
     if batch_size == 1:
-        for i, row in enumerate(rows):
-            outputs[i] = list(pipe.generate(**row, max_new_tokens=max_new, speculative=speculative).token_ids)
+        for i, ids in enumerate(prompts):
+            outputs[i] = list(pipe.generate(prompt_ids=ids, options=replace(options, seed=seed + i)).token_ids)
             latency[i] = clock() - start
         return {"outputs": outputs, "wall": clock() - start, "latency": latency}
-    for index, event in stream_batch(pipe, rows, batch_size=batch_size, max_new_tokens=max_new,
-                                     speculative=speculative):
+    for index, event in stream_batch(pipe, rows, batch_size=batch_size, options=options):
         if isinstance(event, FinishEvent):
             outputs[index] = list(event.generation.token_ids)
             latency[index] = clock() - start

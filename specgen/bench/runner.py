@@ -33,7 +33,7 @@ from specgen.drafters import HFAssistant
 from specgen.errors import ConfigError
 from specgen.planning.store import describe
 from specgen.planning import AUTO
-from specgen.options import parse_bool, parse_int, parse_seed
+from specgen.options import RequestOptions, parse_bool, parse_int, parse_seed
 from specgen.events import FinishEvent
 from specgen.stats import Clock, Stats
 
@@ -155,8 +155,9 @@ def run_arm(pipe, arm: Arm, ids: list[int], *, max_new: int, seed: int, hf_kwarg
     speculative = arm.method == "specgen"
     stats, first, gen = Stats(), None, None
     start = clock()
-    for event in pipe.stream(prompt_ids=ids, max_new_tokens=max_new, seed=seed, speculative=speculative,
-                             stats=stats, num_tokens=arm.gamma if speculative else None):
+    options = RequestOptions(max_new_tokens=max_new, seed=seed, speculative=speculative, stats=stats,
+                             num_tokens=arm.gamma if speculative else None)
+    for event in pipe.stream(prompt_ids=ids, options=options):
         if first is None:
             first = {"seconds": clock() - start, "rounds": stats.rounds, "new_tokens": stats.new_tokens,
                      "drafted": stats.drafted, "timings": asdict(stats.timings)}
@@ -169,7 +170,7 @@ def run_arm(pipe, arm: Arm, ids: list[int], *, max_new: int, seed: int, hf_kwarg
         "accepted": stats.accepted, "proposed_per_position": list(stats.proposed_per_position),
         "accepted_per_position": list(stats.accepted_per_position), "timings": asdict(stats.timings),
         "draft_size_counts": list(stats.draft_size_counts), "tree": pipe.drafter is not None and pipe.drafter.tree_width > 1,
-        "drafter_memory_bytes": stats.drafter_memory_bytes, "guarantee": gen.guarantee,
+        "drafter_memory_bytes": stats.drafter_memory_bytes, "guarantee": str(gen.guarantee),
         "finish_reason": gen.finish_reason, "mask_us": [round(1e6 * s, 2) for s in stats.mask_seconds],
     }
 

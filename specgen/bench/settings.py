@@ -12,7 +12,7 @@ from specgen.bench.baselines import HF_KERNELS
 from specgen.bench.llama_baselines import LLAMA_METHODS
 from specgen.errors import ConfigError
 from specgen.options import parse_bool, parse_int, parse_seed
-from specgen.planner import AUTO
+from specgen.planning import AUTO
 
 BASELINES = ("plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", *LLAMA_METHODS)
 

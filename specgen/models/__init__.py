@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from specgen.errors import ConfigError
+from specgen.guarantee import Guarantee
 from specgen.models import cpu
 from specgen.models.causal_lm import CausalLM, KVCache
 from specgen.models.tiny import TinyTokenizer, build_tiny_model
@@ -59,19 +60,20 @@ def native_cpu_bfloat16() -> bool:
     return cpu.fast_bfloat16()
 
 
-def cuda_condition(guarantee: str, device: torch.device, dtype: torch.dtype) -> str:
+def cuda_condition(guarantee: Guarantee, device: torch.device, dtype: torch.dtype) -> Guarantee:
     """The guarantee as declared on ``device``: on CUDA float32 it turns TF32 off
     (process-wide: TF32 rounds matmul inputs to 10 mantissa bits) and names the
     condition an ``exact``/``greedy`` claim holds under; elsewhere it is unchanged.
 
     Proven on the CPU; on CUDA the verify pass and single-token steps may pick
     different kernels, which ``scripts/gpu_check.sh`` measures."""
-    if device.type != "cuda" or dtype != torch.float32 or guarantee not in ("exact", "greedy"):
+    if device.type != "cuda" or dtype != torch.float32 or not guarantee.unconditional:
         return guarantee
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    return (f"{guarantee}: on CUDA float32 with TF32 off (specgen turns it off); proven on the CPU, on CUDA "
-            "token identity of the verify pass with single-token steps is measured by scripts/gpu_check.sh")
+    return Guarantee(guarantee.kind, "on CUDA float32 with TF32 off (specgen turns it off); proven on the CPU, on "
+                     "CUDA token identity of the verify pass with single-token steps is measured by "
+                     "scripts/gpu_check.sh")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -9,6 +9,7 @@ import threading
 from collections import Counter
 
 from specgen.events import Generation
+from specgen.guarantee import Guarantee
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -36,9 +37,9 @@ class Metrics:
     stopped: generations the worker closed early because the client went away.
     """
 
-    def __init__(self, model: str, guarantee: str):
+    def __init__(self, model: str, guarantee: Guarantee):
         self.model = model
-        self.guarantee = guarantee
+        self.guarantee = str(guarantee)
         self._lock = threading.Lock()
         self._requests: Counter[tuple[str, str]] = Counter()
         self._generations: Counter[str] = Counter()
@@ -50,7 +51,7 @@ class Metrics:
 
     def generation(self, gen: Generation) -> None:
         with self._lock:
-            self._generations[gen.guarantee] += 1
+            self._generations[str(gen.guarantee)] += 1
             self._tokens["prompt"] += len(gen.prompt_ids)
             self._tokens["completion"] += len(gen.token_ids)
             self._tokens["drafted"] += gen.stats.drafted

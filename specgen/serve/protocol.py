@@ -14,11 +14,11 @@ import secrets
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specgen.errors import SpecgenError
 from specgen.events import Generation
-from specgen.options import check_prompt, parse_int, parse_seed, parse_stop
+from specgen.options import RequestOptions, check_prompt, parse_int, parse_seed, parse_stop
 
 #: Fields accepted but with no effect on the output (OpenAI bookkeeping).
 _NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier"})
@@ -64,15 +64,15 @@ class GenRequest:
     """One parsed request: what to generate and how to answer.
 
     kind: "completion" or "chat". prompt: text or chat messages (None when
-    prompt_ids is given). options: keyword arguments for ``Pipeline.stream``
-    (max_new_tokens, seed, stop, chat, schema). seed: the seed used (drawn at
+    prompt_ids is given). options: the request's ``Pipeline.stream`` options
+    (max_new_tokens, seed, stop, chat, schema; None where the pipeline's default applies). seed: the seed used (drawn at
     random when the request gave none, and reported back).
     """
 
     kind: str
     prompt: str | list[dict] | None
     prompt_ids: list[int] | None
-    options: dict
+    options: RequestOptions
     sampling: Sampling
     seed: int
     stream: bool = False
@@ -161,11 +161,10 @@ def _common(body: Mapping, kind: str, max_tokens_name: str) -> dict:
         raise _fail("stream_options must be an object like {\"include_usage\": true}", "stream_options")
     seed = body.get("seed")
     seed = secrets.randbits(63) if seed is None else _guarded(parse_seed, seed, "seed", param="seed")
-    options = {"seed": seed, "stop": _guarded(parse_stop, body.get("stop"), "stop", param="stop"),
-               "schema": _schema(body)}
     max_tokens = body.get(max_tokens_name)
-    if max_tokens is not None:
-        options["max_new_tokens"] = _max_tokens(max_tokens, max_tokens_name)
+    options = RequestOptions(seed=seed, stop=_guarded(parse_stop, body.get("stop"), "stop", param="stop"),
+                             schema=_schema(body),
+                             max_new_tokens=None if max_tokens is None else _max_tokens(max_tokens, max_tokens_name))
     sampling = Sampling(_number(body, "temperature", 0.0, None, low_allowed=True),
                         _number(body, "top_p", 0.0, 1.0, low_allowed=False))
     return {"kind": kind, "options": options, "sampling": sampling, "seed": seed, "stream": stream,
@@ -195,7 +194,7 @@ def parse_completion(body: object, model: str) -> GenRequest:
     else:
         _guarded(check_prompt, prompt, "prompt", param="prompt")
     common = _common(body, "completion", "max_tokens")
-    common["options"]["chat"] = False
+    common["options"] = replace(common["options"], chat=False)
     return GenRequest(prompt=prompt, prompt_ids=prompt_ids, **common)
 
 
@@ -231,8 +230,8 @@ def parse_chat(body: object, model: str, *, use_template: bool) -> GenRequest:
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     common = _common(body, "chat", name)
     history = ChatHistory(use_template, messages)
-    common["options"]["stop"] = history.stop_strings(common["options"]["stop"])
-    common["options"]["chat"] = use_template
+    options = common["options"]
+    common["options"] = replace(options, stop=history.stop_strings(options.stop), chat=use_template)
     return GenRequest(prompt=history.prompt(), prompt_ids=None, **common)
 
 
@@ -244,7 +243,7 @@ def finish_reason(reason: str) -> str:
 def specgen_field(gen: Generation, seed: int) -> dict:
     """The run's guarantee and acceptance numbers, sent as the response's ``specgen`` field."""
     stats = gen.stats
-    return {"guarantee": gen.guarantee, "accepted": stats.accepted, "drafted": stats.drafted,
+    return {"guarantee": str(gen.guarantee), "accepted": stats.accepted, "drafted": stats.drafted,
             "acceptance": stats.acceptance_rate, "tokens_per_target_call": stats.tokens_per_target_call,
             "finish_reason": gen.finish_reason, "seed": seed}
 

@@ -20,9 +20,9 @@ import copy
 
 from specgen.engine import Pipeline
 from specgen.errors import ConfigError
+from specgen.guarantee import Guarantee
 from specgen.serve.protocol import Sampling
 
-_EXACT_KINDS = ("exact", "greedy")
 #: Sampling variants of the pipeline kept (least recently used dropped): each holds a rebuilt stack.
 MAX_VARIANTS = 16
 
@@ -78,11 +78,10 @@ def with_sampling(pipe: Pipeline, sampling: Sampling) -> Pipeline:
     return variant
 
 
-def _guarantee(guarantee: str, greedy: bool) -> str:
-    for kind in _EXACT_KINDS:
-        if guarantee.startswith(kind):
-            return ("greedy" if greedy else "exact") + guarantee[len(kind):]
-    return guarantee
+def _guarantee(guarantee: Guarantee, greedy: bool) -> Guarantee:
+    if not guarantee.exact:
+        return guarantee
+    return guarantee.with_kind("greedy" if greedy else "exact")
 
 
 class Variants:

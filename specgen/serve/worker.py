@@ -127,7 +127,7 @@ class SerialWorker:
             return
         req = job.request
         try:
-            stream = self._variants.get(req.sampling).stream(req.prompt, prompt_ids=req.prompt_ids, **req.options)
+            stream = self._variants.get(req.sampling).stream(req.prompt, req.options, prompt_ids=req.prompt_ids)
         except SpecgenError as exc:
             job.deliver(Failure(APIError(400, first_line(exc))))
             return
@@ -173,7 +173,7 @@ class BatchWorker:
         req = job.request
         variant = req.sampling if differs(self.pipe, req.sampling) else None
         self.batch.submit(req.prompt, prompt_ids=req.prompt_ids, variant=variant, cancelled=job.cancelled,
-                          callback=lambda item: job.deliver(_served(item)), **req.options)
+                          callback=lambda item: job.deliver(_served(item)), options=req.options)
 
     def close(self) -> None:
         """Stop after the running step; running and queued jobs get Stopped."""

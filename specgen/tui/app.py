@@ -131,7 +131,7 @@ class ChatApp(App[int]):
             return
         target = OmegaConf.select(self.cfg, "target.name", default="target")
         drafter = OmegaConf.select(self.cfg, "drafter.kind", default="drafter")
-        self.panel.show_guarantee(f"loading: {target} + {drafter}")
+        self.panel.show_banner("loading", f"{target} + {drafter}")
         self._load()
 
     @property
@@ -162,7 +162,7 @@ class ChatApp(App[int]):
 
     def _load_failed(self, message: str) -> None:
         self.load_error = message
-        self.panel.show_guarantee("error: could not start")
+        self.panel.show_banner("error", "could not start")
         chat = self.query_one("#chat", VerticalScroll)
         chat.mount(ErrorMessage(f"{message}\nFix the override and restart; Ctrl+Q quits."))
         prompt = self.query_one("#prompt", Input)

@@ -15,6 +15,7 @@ from textual.style import Style
 from textual.widgets import Static
 
 from specgen.events import TokenEvent
+from specgen.guarantee import GUARANTEE_KINDS, Guarantee
 from specgen.tui.tally import PanelSnapshot
 
 BAR_WIDTH = 12
@@ -47,10 +48,14 @@ def split_cells(values: list[float], width: int) -> list[int]:
     return cells
 
 
-def guarantee_class(guarantee: str) -> str:
-    """CSS class for the banner: -exact, -greedy, -approximate, -off (or -error / -loading)."""
-    head = guarantee.split(":", 1)[0].strip().lower()
-    return f"-{head}" if head in ("exact", "greedy", "approximate", "off", "error", "loading") else "-off"
+#: Banner heads that are not a guarantee kind: the app's states before a pipeline exists.
+BANNER_STATES = ("error", "loading")
+
+
+def guarantee_class(head: str) -> str:
+    """CSS class for the banner of ``head`` (a guarantee kind, or one of :data:`BANNER_STATES`):
+    -exact, -greedy, -approximate, -off, -error or -loading; -off for anything else."""
+    return f"-{head}" if head in (*GUARANTEE_KINDS, *BANNER_STATES) else "-off"
 
 
 def acceptance_content(snapshot: PanelSnapshot, palette: Palette) -> Content:
@@ -123,12 +128,15 @@ class StatsPanel(VerticalScroll):
         yield Static(id="timings")
         yield Static(token_content(None), id="token")
 
-    def show_guarantee(self, guarantee: str) -> None:
+    def show_guarantee(self, guarantee: Guarantee) -> None:
         """Set the banner: the guarantee of the run (or of the reply in progress)."""
+        self.show_banner(guarantee.kind, guarantee.reason)
+
+    def show_banner(self, head: str, reason: str = "") -> None:
+        """Set the banner to ``head`` (a guarantee kind or one of :data:`BANNER_STATES`) and its reason."""
         banner = self.query_one("#banner", Static)
-        banner.set_classes(guarantee_class(guarantee))
-        head, _, reason = guarantee.partition(":")
-        banner.update(Content.assemble((head.upper(), "bold"), f": {reason.strip()}" if reason else ""))
+        banner.set_classes(guarantee_class(head))
+        banner.update(Content.assemble((head.upper(), "bold"), f": {reason}" if reason else ""))
 
     def show_mode(self, speculate: bool, available: bool) -> None:
         """Whether the next reply speculates (toggled with the speculation key)."""

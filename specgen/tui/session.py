@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from specgen.chat import ChatHistory, uses_template
 from specgen.errors import PromptError, SpecgenError, first_line
 from specgen.events import FinishEvent, TokenEvent
+from specgen.guarantee import Guarantee
+from specgen.options import RequestOptions, parse_chat
 from specgen.stats import Stats
 from specgen.tui.tally import PanelSnapshot, Tally
 
@@ -51,10 +53,10 @@ def fit_history(pipe, history: ChatHistory, max_new_tokens: int | None = None) -
                       + (" (Ctrl+N starts a new chat)" if len(drops) > 1 else ""))
 
 
-def reply_guarantee(pipe, speculative: bool) -> str:
+def reply_guarantee(pipe, speculative: bool) -> Guarantee:
     """The guarantee a reply runs under when speculation is on or off for it."""
     if pipe.speculative and not speculative:
-        return "off: toggled off (^t)"
+        return Guarantee.off("toggled off (^t)")
     return pipe.guarantee
 
 
@@ -129,8 +131,9 @@ class ReplyRequest:
 
 def open_stream(pipe, prompt: str | list[dict], request: ReplyRequest, stats: Stats):
     """Start the stream; the engine fills ``stats`` as rounds commit."""
-    return pipe.stream(prompt, max_new_tokens=request.max_new_tokens, seed=request.seed,
-                       stop=list(request.stop), speculative=request.speculative, stats=stats)
+    options = RequestOptions(max_new_tokens=request.max_new_tokens, seed=request.seed, stop=request.stop,
+                             speculative=request.speculative, stats=stats)
+    return pipe.stream(prompt, options)
 
 
 def run_reply(pipe, request: ReplyRequest, cancel: threading.Event, emit: Callable[[ReplyUpdate], None],

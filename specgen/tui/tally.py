@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specgen.guarantee import Guarantee
 from specgen.stats import Stats
 
 #: Panel labels for the stages in Stats.timings; "state" is the commit/rollback of request state.
@@ -25,7 +26,7 @@ class PanelSnapshot:
     while unknown. finish_reason: None while the reply streams.
     """
 
-    guarantee: str
+    guarantee: Guarantee
     speculative: bool
     new_tokens: int = 0
     rounds: int = 0
@@ -37,7 +38,7 @@ class PanelSnapshot:
     finish_reason: str | None = None
 
     @classmethod
-    def from_stats(cls, stats: Stats, guarantee: str, speculative: bool, *,
+    def from_stats(cls, stats: Stats, guarantee: Guarantee, speculative: bool, *,
                    finish_reason: str | None = None) -> PanelSnapshot:
         timings = tuple((label, getattr(stats.timings, name)) for name, label in TIMING_LABELS
                         if name != "grammar" or stats.timings.grammar > 0)
@@ -54,7 +55,7 @@ class Tally:
     final: the request's own Stats once the FinishEvent arrives (the same object).
     """
 
-    def __init__(self, guarantee: str, speculative: bool):
+    def __init__(self, guarantee: Guarantee, speculative: bool):
         self.guarantee = guarantee
         self.speculative = speculative
         self.live = Stats()
