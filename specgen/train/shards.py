@@ -103,15 +103,15 @@ class Progress:
         self.total, self.done, self.enabled, self.every = total, done, enabled, every
         self.stream = sys.stderr if stream is None else stream
         self.fresh, self.t0 = 0, time.perf_counter()
-        self.last = self.t0
+        self.last, self.shown = self.t0, -1
 
     def update(self, tokens: int, force: bool = False) -> None:
         self.done += tokens
         self.fresh += tokens
         now = time.perf_counter()
-        if not self.enabled or not (force or now - self.last >= self.every):
+        if not self.enabled or not (force or now - self.last >= self.every) or self.done == self.shown:
             return
-        self.last = now
+        self.last, self.shown = now, self.done
         rate = self.fresh / max(now - self.t0, 1e-9)
         eta = (self.total - self.done) / rate if rate > 0 else float("inf")
         self.stream.write(f"specgen-train: features {self.done:,}/{self.total:,} tokens, {rate:.0f} tokens/s, "
