@@ -130,6 +130,17 @@ def test_resume_after_a_stop_and_a_torn_shard_equals_one_run(tmp_path):
     assert info["new"] == 0
 
 
+@pytest.mark.parametrize("key", ["shard_tokens", "extract_tokens"])
+def test_shard_and_batch_sizes_must_be_positive(tmp_path, key):
+    from specgen.errors import ConfigError
+    from specgen.train.cli import compose_train, run_train
+
+    cfg = compose_train(["target=tiny", "train.kind=medusa", f"train.{key}=0", "train.progress=false",
+                         f"train.out={tmp_path / 'h.safetensors'}"])
+    with pytest.raises(ConfigError, match=f"train.{key} must be >= 1"):
+        run_train(cfg, out=io.StringIO())
+
+
 def test_progress_line_reports_tokens_rate_and_eta():
     stream = io.StringIO()
     bar = Progress(1000, 200, enabled=True, every=0.0, stream=stream)

@@ -131,7 +131,7 @@ def _prepare(cfg, err) -> _Job:
     if store_dtype is None:
         raise ConfigError(f"train.cache_dtype must be one of {', '.join(_STORE_DTYPES)}")
     for key in ("shard_tokens", "extract_tokens"):
-        if int(train.get(key) or 1) < 1:
+        if train.get(key) is not None and int(train[key]) < 1:
             raise ConfigError(f"train.{key} must be >= 1, got {train.get(key)}")
     threads = set_threads(train.get("threads", "auto"), "train.threads")
     device = resolve_device(str(train.get("device", "auto")))
