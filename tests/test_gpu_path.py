@@ -9,7 +9,8 @@ import torch
 
 from specgen.heads import HeadConfig, build_head
 from specgen.models.tiny import build_tiny_model
-from specgen.train.data import extract_features, random_corpus
+from specgen.train.data import random_corpus
+from specgen.train.extract import extract_features
 from specgen.train.loop import batch_targets, draft_lookup
 
 VOCAB = 64
@@ -23,7 +24,7 @@ def test_training_targets_sum_to_one(model_dtype, store_dtype):
     """p over the full vocabulary, as training computes it, sums to 1 within 1e-5."""
     model = build_tiny_model(seed=3, vocab_size=VOCAB, init_scale=2.0).to(model_dtype)
     corpus = random_corpus(VOCAB, held_out=False, limit=3, max_len=24, seed=0)
-    feats = extract_features(model, corpus.sequences, [], VOCAB, store_dtype=store_dtype, progress=False)
+    feats = extract_features(model, corpus.sequences, [], VOCAB, store_dtype=store_dtype)
     d = model.config.hidden_size
     head = build_head(HeadConfig(kind="medusa", hidden_size=d, draft_vocab_size=VOCAB, num_heads=2),
                       torch.arange(VOCAB)).float()

@@ -157,7 +157,8 @@ def test_loss_decreases(tmp_path, monkeypatch):
 
 def test_features_are_cached_and_reused(tmp_path):
     from specgen.heads import target_fingerprint
-    from specgen.train.data import cached_features, random_corpus
+    from specgen.train.data import random_corpus
+    from specgen.train.shards import cached_features
 
     model = build_tiny_model(seed=0)
     corpus = random_corpus(16, held_out=False, limit=3, max_len=20, seed=0)

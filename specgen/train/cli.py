@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,34 +88,41 @@ def attention_shape(config) -> dict:
                                 or getattr(config, "rope_theta", None) or 10000.0)}
 
 
-def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None, err=None) -> TrainRun:
-    """Load the target, build (or read cached) features, train, evaluate, save the head.
+@dataclass
+class _Job:
+    """What ``run_train`` resolved from the config before loading anything."""
 
-    An interrupted run (Ctrl-C or ``stop_after``) returns ``path=None`` with
-    ``info["checkpoint"]`` and a one-line ``info["message"]``.
-    """
+    train: dict
+    target: dict
+    kind: str
+    arch: dict
+    settings: object  # specgen.train.loop.Settings
+    say: Callable[[str], None]
+    store_dtype: torch.dtype
+    threads: int
+    device: torch.device
+    dtype: torch.dtype
+    out_path: Path
+    export_dir: Path | None
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.out_path.with_name(self.out_path.name + ".ckpt")
+
+    @property
+    def progress(self) -> bool:
+        return bool(self.train.get("progress", True))
+
+
+def _prepare(cfg, err) -> _Job:
+    """Validate the config (``train.out`` included) into a :class:`_Job`; nothing is loaded."""
     from specgen.build import set_threads
-    from specgen.heads.export import export_eagle3, train_export_dir
-    from specgen.heads.fingerprint import target_fingerprint
-    from specgen.heads.kinds import build_head
-    from specgen.heads.modules import HeadConfig
-    from specgen.heads.store import save_head
-    from specgen.models import load_model, resolve_device, resolve_dtype
-    from specgen.models.loading import writable_cache_dir
-    from specgen.train.data import (
-        cached_features,
-        data_source,
-        draft_vocab,
-        load_corpus,
-    )
-    from specgen.train.evaluate import evaluate, table
-    from specgen.train.loop import Settings, draft_lookup, train_head
-    from specgen.train.selfgen import self_corpus
+    from specgen.heads.export import train_export_dir
+    from specgen.models import resolve_device, resolve_dtype
+    from specgen.train.loop import Settings
 
-    out = sys.stdout if out is None else out
-    err = sys.stderr if err is None else err
     cfg = to_container(cfg) if not isinstance(cfg, dict) else cfg
-    train, target_cfg = cfg["train"], cfg["target"]
+    train = cfg["train"]
     kind, arch = head_settings(cfg)
     settings = Settings.from_config(train)
     progress = bool(train.get("progress", True))
@@ -123,88 +130,150 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
     store_dtype = _STORE_DTYPES.get(str(train.get("cache_dtype", "bfloat16")))
     if store_dtype is None:
         raise ConfigError(f"train.cache_dtype must be one of {', '.join(_STORE_DTYPES)}")
+    for key in ("shard_tokens", "extract_tokens"):
+        if train.get(key) is not None and int(train[key]) < 1:
+            raise ConfigError(f"train.{key} must be >= 1, got {train.get(key)}")
     threads = set_threads(train.get("threads", "auto"), "train.threads")
     device = resolve_device(str(train.get("device", "auto")))
     dtype = resolve_dtype(str(train.get("dtype", "auto")), device)
     out_path = Path(str(train.get("out") or f"heads/{kind}.safetensors"))
     check_output_file(out_path, "train.out", create_parents=True, example="head.safetensors")
     export_dir = train_export_dir(train.get("export"), kind, out_path, arch["feature_layers"])  # train.export=eagle3
-    checkpoint = out_path.with_name(out_path.name + ".ckpt")
+    return _Job(train, cfg["target"], kind, arch, settings, say, store_dtype, threads, device, dtype, out_path,
+                export_dir)
 
-    loaded = load_model(target_cfg["source"], name="target", dtype=dtype, device=device,
-                        extra_eos=tuple(target_cfg.get("eos_ids") or ()), progress=progress)
+
+def _load_target(job: _Job):
+    """-> (loaded model, HF model, fingerprint, feature layers to extract); resolves arch["feature_layers"]."""
+    from specgen.heads.fingerprint import target_fingerprint
+    from specgen.models import load_model
+
+    loaded = load_model(job.target["source"], name="target", dtype=job.dtype, device=job.device,
+                        extra_eos=tuple(job.target.get("eos_ids") or ()), progress=job.progress)
     model = loaded.lm.model.eval().requires_grad_(False)
-    vocab_size = loaded.lm.vocab_size
     num_states = int(model.config.num_hidden_layers) + 1
-    if arch["feature_layers"] is None:
-        arch["feature_layers"] = fused_layers(num_states - 1)
-    if any(not -num_states <= i < num_states for i in arch["feature_layers"]):
-        raise ConfigError(f"feature_layers {arch['feature_layers']} out of range for a target with "
+    if job.arch["feature_layers"] is None:
+        job.arch["feature_layers"] = fused_layers(num_states - 1)
+    if any(not -num_states <= i < num_states for i in job.arch["feature_layers"]):
+        raise ConfigError(f"feature_layers {job.arch['feature_layers']} out of range for a target with "
                           f"{num_states} hidden states (0 = embeddings)")
-    fingerprint = target_fingerprint(model)
-    layers = [] if kind == "medusa" else arch["feature_layers"]
-    cache_dir = writable_cache_dir("train") if train.get("cache", True) else None
+    layers = [] if job.kind == "medusa" else job.arch["feature_layers"]
+    return loaded, model, target_fingerprint(model), layers
 
+
+def _split_features(job: _Job, loaded, model, fingerprint: dict, layers: list[int]):
+    """-> (corpora, features, extraction info), each keyed by "train" and "eval"."""
+    from specgen.models.loading import writable_cache_dir
+    from specgen.train.data import data_source, load_corpus
+    from specgen.train.selfgen import self_corpus
+    from specgen.train.shards import cached_features
+
+    train = job.train
+    cache_dir = writable_cache_dir("train") if train.get("cache", True) else None
     corpora, feats, speeds = {}, {}, {}
     for split, held_out in (("train", False), ("eval", True)):
         t0 = time.perf_counter()
-        if data_source(train, target_cfg) == "self":
+        if data_source(train, job.target) == "self":
             corpora[split] = self_corpus(
                 model, loaded.tokenizer, held_out=held_out,
                 limit=int(train["eval_conversations" if held_out else "num_conversations"]),
                 max_len=int(train["max_len"]), temperature=float(train.get("self_temperature", 0.7)),
-                seed=settings.seed, fingerprint=fingerprint, cache_dir=cache_dir, progress=progress)
+                seed=job.settings.seed, fingerprint=fingerprint, cache_dir=cache_dir, progress=job.progress)
         else:
-            corpora[split] = load_corpus(train, target_cfg, loaded.tokenizer, held_out=held_out)
+            corpora[split] = load_corpus(train, job.target, loaded.tokenizer, held_out=held_out)
         if not corpora[split].sequences:
             raise ConfigError(f"no {split} sequences: {corpora[split].description}")
-        say(f"{split} data: {corpora[split].description} ({time.perf_counter() - t0:.1f} s)")
-        feats[split], info = cached_features(model, corpora[split], layers, vocab_size, fingerprint,
-                                             cache_dir=cache_dir, store_dtype=store_dtype, progress=progress)
+        job.say(f"{split} data: {corpora[split].description} ({time.perf_counter() - t0:.1f} s)")
+        feats[split], info = cached_features(
+            model, corpora[split], layers, loaded.lm.vocab_size, fingerprint, cache_dir=cache_dir,
+            store_dtype=job.store_dtype, shard_tokens=int(train.get("shard_tokens") or 32768),
+            batch_tokens=int(train.get("extract_tokens") or 4096), progress=job.progress)
         speeds[split] = info
-        say(f"{split} features: {info['tokens']} tokens " + ("(cached)" if info["cached"] else
-            f"in {info['seconds']:.1f} s = {info['tokens_per_s']:.0f} tokens/s"))
+        job.say(f"{split} features: {info['tokens']} tokens, {info['shards']} shards " +
+                ("(cached)" if info["cached"] else f"({info['reused']} reused); {info['new']} extracted in "
+                 f"{info['seconds']:.1f} s = {info['tokens_per_s']:.0f} tokens/s ({job.threads} threads)"))
+    return corpora, feats, speeds
 
-    vocab_ids = draft_vocab(corpora["train"].sequences, arch["draft_vocab_size"], vocab_size, loaded.tokenizer.eos_ids)
-    head_cfg = HeadConfig(kind=kind, hidden_size=int(model.config.hidden_size), draft_vocab_size=len(vocab_ids),
+
+def _new_head(job: _Job, model, loaded, corpus):
+    """-> (head float32 on the device, attached; target id -> draft index lookup)."""
+    from specgen.heads.kinds import build_head
+    from specgen.heads.modules import HeadConfig
+    from specgen.train.data import draft_vocab
+    from specgen.train.loop import draft_lookup
+
+    vocab_size, arch = loaded.lm.vocab_size, job.arch
+    vocab_ids = draft_vocab(corpus.sequences, arch["draft_vocab_size"], vocab_size, loaded.tokenizer.eos_ids)
+    head_cfg = HeadConfig(kind=job.kind, hidden_size=int(model.config.hidden_size), draft_vocab_size=len(vocab_ids),
                           feature_layers=arch["feature_layers"], intermediate_size=arch["intermediate_size"],
-                          num_heads=arch["num_heads"], **attention_shape(model.config) if kind == "eagle3" else {})
+                          num_heads=arch["num_heads"], **attention_shape(model.config) if job.kind == "eagle3" else {})
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(settings.seed)
+        torch.manual_seed(job.settings.seed)
         head = build_head(head_cfg, vocab_ids)
-    head = head.to(device=device, dtype=torch.float32)
+    head = head.to(device=job.device, dtype=torch.float32)
     head.attach(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
-    lookup = draft_lookup(vocab_ids, vocab_size)
-    signature = {"head": head_cfg.to_json(), "data": corpora["train"].description,
-                 "fingerprint": fingerprint["weights_sha256"], "vocab": vocab_ids.tolist()[:64]}
-    result = train_head(head, feats["train"], lookup, settings, device=device, checkpoint=checkpoint,
-                        resume=bool(train.get("resume", False)), extra_signature=signature, stop_after=stop_after,
-                        progress=progress)
-    say(f"trained {result.steps - result.resumed_from} steps in {result.seconds:.1f} s = "
-        f"{result.steps_per_s:.2f} steps/s ({threads} threads, {device})")
-    if result.interrupted:
-        message = (f"stopped at step {result.steps}/{settings.steps}; checkpoint saved to {checkpoint} "
-                   "(run again with train.resume=true to continue)")
-        return TrainRun(None, None, {"steps": result.steps, "checkpoint": str(checkpoint), "message": message}, "")
+    return head, draft_lookup(vocab_ids, vocab_size)
 
-    metrics = evaluate(head, feats["eval"], lookup, unroll=settings.unroll, device=device)
-    text = table(metrics)
-    tail = result.losses[-50:]
-    info = {"kind": kind, "loss": settings.loss, "steps": settings.steps, "batch_tokens": settings.batch_tokens,
-            "unroll": settings.unroll, "lr": settings.lr, "seconds": round(result.seconds, 2),
+
+def _save(job: _Job, head, fingerprint, result, metrics, corpora, speeds, command: str) -> tuple[Path, dict]:
+    """Write the head file with its training record; drop the checkpoint unless kept."""
+    from specgen.heads.store import save_head
+
+    s, tail = job.settings, result.losses[-50:]
+    info = {"kind": job.kind, "loss": s.loss, "steps": s.steps, "batch_tokens": s.batch_tokens,
+            "unroll": s.unroll, "lr": s.lr, "seconds": round(result.seconds, 2),
             "steps_per_s": round(result.steps_per_s, 3), "final_loss": round(sum(tail) / max(1, len(tail)), 5),
             "resumed_from": result.resumed_from, "eval_data": corpora["eval"].description,
             "train_tokens": speeds["train"]["tokens"], "metrics": metrics}
-    path = save_head(out_path, head, fingerprint, command=command, seed=settings.seed,
+    path = save_head(job.out_path, head, fingerprint, command=command, seed=s.seed,
                      data=corpora["train"].description, train=info)
-    if not train.get("keep_checkpoint", False):
-        checkpoint.unlink(missing_ok=True)
-    out.write(f"{kind} head, loss {settings.loss}, {settings.steps} steps; held-out evaluation:\n\n{text}\n")
+    if not job.train.get("keep_checkpoint", False):
+        job.checkpoint.unlink(missing_ok=True)
+    return path, info
+
+
+def _export(job: _Job, head, model, fingerprint) -> None:
+    """The vLLM / SGLang layout next to train.out, when train.export asks for it."""
+    from specgen.heads.export import export_eagle3
+
+    if job.export_dir is not None:
+        export_eagle3(head, job.export_dir, target_config=model.config, fingerprint=fingerprint)
+        job.say(f"exported {job.export_dir} for vLLM / SGLang (serving commands in {job.export_dir / 'README.md'})")
+
+
+def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None, err=None) -> TrainRun:
+    """Load the target, build (or read cached) features, train, evaluate, save the head.
+
+    An interrupted run (Ctrl-C or ``stop_after``) returns ``path=None`` with
+    ``info["checkpoint"]`` and a one-line ``info["message"]``.
+    """
+    from specgen.train.evaluate import evaluate, table
+    from specgen.train.loop import train_head
+
+    out = sys.stdout if out is None else out
+    job = _prepare(cfg, sys.stderr if err is None else err)
+    loaded, model, fingerprint, layers = _load_target(job)
+    corpora, feats, speeds = _split_features(job, loaded, model, fingerprint, layers)
+    head, lookup = _new_head(job, model, loaded, corpora["train"])
+    signature = {"head": head.cfg.to_json(), "data": corpora["train"].description,
+                 "fingerprint": fingerprint["weights_sha256"], "vocab": head.vocab_ids.tolist()[:64]}
+    result = train_head(head, feats["train"], lookup, job.settings, device=job.device, checkpoint=job.checkpoint,
+                        resume=bool(job.train.get("resume", False)), extra_signature=signature,
+                        stop_after=stop_after, progress=job.progress)
+    job.say(f"trained {result.steps - result.resumed_from} steps in {result.seconds:.1f} s = "
+            f"{result.steps_per_s:.2f} steps/s ({job.threads} threads, {job.device})")
+    if result.interrupted:
+        message = (f"stopped at step {result.steps}/{job.settings.steps}; checkpoint saved to {job.checkpoint} "
+                   "(run again with train.resume=true to continue)")
+        return TrainRun(None, None, {"steps": result.steps, "checkpoint": str(job.checkpoint), "message": message}, "")
+    metrics = evaluate(head, feats["eval"], lookup, unroll=job.settings.unroll, device=job.device)
+    text = table(metrics)
+    path, info = _save(job, head, fingerprint, result, metrics, corpora, speeds, command)
+    out.write(f"{job.kind} head, loss {job.settings.loss}, {job.settings.steps} steps; held-out evaluation:\n\n"
+              f"{text}\n")
     out.flush()
-    say(f"saved {path}")
-    if export_dir is not None:  # the vLLM / SGLang layout next to train.out
-        export_eagle3(head, export_dir, target_config=model.config, fingerprint=fingerprint)
-        say(f"exported {export_dir} for vLLM / SGLang (serving commands in {export_dir / 'README.md'})")
+    job.say(f"saved {path}")
+    _export(job, head, model, fingerprint)
     return TrainRun(path, metrics, info, text)
 
 

@@ -8,46 +8,37 @@ same prompts answered by the target itself, :mod:`specgen.train.selfgen`), ``ran
 (uniform random ids, for tiny test targets) and ``auto`` (random for
 ``target=tiny``, else sharegpt).
 
-Per position the cache keeps: the token id, the head's input feature, the
+Per position the features keep: the token id, the head's input feature, the
 final normalised hidden state (what the LM head reads; target logits over the
 draft vocabulary are recomputed from it), the full-vocabulary logsumexp of the
 target logits and the target's greedy token. The logsumexp comes from
 :func:`lm_logits` of the *stored* hidden state, the same float32 product
 training recomputes p from, so the training targets sum to 1; the greedy token
-is the argmax of the model's own logits, as decoding computes it.
+is the argmax of the model's own logits. They are computed by packed prefill
+forwards (:mod:`specgen.train.extract`) and cached in resumable shards
+(:mod:`specgen.train.shards`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import sys
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from specgen.errors import ConfigError
 
 _ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 _CHARS_PER_TOKEN_CAP = 8  # text is cut to max_len * this many characters before tokenising
-_EXTRACT_TOKENS = 4096  # padded tokens per feature-extraction forward
-_LOGIT_ROWS = 512  # rows per chunk when computing full-vocabulary logsumexp
-_CACHE_VERSION = 2  # 2: lse from the stored hidden state in float32 (was: the model-dtype logits)
+_CACHE_VERSION = 3  # 3: sharded (specgen.train.shards); 2: lse from the stored hidden state in float32
 
 
 @dataclass
 class Corpus:
     sequences: list[list[int]]
     description: str
-
-
-def _say(message: str) -> None:
-    sys.stderr.write(f"specgen-train: {message}\n")
-    sys.stderr.flush()
 
 
 def data_source(train: Mapping, target_cfg: Mapping) -> str:
@@ -152,8 +143,8 @@ def lm_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
     The one product both the cached logsumexp and the training targets p are
     computed from (see :func:`specgen.train.loop.batch_targets`)."""
-    logits = hidden.to(torch.float32) @ weight.to(torch.float32).T
-    return logits if bias is None else logits + bias.to(torch.float32)
+    return torch.nn.functional.linear(hidden.to(torch.float32), weight.to(torch.float32),
+                                      None if bias is None else bias.to(torch.float32))
 
 
 @dataclass
@@ -177,112 +168,15 @@ class Features:
                  if int(b) - int(a) > depth]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
-    def to_tensors(self) -> dict[str, torch.Tensor]:
-        out = {"tokens": self.tokens, "hidden": self.hidden, "lse": self.lse, "argmax": self.argmax,
-               "offsets": self.offsets}
-        if self.feature is not None:
-            out["feature"] = self.feature
-        return {k: v.contiguous() for k, v in out.items()}
 
-    @classmethod
-    def from_tensors(cls, t: Mapping[str, torch.Tensor]) -> Features:
-        return cls(t["tokens"], t["hidden"], t.get("feature"), t["lse"], t["argmax"], t["offsets"])
-
-
-@torch.inference_mode()
-def extract_features(model, sequences: list[list[int]], layers: list[int], vocab_size: int, *,
-                     store_dtype: torch.dtype = torch.bfloat16, progress: bool = True) -> Features:
-    """Prefill the frozen target over ``sequences`` (batched by length, no KV cache)."""
-    from tqdm import tqdm
-
-    from specgen.heads.modules import select_features
-
-    device = next(model.parameters()).device
-    base = model.base_model
-    lm_head = model.get_output_embeddings()
-    weight = lm_head.weight[:vocab_size]
-    bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias[:vocab_size]
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    results: dict[int, tuple] = {}
-    total = sum(len(s) for s in sequences)
-    bar = tqdm(total=total, desc="features", unit="tok", disable=not progress, file=sys.stderr, leave=False)
-    start = 0
-    while start < len(order):
-        longest = len(sequences[order[start]])
-        end = start + 1
-        while end < len(order) and len(sequences[order[end]]) * (end - start + 1) <= max(_EXTRACT_TOKENS, longest):
-            end += 1
-        batch = [order[j] for j in range(start, end)]
-        width = len(sequences[batch[-1]])
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, k in enumerate(batch):
-            ids[row, : len(sequences[k])] = torch.tensor(sequences[k])
-            mask[row, : len(sequences[k])] = 1
-        out = base(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True,
-                   use_cache=False)
-        hs = out.hidden_states
-        final = hs[-1]
-        feature = select_features(hs, layers) if layers else None
-        for row, k in enumerate(batch):
-            n = len(sequences[k])
-            h = final[row, :n]  # [n, d] in the model's dtype
-            stored = h.to(store_dtype)  # [n, d] as cached
-            lse, arg = [], []
-            for c in range(0, n, _LOGIT_ROWS):
-                lse.append(torch.logsumexp(lm_logits(stored[c: c + _LOGIT_ROWS], weight, bias), -1))
-                own_logits = torch.nn.functional.linear(h[c: c + _LOGIT_ROWS], weight.to(h.dtype), bias)
-                arg.append(own_logits.argmax(-1))  # the target's greedy token, as decoding computes it
-            own = None if feature is None else feature[row, :n].to("cpu", store_dtype)
-            results[k] = (stored.cpu(), own, torch.cat(lse).cpu(), torch.cat(arg).cpu())
-        bar.update(sum(len(sequences[k]) for k in batch))
-        start = end
-    bar.close()
-    lengths = [len(s) for s in sequences]
-    offsets = torch.tensor([0, *lengths]).cumsum(0)
-
-    def cat(j: int) -> torch.Tensor:
-        return torch.cat([results[k][j] for k in range(len(sequences))])
-
-    return Features(
-        tokens=torch.tensor([t for s in sequences for t in s], dtype=torch.long),
-        hidden=cat(0), feature=None if not layers else cat(1), lse=cat(2), argmax=cat(3), offsets=offsets)
-
-
-def cache_key(fingerprint: Mapping, corpus: Corpus, layers: list[int], store_dtype: torch.dtype) -> str:
+def cache_key(fingerprint: Mapping, corpus: Corpus, layers: list[int], store_dtype: torch.dtype,
+              shard_tokens: int) -> str:
+    """A digest of everything the cached features depend on: target, corpus (every id), layers, dtype, shards."""
     digest = hashlib.sha256()
     digest.update(json.dumps({"v": _CACHE_VERSION, "fingerprint": dict(fingerprint), "data": corpus.description,
-                              "layers": list(layers), "dtype": str(store_dtype)}, sort_keys=True).encode())
+                              "layers": list(layers), "dtype": str(store_dtype), "shard_tokens": int(shard_tokens)},
+                             sort_keys=True).encode())
     for seq in corpus.sequences:
         digest.update(torch.tensor(seq, dtype=torch.int64).numpy().tobytes())
         digest.update(b"|")
     return digest.hexdigest()[:24]
-
-
-def cached_features(model, corpus: Corpus, layers: list[int], vocab_size: int, fingerprint: Mapping, *,
-                    cache_dir: Path | None, store_dtype: torch.dtype = torch.bfloat16,
-                    progress: bool = True) -> tuple[Features, dict]:
-    """Features for ``corpus``, read from / written to ``cache_dir/<key>.safetensors`` (None = no cache).
-
-    Returns (features, info) with info = {"cached": bool, "tokens": T, "tokens_per_s": ...}."""
-    path = None
-    if cache_dir is not None:
-        path = Path(cache_dir) / f"{cache_key(fingerprint, corpus, layers, store_dtype)}.safetensors"
-        if path.is_file():
-            try:
-                feats = Features.from_tensors(load_file(str(path)))
-                return feats, {"cached": True, "tokens": int(feats.tokens.numel()), "path": str(path)}
-            except Exception:  # noqa: BLE001  (a corrupt cache entry is rebuilt)
-                path.unlink(missing_ok=True)
-    t0 = time.perf_counter()
-    feats = extract_features(model, corpus.sequences, layers, vocab_size, store_dtype=store_dtype, progress=progress)
-    seconds = time.perf_counter() - t0
-    info = {"cached": False, "tokens": int(feats.tokens.numel()), "seconds": seconds,
-            "tokens_per_s": feats.tokens.numel() / max(seconds, 1e-9)}
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        save_file(feats.to_tensors(), str(tmp), metadata={"data": corpus.description})
-        tmp.replace(path)
-        info["path"] = str(path)
-    return feats, info

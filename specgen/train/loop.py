@@ -145,6 +145,67 @@ class TrainResult:
         return (self.steps - self.resumed_from) / max(self.seconds, 1e-9)
 
 
+@dataclass
+class _State:
+    """Everything a checkpoint restores: the head, optimiser, schedule, batch RNG and step."""
+
+    head: DraftHead
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    gen: torch.Generator
+    signature: str
+    step: int = 0
+
+    def save(self, path: Path | None) -> None:
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "sched": self.sched.state_dict(),
+                    "gen": self.gen.get_state(), "step": self.step, "signature": self.signature}, tmp)
+        tmp.replace(path)
+
+    def load(self, path: Path) -> None:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state.get("signature") != self.signature:
+            raise ConfigError(f"checkpoint {path} was written by a run with other settings; "
+                              "delete it or set train.resume=false")
+        self.head.load_state_dict(state["head"])
+        self.opt.load_state_dict(state["opt"])
+        self.sched.load_state_dict(state["sched"])
+        self.gen.set_state(state["gen"])
+        self.step = int(state["step"])
+
+
+def _start(head: DraftHead, s: Settings, signature: str) -> tuple[_State, list[torch.Tensor]]:
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(s))
+    return _State(head, opt, sched, torch.Generator().manual_seed(s.seed), signature), params
+
+
+def _step(st: _State, params: list[torch.Tensor], feats: Features, lookup: torch.Tensor, starts: torch.Tensor,
+          width: int, depth: int, s: Settings, device: torch.device) -> tuple[float, float]:
+    """One optimiser step on a batch of windows drawn from ``st.gen`` -> (loss, mean depth-1 acceptance)."""
+    count = max(1, s.batch_tokens // width)
+    pick = starts[torch.randint(0, starts.numel(), (count,), generator=st.gen)]  # [W] window starts
+    pick = (pick.unsqueeze(1) + torch.arange(width)).reshape(-1)  # [W * T]
+    inputs, tokens, p, greedy = batch_targets(st.head, feats, lookup, pick, depth, device)
+    logits = head_logits(st.head, inputs, tokens, (count, width))
+    loss = depth_loss(s.loss, logits, p, greedy)
+    st.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if s.grad_clip:
+        torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+    st.opt.step()
+    st.sched.step()
+    st.step += 1
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        raise ConfigError(f"the loss became {value} at step {st.step}; lower train.lr")
+    return value, float(acceptance(logits[0].detach(), p[0]).mean())
+
+
 def train_head(head: DraftHead, feats: Features, lookup: torch.Tensor, s: Settings, *, device: torch.device,
                checkpoint: Path | None = None, resume: bool = False, extra_signature: dict | None = None,
                stop_after: int | None = None, progress: bool = True) -> TrainResult:
@@ -155,79 +216,39 @@ def train_head(head: DraftHead, feats: Features, lookup: torch.Tensor, s: Settin
     from tqdm import tqdm
 
     depth = depth_of(head, s.unroll)
-    windowed = head.cfg.kind == "eagle3"
-    starts, width = window_starts(feats, depth, s.window) if windowed else (feats.starts(depth), 1)
+    starts, width = window_starts(feats, depth, s.window) if head.cfg.kind == "eagle3" else (feats.starts(depth), 1)
     if starts.numel() == 0:
         raise ConfigError(f"no training position has {depth} tokens of look-ahead; raise train.max_len "
                           "or train.num_conversations")
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(s))
-    gen = torch.Generator().manual_seed(s.seed)
-    signature = json.dumps({"settings": s.signature(), **(extra_signature or {})}, sort_keys=True)
-    step = 0
+    st, params = _start(head, s, json.dumps({"settings": s.signature(), **(extra_signature or {})}, sort_keys=True))
     if resume and checkpoint is not None and checkpoint.is_file():
-        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
-        if state.get("signature") != signature:
-            raise ConfigError(f"checkpoint {checkpoint} was written by a run with other settings; "
-                              "delete it or set train.resume=false")
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        gen.set_state(state["gen"])
-        step = int(state["step"])
-    result = TrainResult(steps=step, seconds=0.0, resumed_from=step)
-
-    def save_checkpoint() -> None:
-        if checkpoint is None:
-            return
-        checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        tmp = checkpoint.with_suffix(checkpoint.suffix + ".tmp")
-        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                    "gen": gen.get_state(), "step": step, "signature": signature}, tmp)
-        tmp.replace(checkpoint)
-
+        st.load(checkpoint)
+    result = TrainResult(steps=st.step, seconds=0.0, resumed_from=st.step)
     head.train()
-    bar = tqdm(total=s.steps, initial=step, desc=f"train {head.cfg.kind}/{s.loss}", disable=not progress,
+    bar = tqdm(total=s.steps, initial=st.step, desc=f"train {head.cfg.kind}/{s.loss}", disable=not progress,
                file=sys.stderr, dynamic_ncols=True)
     ema_loss = ema_acc = None
     t0 = time.perf_counter()
     try:
-        while step < s.steps:
-            if stop_after is not None and step >= stop_after:
+        while st.step < s.steps:
+            if stop_after is not None and st.step >= stop_after:
                 result.interrupted = True
                 break
-            count = max(1, s.batch_tokens // width)
-            pick = starts[torch.randint(0, starts.numel(), (count,), generator=gen)]  # [W] window starts
-            pick = (pick.unsqueeze(1) + torch.arange(width)).reshape(-1)  # [W * T]
-            inputs, tokens, p, greedy = batch_targets(head, feats, lookup, pick, depth, device)
-            logits = head_logits(head, inputs, tokens, (count, width))
-            loss = depth_loss(s.loss, logits, p, greedy)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if s.grad_clip:
-                torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
-            opt.step()
-            sched.step()
-            step += 1
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                raise ConfigError(f"the loss became {value} at step {step}; lower train.lr")
+            value, acc = _step(st, params, feats, lookup, starts, width, depth, s, device)
             result.losses.append(value)
-            acc = float(acceptance(logits[0].detach(), p[0]).mean())
             ema_loss = value if ema_loss is None else 0.95 * ema_loss + 0.05 * value
             ema_acc = acc if ema_acc is None else 0.95 * ema_acc + 0.05 * acc
             bar.update(1)
             bar.set_postfix(loss=f"{ema_loss:.3f}", acc1=f"{ema_acc:.3f}", refresh=False)
-            if s.checkpoint_every and step % s.checkpoint_every == 0 and step < s.steps:
-                save_checkpoint()
+            if s.checkpoint_every and st.step % s.checkpoint_every == 0 and st.step < s.steps:
+                st.save(checkpoint)
     except KeyboardInterrupt:
         result.interrupted = True
     finally:
         bar.close()
         result.seconds = time.perf_counter() - t0
-        result.steps = step
+        result.steps = st.step
     if result.interrupted:
-        save_checkpoint()
+        st.save(checkpoint)
     head.eval()
     return result
