@@ -15,11 +15,8 @@ import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "specgen"
 
-#: Cycles that exist on purpose for now, each as the set of its modules. engine <-> batch is
-#: removed on another branch (H1, the request plan); empty this set once that is merged.
-ALLOWED_CYCLES: set[frozenset[str]] = {
-    frozenset({"specgen.batch", "specgen.batch.scheduler", "specgen.batch.steps", "specgen.engine"}),
-}
+#: Cycles that exist on purpose, each as the set of its modules (none: every import is one-way).
+ALLOWED_CYCLES: set[frozenset[str]] = set()
 
 #: The entry points: nothing outside them imports them.
 TOP = ("specgen.cli", "specgen.serve", "specgen.tui", "specgen.bench", "specgen.train", "specgen.export_cli")
