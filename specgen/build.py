@@ -142,8 +142,9 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
     def load(source, name="drafter", dtype=dtype, backend=backend, vocab_size=None):
         if backend == "llama_cpp" and draft_backend(source) == "llama_cpp":
             return load_llama_cpp(source, name=name, threads=threads, extra_eos=extra_eos, progress=progress,
-                                  sequences=int(llama.get("sequences", 4)),
+                                  sequences=int(llama.get("sequences", 64)),
                                   tiny_type=str(llama.get("tiny_type", "Q8_0")),
+                                  batch_row_context=int(llama.get("batch_row_context", 4096)),
                                   flash_attention=str(llama.get("flash_attention", "on")), vocab_size=vocab_size)
         return load_model(source, name=name, dtype=dtype, device=device, extra_eos=extra_eos, progress=progress,
                           packed=packed, vocab_size=vocab_size)

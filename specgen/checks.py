@@ -89,17 +89,29 @@ LLAMA_TINY_TYPES = ("Q8_0", "F32")
 #: KV handles a run holds at once on one llama.cpp context: a request's, the cost measurement's and
 #: the batch-invariance probe's.
 LLAMA_MIN_SEQUENCES = 3
+#: Tokens a batched llama.cpp row holds by default, and at least.
+LLAMA_ROW_CONTEXT, LLAMA_MIN_ROW_CONTEXT = 4096, 256
+#: llama.cpp's own limit on sequences per context (LLAMA_MAX_SEQ).
+LLAMA_MAX_SEQUENCES = 256
 
 
 def check_llama_cpp(section: Mapping) -> dict:
-    """The ``llama_cpp`` group checked: ``sequences`` an int >= LLAMA_MIN_SEQUENCES, known choices."""
+    """The ``llama_cpp`` group checked: ``sequences`` an int in [LLAMA_MIN_SEQUENCES,
+    LLAMA_MAX_SEQUENCES], known choices."""
     section = dict(section)
     try:
-        section["sequences"] = parse_int(section.get("sequences", 4), "llama_cpp.sequences",
-                                         minimum=LLAMA_MIN_SEQUENCES)
+        section["sequences"] = parse_int(section.get("sequences", 64), "llama_cpp.sequences",
+                                         minimum=LLAMA_MIN_SEQUENCES, maximum=LLAMA_MAX_SEQUENCES)
     except ConfigError:
-        raise ConfigError(f"llama_cpp.sequences must be an integer of at least {LLAMA_MIN_SEQUENCES} (a run holds "
-                          f"that many KV handles at once), got {section.get('sequences')!r}") from None
+        raise ConfigError(f"llama_cpp.sequences must be an integer from {LLAMA_MIN_SEQUENCES} (a run holds that "
+                          f"many KV handles at once) to {LLAMA_MAX_SEQUENCES} (llama.cpp's limit), "
+                          f"got {section.get('sequences')!r}") from None
+    try:
+        section["batch_row_context"] = parse_int(section.get("batch_row_context", LLAMA_ROW_CONTEXT),
+                                                 "llama_cpp.batch_row_context", minimum=LLAMA_MIN_ROW_CONTEXT)
+    except ConfigError:
+        raise ConfigError(f"llama_cpp.batch_row_context must be an integer of at least {LLAMA_MIN_ROW_CONTEXT} "
+                          f"(tokens), got {section.get('batch_row_context')!r}") from None
     for key, choices, default in (("flash_attention", LLAMA_FLASH_MODES, "on"), ("tiny_type", LLAMA_TINY_TYPES, "Q8_0")):
         value = str(section.get(key, default))
         if value not in choices:

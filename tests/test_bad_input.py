@@ -84,8 +84,9 @@ BAD_OVERRIDES = [
      "processor temperature: temperature must be a finite number, got inf"),
     (["--cfg", "jobb"], "argument --cfg/-c: invalid choice: 'jobb'"),
     (["drafter.num_tokens=100000"], "drafter.num_tokens must be a positive integer up to 64 or auto, got 100000"),
-    (["llama_cpp.sequences=abc"], "llama_cpp.sequences must be an integer of at least 3"),
-    (["llama_cpp.sequences=1"], "llama_cpp.sequences must be an integer of at least 3"),
+    (["llama_cpp.sequences=abc"], "llama_cpp.sequences must be an integer from 3"),
+    (["llama_cpp.sequences=1"], "llama_cpp.sequences must be an integer from 3"),
+    (["llama_cpp.sequences=257"], "to 256 (llama.cpp's limit)"),
     (["llama_cpp.tiny_type=Q2_K"], "llama_cpp.tiny_type='Q2_K' is not one of Q8_0, F32"),
     (["llama_cpp.flash_attention=maybe"], "llama_cpp.flash_attention='maybe' is not one of auto, off, on"),
 ]

@@ -4,6 +4,8 @@ batch invariance as the guarantee's measured basis, greedy identity, distributio
 from __future__ import annotations
 
 import gc
+import random
+from collections import Counter
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from exact import exact_distribution, goodness_of_fit, sample_counts
 
 import specgen
 from specgen.errors import ConfigError, SpecgenError
-from specgen.models import llama_cpp, load_llama_cpp, load_model
+from specgen.models import llama_context, llama_cpp, load_llama_cpp, load_model
 from specgen.models.backends import choose_backend
 from specgen.models.target import Target
 from specgen.sampling import rejection
@@ -145,10 +147,129 @@ def test_an_unknown_flash_attention_setting_is_refused():
         _pipe("llama_cpp.flash_attention=maybe")
 
 
-def test_generate_batch_runs_rows_one_after_another_with_single_request_output():
+def _count_batched_decodes(monkeypatch) -> list[int]:
+    """Handles per LlamaContext.forward_rows call, recorded as they happen."""
+    calls: list[int] = []
+    real = llama_context.LlamaContext.forward_rows
+
+    def counted(self, caches, feeds, keeps, check=True):
+        calls.append(len(caches))
+        return real(self, caches, feeds, keeps, check)
+
+    monkeypatch.setattr(llama_context.LlamaContext, "forward_rows", counted)
+    return calls
+
+
+@pytest.mark.parametrize("drafter,overrides", [
+    ("ngram", ()), ("ngram", ("sampling.temperature=1.0", "drafter.num_tokens=3")),
+    ("tiny", ()), ("tiny", ("sampling.temperature=1.0", "drafter.num_tokens=2")), ("tiny", ("drafter.num_tokens=auto",)),
+])
+def test_batched_rows_equal_their_requests_run_alone(drafter, overrides, monkeypatch):
+    """Rows share decodes (several sequences per llama_decode) and each row's tokens equal its
+    request's alone: greedy always, and seeded sampling with a fixed draft length. Six prompts in
+    a batch of four also refill freed rows."""
+    pipe = _pipe(*overrides, drafter=drafter)
+    assert pipe.target.capabilities.batches
+    prompts = [*PROMPTS, [3, 3], [1, 5, 9, 13, 2]]
+    calls = _count_batched_decodes(monkeypatch)
+    rows = pipe.generate_batch([{"prompt_ids": p, "seed": i} for i, p in enumerate(prompts)], batch_size=4,
+                               max_new_tokens=12)
+    assert max(calls) == 4, calls  # four rows in one decode
+    assert [r.token_ids for r in rows] == [pipe.generate(prompt_ids=p, max_new_tokens=12, seed=i).token_ids
+                                           for i, p in enumerate(prompts)]
+    assert "speculative=false" in str(rows[0].guarantee) or sum(r.stats.drafted for r in rows) > 0
+
+
+def test_batched_rows_follow_the_backends_distribution():
+    pipe = _pipe("target.source.vocab_size=8", "drafter.source.vocab_size=8", "sampling.temperature=1.0")
+    expected = exact_distribution(pipe, [1, 2, 3], 3)
+    rows = pipe.generate_batch([{"prompt_ids": [1, 2, 3], "seed": s} for s in range(1200)], batch_size=8,
+                               max_new_tokens=3)
+    assert sum(r.stats.drafted for r in rows) > 0
+    p_value, tv = goodness_of_fit(Counter(tuple(r.token_ids) for r in rows), expected)
+    assert p_value > 1e-3, f"chi-square p={p_value:.2e}, TV={tv:.3f}"
+
+
+def _replay_gap(lm, rows_of, steps: int = 30, seed: int = 0) -> float:
+    """Rows (from ``rows_of(n)``) fed ragged feeds, rolled back and refilled as batches do; the largest
+    logit difference from replaying each row's history on one handle of ``lm``'s own context."""
+    rng = random.Random(seed)
+    vocab = lm.vocab_size
+    rows, handles = rows_of(4)
+    history: list[list] = [[] for _ in handles]
+
+    def fresh(r):
+        prefix = [rng.randrange(vocab) for _ in range(rng.randint(3, 12))]
+        history[r] = [("feed", prefix, 1, lm_forward(handles[r], prefix))]
+
+    def lm_forward(handle, tokens):
+        return handle.context.forward_rows([handle], [tokens], [1])[0]
+
+    for r in range(len(handles)):
+        fresh(r)
+    for step in range(steps):
+        feeds = [[rng.randrange(vocab) for _ in range(rng.randint(1, 4))] for _ in handles]
+        outs = rows(feeds)
+        for r, handle in enumerate(handles):
+            history[r].append(("feed", feeds[r], len(feeds[r]), outs[r]))
+            keep = len(handle) - rng.randint(0, len(feeds[r]) - 1)
+            handle.crop(keep)
+            history[r].append(("crop", keep))
+        if step % 7 == 6:
+            r = rng.randrange(len(handles))
+            handles[r].crop(0)
+            fresh(r)
+    worst = 0.0
+    alone = lm.new_cache()
+    for events in history:
+        alone.crop(0)
+        for event in events:
+            if event[0] == "crop":
+                alone.crop(event[1])
+            else:
+                worst = max(worst, float((lm.forward(alone, event[1], keep=event[2]) - event[3]).abs().max()))
+    return worst
+
+
+def test_batched_rows_see_solo_logits_and_a_shared_cell_pool_would_not():
+    """The reason a batch has one KV stream per row: through ragged feeds, rollbacks and refills
+    its rows' logits equal a solo replay bit for bit, while the same rows as sequences of one
+    shared (unified) pool drift (the negative control)."""
+    lm = load_llama_cpp(TINY_SOURCE | {"hidden_size": 64, "num_layers": 3}, name="t", threads=1).lm
+
+    def streams(n):
+        batch = lm.new_batch(n, 256)
+        return (lambda feeds: batch.forward(feeds, [len(f) for f in feeds])), batch.rows
+
+    def shared_pool(n):
+        handles = [lm.new_cache() for _ in range(n)]
+        return (lambda feeds: lm._main.forward_rows(handles, feeds, [len(f) for f in feeds])), handles
+
+    assert _replay_gap(lm, streams) == 0.0
+    assert max(_replay_gap(lm, shared_pool, seed=s) for s in range(3)) > 0.0
+
+
+def test_rows_run_one_after_another_where_batches_are_measured_inexact(monkeypatch):
+    monkeypatch.setattr(llama_cpp, "batch_gap", lambda lm, rows=4: 1e-6)
     pipe = _pipe(drafter="ngram")
+    assert not pipe.target.capabilities.batches
+    calls = _count_batched_decodes(monkeypatch)
     rows = pipe.generate_batch([{"prompt_ids": p} for p in PROMPTS], batch_size=4, max_new_tokens=12)
+    assert set(calls) == {1}
     assert [r.token_ids for r in rows] == [pipe.generate(prompt_ids=p, max_new_tokens=12).token_ids for p in PROMPTS]
+
+
+def test_an_online_row_longer_than_the_batch_row_context_is_refused_alone():
+    from specgen.batch import BatchScheduler
+
+    pipe = _pipe("llama_cpp.batch_row_context=256", "target.source.context_length=512", drafter="ngram")
+    scheduler = BatchScheduler(pipe, batch_size=2)
+    try:
+        with pytest.raises(SpecgenError, match="need 310 tokens; a batched row here holds 256"):
+            scheduler.generate(prompt_ids=[1] * 10, max_new_tokens=300)
+        assert len(scheduler.generate(prompt_ids=[1, 2, 3], max_new_tokens=5).token_ids) == 5
+    finally:
+        scheduler.close()
 
 
 @pytest.mark.parametrize("override,why", [

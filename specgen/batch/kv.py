@@ -47,6 +47,11 @@ class BatchKV:
         self.rows = [RowCache(self) for _ in range(size)]
         self.live: list[int] = []  # the rows the shared tensors hold, in order (their batch dimension)
 
+    @property
+    def row_context(self) -> int:
+        """The most tokens a row may hold: the model's context."""
+        return self.lm.context_length
+
     def _hold(self, wanted: list[int]) -> None:
         """Make the shared tensors' batch dimension hold exactly the rows ``wanted`` (increasing),
         so idle rows cost no compute. A row that leaves is forgotten (its view emptied: only
@@ -200,3 +205,12 @@ class BatchKV:
             layer.keys = keys.gather(2, where)  # [B, heads, L, head_dim]
             layer.values = layer.values.gather(2, where)
         self.width = longest
+
+
+def batch_cache(target, size: int, row_context: int | None = None):
+    """The batched cache of ``target``'s backend for ``size`` rows: :class:`BatchKV` on torch;
+    elsewhere the backend's own (``target.new_batch``), its rows holding ``row_context`` tokens
+    each (None: the target's context length)."""
+    if target.backend == "torch":
+        return BatchKV(target, size)
+    return target.new_batch(size, row_context)

@@ -15,19 +15,24 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from specgen.batch.kv import BatchKV
+from specgen.batch.kv import batch_cache
 from specgen.drafters import Proposal
 from specgen.drafters.base import EMPTY
 from specgen.planning import (AUTO, BatchCostTable, DraftedRow, RowPlan, auto_row, drafted_row, plan_batch,
                               token_values, truncate_batch)
 from specgen.planning import store
+from specgen.planning.measure import BATCH_CONTEXT_TOKENS, BATCH_WIDTHS
 from specgen.round import chain_prefix, draft_budget, plan_and_draft
+
+
+#: Tokens a row of a measured batch holds at most: its calibration context and the widest feed.
+MEASURE_ROW_CONTEXT = BATCH_CONTEXT_TOKENS + BATCH_WIDTHS[-1] + 1
 
 
 def batch_costs(pipe, size: int, *, refresh: bool = False) -> BatchCostTable:
     """The pipeline's batched cost table for batches of ``size`` rows (measured once per machine on
-    :class:`BatchKV` caches of its target, then cached; see :func:`specgen.planning.store.batch_cost_table`)."""
-    return store.batch_cost_table(pipe.cost_subject(), size, lambda rows: BatchKV(pipe.target, rows),
+    batched caches of its target (:func:`specgen.batch.kv.batch_cache`), then cached; see :func:`specgen.planning.store.batch_cost_table`)."""
+    return store.batch_cost_table(pipe.cost_subject(), size, lambda rows: batch_cache(pipe.target, rows, MEASURE_ROW_CONTEXT),
                                   refresh=refresh)
 
 

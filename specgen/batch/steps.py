@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 
-from specgen.batch.kv import BatchKV
+from specgen.batch.kv import BatchKV, batch_cache
 from specgen.batch.plan import batch_costs, plan_rows
 from specgen.drafters import batch_refusal
 from specgen.errors import ConfigError, DeadEndError, PromptError, SpecgenError
@@ -77,12 +77,13 @@ def _check_batch_size(batch_size) -> int:
 
 class Batch:
     """The step loop's state, shared by :func:`stream_batch` and :class:`BatchScheduler`:
-    ``size`` slots over one :class:`BatchKV`. Rows are added and removed only between
-    steps, so a removed row is always at its last commit."""
+    ``size`` slots over one batched cache (:func:`~specgen.batch.kv.batch_cache`; a row holds
+    at most ``row_context`` tokens where the backend sizes rows, None: the target's context).
+    Rows are added and removed only between steps, so a removed row is always at its last commit."""
 
-    def __init__(self, pipe, size: int):
+    def __init__(self, pipe, size: int, row_context: int | None = None):
         self.pipe = pipe
-        self.kv = BatchKV(pipe.target, size)
+        self.kv = batch_cache(pipe.target, size, row_context)
         self.slots: list[Row | None] = [None] * size
         self.costs: BatchCostTable | None = None  # loaded when a row first plans with num_tokens="auto"
 
@@ -99,6 +100,10 @@ class Batch:
         """Admit ``spec`` (planned by this pipeline or a variant sharing its models: the row
         runs ``spec.stack``) into a free slot; ValueError when the batch is full."""
         r = self.slots.index(None)
+        needed = len(spec.ids) + spec.max_new
+        if needed > self.kv.row_context:
+            raise PromptError(f"the prompt ({len(spec.ids)} tokens) and max_new_tokens ({spec.max_new}) need {needed} "
+                              f"tokens; a batched row here holds {self.kv.row_context} (llama_cpp.batch_row_context)")
         if self.costs is None and spec.use_spec and spec.gamma == AUTO:  # before the row's clock starts
             self.costs = batch_costs(self.pipe, len(self.slots))  # measured once per machine and cached
         self.slots[r] = row = admit(self.pipe, self.kv, r, spec)
@@ -155,7 +160,8 @@ def stream_batch(pipe, prompts: Sequence, *, batch_size: int = 8, options: Reque
                 yield spec.index, event
         return
     queue = list(reversed(specs))
-    batch = Batch(pipe, min(batch_size, max(1, len(specs))))
+    longest = max((len(spec.ids) + spec.max_new for spec in specs), default=1)  # tokens a row ever holds
+    batch = Batch(pipe, min(batch_size, max(1, len(specs))), row_context=min(longest, pipe.target.context_length))
     while queue or batch.active:
         while queue and not batch.full:
             batch.add(queue.pop())
@@ -195,7 +201,7 @@ def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None 
         for r, row in live:
             transaction.enter_context(row.request.transaction())
             row.ctx.clock.take_laps()
-            if not row.request.target_cache.slots:  # a fresh row: its prompt in a forward of its own
+            if not len(row.request.target_cache):  # a fresh row: its prompt in a forward of its own
                 kv.prefill(r, row.request.committed.tokens[:-1])
         drafted = plan_rows(None if costs is None else costs.at(kv.width), live, draining)  # lengths chosen together
         for r, row in live:

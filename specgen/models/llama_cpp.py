@@ -1,82 +1,37 @@
 """The llama.cpp target backend: a GGUF file on a CPU through llama-cpp-python's low-level API.
 
-One llama.cpp context per model holds a unified KV cache shared by up to
-``sequences`` KV handles (one llama.cpp sequence id each). A handle
-(:class:`LlamaKV`) records the tokens its sequence holds; cropping removes the
-sequence's entries from a position on (``llama_memory_seq_rm``), which is how a
-round rolls back. Forwards feed a chain at consecutive positions and return the
-logits of the last ``keep`` positions, so this backend serves chain drafters;
-trees, target features and ragged batches are declared unsupported
-(:class:`~specgen.models.target.Capabilities`) and refused before loading.
+A :class:`LlamaCppLM` holds the model and one unified context
+(:class:`~specgen.models.llama_context.LlamaContext`) whose sequences are the KV
+handles of requests, draft sessions and cost measurement. Forwards feed a chain at
+consecutive positions and return the logits of the last ``keep`` positions, so this
+backend serves chain drafters; trees and target features are declared unsupported
+(:class:`~specgen.models.target.Capabilities`) and refused before loading. Batched
+rows (:class:`~specgen.models.llama_batch.LlamaBatch`, for :mod:`specgen.batch`) get a
+context of their own, one stream per row.
 
 Exactness rests on batch invariance: the logits of a position fed with others
 must equal those of the same position fed alone. :meth:`LlamaCppLM.verify_gap`
-measures it; the pipeline declares ``exact``/``greedy`` only where it is zero.
+measures it within a sequence, and the pipeline declares ``exact``/``greedy`` only
+where it is zero; :func:`~specgen.models.llama_batch.batch_gap` measures it across
+batched rows, which are batched only where it is zero (else they run one after another).
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
 import weakref
 
-import numpy as np
 import torch
 
-from specgen.errors import ConfigError, ModelLoadError, NumericalError, SpecgenError
-from specgen.models.target import Capabilities, TokenCache
+from specgen.errors import ConfigError, ModelLoadError
+from specgen.models.llama_batch import LlamaBatch, batch_gap
+from specgen.models.llama_context import FLASH, LlamaContext, LlamaKV, available, library
+from specgen.models.target import Capabilities
 
-#: Tokens fed to llama.cpp per decode call (a longer feed is split; only the last call's rows are read).
-BATCH_TOKENS = 512
+__all__ = ["LlamaBatch", "LlamaCppLM", "LlamaKV", "available"]
 
-_INITIALISED = False
-#: llama.cpp's flash-attention switch by name (its enum: -1 auto, 0 off, 1 on).
-_FLASH = {"auto": -1, "off": 0, "on": 1}
-_LOG_CALLBACK = None  # kept referenced: llama.cpp calls it for every log line
-
-
-def available() -> bool:
-    """Whether llama-cpp-python is installed."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _library():
-    global _INITIALISED
-    try:
-        import llama_cpp
-    except ImportError as error:
-        raise ConfigError("backend=llama_cpp needs llama-cpp-python (scripts/install.sh installs it); "
-                          "or use backend=torch") from error
-    if not _INITIALISED:
-        global _LOG_CALLBACK
-        _LOG_CALLBACK = llama_cpp.llama_log_callback(_log)
-        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
-        llama_cpp.llama_backend_init()
-        _INITIALISED = True
-    return llama_cpp
-
-
-def _log(level: int, text: bytes, user_data) -> None:
-    """llama.cpp's log lines: errors go to Python's logging, its load chatter is dropped."""
-    if level == 4 and text:  # GGML_LOG_LEVEL_ERROR
-        logging.getLogger("specgen.llama_cpp").error(text.decode("utf-8", "replace").rstrip())
-
-
-class LlamaKV(TokenCache):
-    """One llama.cpp sequence of a :class:`LlamaCppLM`'s context; its id is released when the handle is collected."""
-
-    def __init__(self, lm: LlamaCppLM, seq: int):
-        self.lm = lm
-        self.seq = seq
-        self.tokens: list[int] = []
-        weakref.finalize(self, lm._release, seq)
-
-    def _truncate(self, length: int) -> None:
-        self.lm._remove(self.seq, length)
+#: Rows the batch-invariance probe feeds together.
+BATCH_GAP_ROWS = 4
 
 
 class LlamaCppLM:
@@ -85,24 +40,26 @@ class LlamaCppLM:
     vocab_size: the tokenizer's size (logits are cut to it); threads: llama.cpp's threads;
     context_length: the KV cache's size in tokens, shared by every live handle (None: the
     model's training context); sequences: how many KV handles may be live at once;
+    batch_row_context: the tokens a row of :meth:`new_batch` holds unless the caller sizes it;
     flash_attention: llama.cpp's flash attention (on | off | auto). With it on, a position's
     logits do not depend on how many positions a decode feeds (measured by :meth:`verify_gap`);
     off, llama.cpp's other attention path gives verify logits that differ from single-token ones.
     """
 
     backend = "llama_cpp"
-    capabilities = Capabilities(trees=False, features=False, batches=False)
     compiled = None
     hf_model = None
 
     def __init__(self, path, *, vocab_size: int, name: str = "model", threads: int = 1,
-                 context_length: int | None = None, sequences: int = 4, flash_attention: str = "on"):
-        if flash_attention not in _FLASH:
-            raise ConfigError(f"llama_cpp.flash_attention={flash_attention!r} is not one of {', '.join(_FLASH)}")
-        lib = _library()
+                 context_length: int | None = None, sequences: int = 64, flash_attention: str = "on",
+                 batch_row_context: int = 4096):
+        if flash_attention not in FLASH:
+            raise ConfigError(f"llama_cpp.flash_attention={flash_attention!r} is not one of {', '.join(FLASH)}")
+        lib = library()
         self._lib = lib
         self.name = name
         self.path = str(path)
+        self.threads, self.flash_attention, self.batch_row_context = int(threads), flash_attention, int(batch_row_context)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
         self._model = lib.llama_model_load_from_file(self.path.encode(), params)
@@ -110,26 +67,17 @@ class LlamaCppLM:
             raise ModelLoadError(f"llama.cpp cannot load {self.path} (not a GGUF it supports)")
         trained = int(lib.llama_model_n_ctx_train(self._model))
         self._context = min(trained, int(context_length)) if context_length else trained
-        cparams = lib.llama_context_default_params()
-        cparams.n_ctx = self._context
-        cparams.n_batch = cparams.n_ubatch = min(BATCH_TOKENS, self._context)
-        cparams.n_seq_max = int(sequences)
-        cparams.kv_unified = True
-        cparams.n_threads = cparams.n_threads_batch = int(threads)
-        cparams.no_perf = True
-        cparams.flash_attn_type = _FLASH[flash_attention]
-        self._ctx = lib.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
+        try:
+            self._main = LlamaContext(lib, self._model, None, name=name, n_ctx=self._context, sequences=sequences,
+                                      unified=True, threads=threads, flash_attention=flash_attention,
+                                      vocab_size=vocab_size)
+        except ModelLoadError:
             lib.llama_model_free(self._model)
             raise ModelLoadError(f"llama.cpp cannot make a context for {self.path} with {self._context} tokens")
-        self._memory = lib.llama_get_memory(self._ctx)
-        self.n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)))
-        self.vocab_size = min(int(vocab_size), self.n_vocab)
-        self._batch_tokens = int(cparams.n_batch)
-        self._batch = lib.llama_batch_init(self._batch_tokens, 0, 1)
-        self._free = list(range(int(sequences)))
+        self.n_vocab, self.vocab_size = self._main.n_vocab, self._main.vocab_size
         self._description = self._describe_model()
-        weakref.finalize(self, _close, lib, self._model, self._ctx, self._batch)
+        self._capabilities: Capabilities | None = None
+        weakref.finalize(self, _close, self._main.close, lib, self._model)
 
     def _describe_model(self) -> str:
         buffer = ctypes.create_string_buffer(256)
@@ -156,72 +104,44 @@ class LlamaCppLM:
     def describe(self) -> dict:
         return {"backend": self.backend, "dtype": self._description, "attention": None}
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """Chains; batched rows where :func:`batch_gap` measures them equal to solo rows bit for
+        bit (measured on first use)."""
+        if self._capabilities is None:
+            self._capabilities = Capabilities(trees=False, features=False,
+                                              batches=batch_gap(self, BATCH_GAP_ROWS) == 0.0)
+        return self._capabilities
+
+    @property
+    def free_sequences(self) -> int:
+        """KV handles that may still be opened on the main context."""
+        return self._main.free_sequences
+
     def new_cache(self) -> LlamaKV:
-        if not self._free:
-            raise SpecgenError(f"{self.name}: every llama.cpp sequence of this context is in use "
-                               f"({self._lib.llama_n_seq_max(self._ctx)}); finish a request first")
-        return LlamaKV(self, self._free.pop(0))  # a pooled sequence is empty: _release clears it
+        return self._main.new_handle()
 
-    def _release(self, seq: int) -> None:
-        if self._ctx:
-            self._remove(seq, 0)
-            self._free.append(seq)
+    def new_batch(self, size: int, row_context: int | None = None) -> LlamaBatch:
+        """A batch of ``size`` rows of ``row_context`` tokens each (None: ``batch_row_context``),
+        at most :attr:`context_length`, on a context of its own (:class:`LlamaBatch`)."""
+        return LlamaBatch(self, size, min(row_context or self.batch_row_context, self._context))
 
-    def _remove(self, seq: int, start: int) -> None:
-        self._lib.llama_memory_seq_rm(self._memory, seq, start, -1)
+    def open_context(self, n_ctx: int, sequences: int) -> LlamaContext:
+        """A further context on this model: ``sequences`` streams of n_ctx / sequences cells each."""
+        return LlamaContext(self._lib, self._model, self, name=self.name, n_ctx=n_ctx, sequences=sequences,
+                            unified=False, threads=self.threads, flash_attention=self.flash_attention,
+                            vocab_size=self.vocab_size)
 
-    @torch.inference_mode()
     def forward(self, cache: LlamaKV, new_tokens: list[int] | torch.Tensor, keep: int,
                 check: bool = True) -> torch.Tensor:
         """Feed ``new_tokens`` after the cached ones; return the last ``keep`` rows' raw logits
         [keep, vocab_size] (float32). On a failed decode the fed tokens are removed again."""
         ids = new_tokens.tolist() if isinstance(new_tokens, torch.Tensor) else [int(t) for t in new_tokens]
-        n = len(ids)
-        if not n:
+        if not ids:
             raise ValueError("forward needs at least one new token")
-        if cache.lm is not self:
+        if cache.context is not self._main:
             raise ValueError(f"that KV handle belongs to another model than {self.name}")
-        start = len(cache)
-        if start + n > self._context:
-            raise SpecgenError(f"{self.name}: {start + n} tokens do not fit its {self._context}-token context")
-        keep = min(keep, n)
-        rows = []
-        try:
-            for offset in range(0, n, self._batch_tokens):
-                chunk = ids[offset: offset + self._batch_tokens]
-                wanted = [offset + i >= n - keep for i in range(len(chunk))]
-                self._decode(cache.seq, chunk, start + offset, wanted)
-                if any(wanted):
-                    rows.append(self._logits(sum(wanted)))
-        except BaseException:
-            self._remove(cache.seq, start)
-            raise
-        cache.tokens.extend(ids)
-        logits = torch.from_numpy(np.concatenate(rows) if len(rows) > 1 else rows[0])[:, : self.vocab_size]
-        if check and logits.numel() and torch.isnan(logits.max()):
-            raise NumericalError(f"{self.name} produced NaN logits at position {start + n - 1}")
-        return logits  # [keep, vocab]
-
-    def _decode(self, seq: int, tokens: list[int], position: int, wanted: list[bool]) -> None:
-        batch = self._batch
-        for i, (token, out) in enumerate(zip(tokens, wanted, strict=True)):
-            if not 0 <= token < self.n_vocab:
-                raise SpecgenError(f"{self.name}: token id {token} is outside its vocabulary ({self.n_vocab})")
-            batch.token[i] = token
-            batch.pos[i] = position + i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = int(out)
-        batch.n_tokens = len(tokens)
-        status = self._lib.llama_decode(self._ctx, batch)
-        if status != 0:
-            raise SpecgenError(f"{self.name}: llama.cpp could not decode {len(tokens)} tokens at position "
-                               f"{position} (status {status}: the KV cache is full or the call was refused)")
-
-    def _logits(self, rows: int) -> np.ndarray:
-        """The last decode's output rows, copied: [rows, n_vocab] float32."""
-        pointer = self._lib.llama_get_logits(self._ctx)
-        return np.ctypeslib.as_array(pointer, shape=(rows, self.n_vocab)).copy()
+        return self._main.forward_rows([cache], [ids], [keep], check=check)[0]
 
     def verify_gap(self, widths, prefix: int = 16) -> tuple[float, int]:
         """Batch invariance: the largest |logit| difference between positions fed ``width`` at a time
@@ -242,7 +162,6 @@ class LlamaCppLM:
         return worst, at
 
 
-def _close(lib, model, ctx, batch) -> None:
-    lib.llama_batch_free(batch)
-    lib.llama_free(ctx)
+def _close(close_main, lib, model) -> None:
+    close_main()
     lib.llama_model_free(model)

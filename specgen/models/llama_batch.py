@@ -1,0 +1,98 @@
+"""Batched rows on llama.cpp: the batched cache of :mod:`specgen.batch` for a :class:`LlamaCppLM`.
+
+A batch has a llama.cpp context of its own with one KV stream per row, so a row's
+cells stay in position order whatever the other rows do, as a request's do alone
+(in one shared cell pool, a row's later tokens can land in cells another row freed,
+before its earlier ones, and attention then sums in another order). A step's feeds,
+every row's uncached tokens plus its candidates, go to llama.cpp in one decode
+(:meth:`~specgen.models.llama_context.LlamaContext.forward_rows`). Nothing is padded
+and rows never share cells, so there is nothing to compact or cut back: a rolled-back
+row frees its own cells.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specgen.models.llama_context import LlamaKV
+
+#: Row contexts are a multiple of this many tokens (llama.cpp pads its KV cache to it).
+ROW_ALIGN = 256
+
+
+class LlamaBatch:
+    """``size`` rows of ``row_context`` tokens on a context of ``lm``'s model, behind the
+    interface of :class:`specgen.batch.BatchKV`.
+
+    rows: one LlamaKV handle per row; width: the longest row, in tokens (the cells a
+    row's attention reads at most); row_context: the most tokens a row may hold.
+    """
+
+    def __init__(self, lm, size: int, row_context: int):
+        self.lm = lm
+        self.row_context = -(-int(row_context) // ROW_ALIGN) * ROW_ALIGN
+        self.context = lm.open_context(self.row_context * size, size)
+        self.rows: list[LlamaKV] = [self.context.new_handle() for _ in range(size)]
+
+    @property
+    def width(self) -> int:
+        return max((len(row) for row in self.rows), default=0)
+
+    def prefill(self, r: int, tokens: list[int], reuse: bool = True) -> bool:
+        """Feed a fresh row's ``tokens`` (its prompt but the last token) in a decode of its own;
+        -> False, doing nothing, when the row already holds tokens or ``tokens`` is empty.
+        ``reuse`` has no effect (rows never share cells)."""
+        row = self.rows[r]
+        if len(row) or not tokens:
+            return False
+        self.context.forward_rows([row], [list(tokens)], [1], check=False)  # its KV entries; the logits are not used
+        return True
+
+    def clear_row(self, r: int) -> LlamaKV:
+        """Forget row ``r``'s tokens (a refill): its cells are freed."""
+        self.rows[r].crop(0)
+        return self.rows[r]
+
+    def forward(self, feeds: list[list[int]], keeps: list[int]) -> list[torch.Tensor | None]:
+        """One decode over every row's feed (empty: the row idles); -> per row its last
+        ``keeps[r]`` raw logits rows [keeps[r], vocab] (None where keeps[r] == 0). On
+        success each row gains its feed; on failure no row changes."""
+        live = [r for r, feed in enumerate(feeds) if feed]
+        logits = self.context.forward_rows([self.rows[r] for r in live], [feeds[r] for r in live],
+                                           [keeps[r] for r in live])
+        out: list[torch.Tensor | None] = [None] * len(feeds)
+        for r, rows in zip(live, logits, strict=True):
+            out[r] = rows
+        return out
+
+    def rewind(self, width: int) -> None:
+        """Nothing to cut: rows cropped one by one have freed their own cells."""
+
+    def compact(self) -> None:
+        """Nothing to gather: rows hold only their own cells."""
+
+    def maybe_compact(self) -> None:
+        """See :meth:`compact`."""
+
+
+def batch_gap(lm, rows: int = 4) -> float:
+    """Batch invariance across rows: the largest |logit| difference between ``rows`` rows of a
+    :class:`LlamaBatch` (prefixes of different lengths, ragged feeds of 1..4 tokens, one decode)
+    and the same tokens fed to one handle of ``lm``'s own context, one at a time. 0.0:
+    batched rows see a request's own logits."""
+    vocab = lm.vocab_size
+    prefixes = [[(7919 * i + 104729 * r + 11) % vocab for i in range(5 + 4 * r)] for r in range(rows)]
+    feeds = [[(31 * i + 17 * r + 3) % vocab for i in range(1 + r % 4)] for r in range(rows)]
+    batch = LlamaBatch(lm, rows, ROW_ALIGN)
+    for r, prefix in enumerate(prefixes):
+        batch.prefill(r, prefix)
+    together = batch.forward(feeds, [len(f) for f in feeds])
+    worst = 0.0
+    alone_cache = lm.new_cache()
+    for r, (prefix, feed) in enumerate(zip(prefixes, feeds, strict=True)):
+        alone_cache.crop(0)
+        lm.forward(alone_cache, prefix, keep=1)
+        alone = torch.cat([lm.forward(alone_cache, [t], keep=1) for t in feed])  # [len(feed), vocab]
+        worst = max(worst, float((together[r] - alone).abs().max()))
+    batch.context.close()
+    return worst

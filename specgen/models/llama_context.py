@@ -1,0 +1,208 @@
+"""One llama.cpp context: its KV cache, sequence handles and decodes (llama-cpp-python's low-level API).
+
+A context holds up to ``sequences`` KV handles (:class:`LlamaKV`, one llama.cpp
+sequence id each). A handle records the tokens its sequence holds; cropping
+removes the sequence's entries from a position on (``llama_memory_seq_rm``),
+which is how a round rolls back. :meth:`LlamaContext.forward_rows` feeds several
+handles in one decode. ``unified``: every sequence draws cells from one shared
+pool of ``n_ctx`` cells; otherwise each sequence has a stream of its own
+``n_ctx / sequences`` cells, so a sequence's cells stay in position order whatever
+the others do (what batched rows need to see a request's own logits).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import weakref
+
+import numpy as np
+import torch
+
+from specgen.errors import ConfigError, ModelLoadError, NumericalError, SpecgenError
+from specgen.models.target import TokenCache
+
+#: Tokens fed to llama.cpp per decode call (a longer feed is split).
+BATCH_TOKENS = 512
+#: llama.cpp's flash-attention switch by name (its enum: -1 auto, 0 off, 1 on).
+FLASH = {"auto": -1, "off": 0, "on": 1}
+
+_INITIALISED = False
+_LOG_CALLBACK = None  # kept referenced: llama.cpp calls it for every log line
+
+
+def available() -> bool:
+    """Whether llama-cpp-python is installed."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def library():
+    """llama-cpp-python's low-level module, initialised once (its log lines routed to :func:`_log`)."""
+    global _INITIALISED
+    try:
+        import llama_cpp
+    except ImportError as error:
+        raise ConfigError("backend=llama_cpp needs llama-cpp-python (scripts/install.sh installs it); "
+                          "or use backend=torch") from error
+    if not _INITIALISED:
+        global _LOG_CALLBACK
+        _LOG_CALLBACK = llama_cpp.llama_log_callback(_log)
+        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _INITIALISED = True
+    return llama_cpp
+
+
+def _log(level: int, text: bytes, user_data) -> None:
+    """llama.cpp's log lines: errors go to Python's logging, its load chatter is dropped."""
+    if level == 4 and text:  # GGML_LOG_LEVEL_ERROR
+        logging.getLogger("specgen.llama_cpp").error(text.decode("utf-8", "replace").rstrip())
+
+
+class LlamaKV(TokenCache):
+    """One sequence of a :class:`LlamaContext`; its id is released when the handle is collected."""
+
+    def __init__(self, context: LlamaContext, seq: int):
+        self.context = context
+        self.seq = seq
+        self.tokens: list[int] = []
+        weakref.finalize(self, context.release, seq)
+
+    def _truncate(self, length: int) -> None:
+        self.context.remove(self.seq, length)
+
+
+class LlamaContext:
+    """A context of a loaded llama.cpp ``model`` (a llama_model pointer, kept alive by ``owner``).
+
+    n_ctx: KV cells in all; sequences: handles live at once; unified: one shared cell
+    pool (else one stream of n_ctx / sequences cells per sequence); vocab_size: logits
+    are cut to it; name: for messages.
+    """
+
+    def __init__(self, lib, model, owner, *, name: str, n_ctx: int, sequences: int, unified: bool, threads: int,
+                 flash_attention: str, vocab_size: int):
+        self._lib, self.owner, self.name = lib, owner, name
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = int(n_ctx)
+        cparams.n_batch = cparams.n_ubatch = min(BATCH_TOKENS, int(n_ctx))
+        cparams.n_seq_max = int(sequences)
+        cparams.kv_unified = bool(unified)
+        cparams.n_threads = cparams.n_threads_batch = int(threads)
+        cparams.no_perf = True
+        cparams.flash_attn_type = FLASH[flash_attention]
+        self._ctx = lib.llama_init_from_model(model, cparams)
+        if not self._ctx:
+            raise ModelLoadError(f"llama.cpp cannot make a context for {name} with {n_ctx} tokens")
+        self._memory = lib.llama_get_memory(self._ctx)
+        self.n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model)))
+        self.vocab_size = min(int(vocab_size), self.n_vocab)
+        #: The most tokens one sequence may hold.
+        self.length = int(n_ctx) if unified else int(n_ctx) // int(sequences)
+        self._batch_tokens = int(cparams.n_batch)
+        self._batch = lib.llama_batch_init(self._batch_tokens, 0, 1)
+        self._free = list(range(int(sequences)))
+        self._closer = weakref.finalize(self, _free_context, lib, self._ctx, self._batch)
+
+    @property
+    def free_sequences(self) -> int:
+        """Handles that may still be opened."""
+        return len(self._free)
+
+    def close(self) -> None:
+        """Free the context now (its handles must not be used after)."""
+        self._closer()
+
+    def new_handle(self) -> LlamaKV:
+        if not self._free:
+            raise SpecgenError(f"{self.name}: every llama.cpp sequence of this context is in use "
+                               f"({self._lib.llama_n_seq_max(self._ctx)}); finish a request first")
+        return LlamaKV(self, self._free.pop(0))  # a pooled sequence is empty: release clears it
+
+    def release(self, seq: int) -> None:
+        if self._closer.alive:
+            self.remove(seq, 0)
+            self._free.append(seq)
+
+    def remove(self, seq: int, start: int) -> None:
+        """Drop ``seq``'s entries from position ``start`` on."""
+        if self._closer.alive:
+            self._lib.llama_memory_seq_rm(self._memory, seq, start, -1)
+
+    @torch.inference_mode()
+    def forward_rows(self, caches: list[LlamaKV], feeds: list[list[int]], keeps: list[int],
+                     check: bool = True) -> list[torch.Tensor | None]:
+        """Feed each handle's ``feeds[i]`` after its cached tokens, all in one llama.cpp decode (one
+        per BATCH_TOKENS tokens): sequence ids keep the handles apart, positions are each handle's
+        own. -> per handle the raw logits of its last ``keeps[i]`` fed positions [keeps[i],
+        vocab_size] float32 (None where keeps[i] or the feed is 0). Every feed is appended, or
+        on a failed decode none is."""
+        entries: list[tuple[int, int, int, bool]] = []  # (sequence, token, position, logits wanted)
+        starts = []
+        for cache, feed, keep in zip(caches, feeds, keeps, strict=True):
+            if cache.context is not self:
+                raise ValueError(f"that KV handle belongs to another context than {self.name}'s")
+            start, n = len(cache), len(feed)
+            if start + n > self.length:
+                raise SpecgenError(f"{self.name}: {start + n} tokens do not fit its {self.length}-token context")
+            starts.append(start)
+            entries.extend((cache.seq, int(t), start + i, i >= n - min(keep, n)) for i, t in enumerate(feed))
+        if not entries:
+            raise ValueError("forward needs at least one new token")
+        rows = []
+        try:
+            for offset in range(0, len(entries), self._batch_tokens):
+                chunk = entries[offset: offset + self._batch_tokens]
+                self._decode(chunk)
+                wanted = sum(e[3] for e in chunk)
+                if wanted:
+                    rows.append(self._logits(wanted))
+        except BaseException:
+            for cache, start in zip(caches, starts, strict=True):
+                self.remove(cache.seq, start)
+            raise
+        for cache, feed in zip(caches, feeds, strict=True):
+            cache.tokens.extend(int(t) for t in feed)
+        flat = np.concatenate(rows) if len(rows) > 1 else rows[0] if rows else np.zeros((0, self.n_vocab), np.float32)
+        logits = torch.from_numpy(flat)[:, : self.vocab_size]  # [kept rows of every handle, vocab]
+        if check and logits.numel() and torch.isnan(logits.max()):
+            raise NumericalError(f"{self.name} produced NaN logits at position {starts[0] + len(feeds[0]) - 1}"
+                                 if len(caches) == 1 else f"{self.name} produced NaN logits")
+        out: list[torch.Tensor | None] = []
+        used = 0
+        for feed, keep in zip(feeds, keeps, strict=True):
+            kept = min(keep, len(feed))
+            out.append(logits[used: used + kept] if kept else None)
+            used += kept
+        return out
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of (sequence, token, position, logits wanted) entries."""
+        batch = self._batch
+        for i, (seq, token, position, out) in enumerate(entries):
+            if not 0 <= token < self.n_vocab:
+                raise SpecgenError(f"{self.name}: token id {token} is outside its vocabulary ({self.n_vocab})")
+            batch.token[i] = token
+            batch.pos[i] = position
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = int(out)
+        batch.n_tokens = len(entries)
+        status = self._lib.llama_decode(self._ctx, batch)
+        if status != 0:
+            raise SpecgenError(f"{self.name}: llama.cpp could not decode {len(entries)} tokens at position "
+                               f"{entries[0][2]} (status {status}: the KV cache is full or the call was refused)")
+
+    def _logits(self, rows: int) -> np.ndarray:
+        """The last decode's output rows, copied: [rows, n_vocab] float32."""
+        pointer = self._lib.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(pointer, shape=(rows, self.n_vocab)).copy()
+
+
+def _free_context(lib, ctx, batch) -> None:
+    lib.llama_batch_free(batch)
+    lib.llama_free(ctx)
