@@ -20,8 +20,10 @@ import specgen
 import specgen.grammar
 from specgen.errors import ConfigError, DeadEndError
 from specgen.grammar import backend as grammar_backend
+from specgen.grammar import registry as grammar_registry
 from specgen.grammar import grammar_processor, token_bytes
 from specgen.models.tokenizer import TokenizerInfo
+from specgen.processors.standard import BadWords
 
 jsonschema = pytest.importorskip("jsonschema")
 BACKENDS = ["llguidance", "outlines_core"]
@@ -98,7 +100,7 @@ def test_refusals_name_keyword_and_pointer_per_backend():
 
 
 def test_auto_falls_back_to_a_backend_that_supports_the_schema(monkeypatch):
-    monkeypatch.setattr(grammar_backend, "AUTO_ORDER", ("outlines_core", "llguidance"))
+    monkeypatch.setattr(grammar_registry, "AUTO_ORDER", ("outlines_core", "llguidance"))
     automaton, info = automaton_for({"type": "integer", "minimum": 3, "maximum": 7})
     assert automaton.backend == "llguidance" and accepts(automaton, info, "5") and not accepts(automaton, info, "8")
     automaton, _ = automaton_for({"type": "string", "maxLength": 3})
@@ -220,7 +222,7 @@ def test_bad_words_that_the_grammar_needs_end_with_a_clear_dead_end():
     history_t = history(pipe.tokenizer, [1], [4])
     maybe(torch.zeros(1, 16), history_t)
     stuck = grammar_processor({"kind": "regex", "pattern": "a[nt]|e"}, pipe.tokenizer)
-    bound = stuck.bind([*pipe.stack.processors, type("P", (), {"name": "bad_words", "sequences": [[4, 7]]})()])
+    bound = stuck.bind([*pipe.stack.processors, BadWords([[4, 7]], vocab_size=16)])
     with pytest.raises(DeadEndError, match="bad_words forbid every token"):
         bound(torch.zeros(1, 16), history(pipe.tokenizer, [1], [4]))
 
