@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from specgen.errors import ConfigError
-from specgen.options import parse_bool, parse_chat, parse_int, parse_optional_text, parse_seed, parse_stop
+from specgen.options import parse_batch_size, parse_bool, parse_chat, parse_int, parse_optional_text, parse_seed, parse_stop
 from specgen.paths import check_output_file
 
 #: Hydra's marker for a value that must be given on the command line.
@@ -124,7 +124,7 @@ def check_batch_size(cfg: Mapping) -> int:
     """``batch_size`` as a positive int; ConfigError when it is above 1 with a setting the batched
     engine refuses (:func:`specgen.drafters.batch_refusal`: a built-in drafter that is not batchable
     while ``speculative`` is on, or ``compile=true``)."""
-    size = parse_int(cfg.get("batch_size"), "batch_size", minimum=1)
+    size = parse_batch_size(cfg.get("batch_size"))
     if size > 1:
         from specgen.drafters import batch_refusal, drafter_class
 

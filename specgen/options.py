@@ -79,6 +79,15 @@ def parse_int(value: object, name: str, *, minimum: int | None = None, maximum: 
     return number
 
 
+#: The most rows one batch runs at once (generate_batch, JSONL mode, specgen-serve).
+MAX_BATCH_SIZE = 256
+
+
+def parse_batch_size(value: object, name: str = "batch_size") -> int:
+    """A batch size: an integer in [1, MAX_BATCH_SIZE]."""
+    return parse_int(value, name, minimum=1, maximum=MAX_BATCH_SIZE)
+
+
 def parse_seed(value: object, name: str = "seed") -> int:
     """A seed torch can use: an integer in [0, 2**64 - 1]."""
     return parse_int(value, name, minimum=0, maximum=SEED_MAX)

@@ -208,6 +208,8 @@ def test_bad_batch_input_names_the_prompt():
         pipe.generate_batch([dict(prompt_ids=[1], sed=3)])
     with pytest.raises(ConfigError, match="batch_size"):
         pipe.generate_batch([dict(prompt_ids=[1])], batch_size=0)
+    with pytest.raises(ConfigError, match="batch_size must be at most 256, got 1000000"):
+        pipe.generate_batch([dict(prompt_ids=[1])], batch_size=10**6)
     with pytest.raises(PromptError, match="list of prompts"):
         pipe.generate_batch("one prompt")
 

@@ -314,6 +314,7 @@ def test_a_failed_batch_step_sends_the_unfinished_rows_one_at_a_time(tmp_path, m
 
 @pytest.mark.parametrize("extra, message", [
     (["batch_size=0"], "batch_size must be"),
+    (["batch_size=257"], "batch_size must be at most 256, got 257"),
     (["batch_size=abc"], "batch_size must be an integer"),
     (["batch_size=4", "drafter=eagle"], "batch_size=4: tree drafters .* drafter=eagle needs batch_size=1"),
     (["batch_size=2", "drafter=medusa"], "drafter=medusa needs batch_size=1"),

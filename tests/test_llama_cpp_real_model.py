@@ -41,6 +41,23 @@ def test_greedy_speculative_equals_plain_on_the_gguf(pipe, prompt):
     assert spec.stats.drafted > 0
 
 
+LONG = ("Here is a list of things to pack for a week of hiking in the mountains: a tent, a sleeping bag, a stove, "
+        "fuel, a water filter, two pairs of socks per day, a rain jacket, a warm hat, gloves, a map, a compass, a "
+        "first aid kit, sunscreen and a headlamp. Sort the list by weight, heaviest first, and explain each choice.")
+
+
+def test_long_prompts_and_batched_rows_give_plain_greedy_tokens(pipe):
+    """Prompts past 64 tokens (llama.cpp computes decodes that wide another way) and six rows in a
+    batch of four, refills included: every row's greedy tokens equal its plain run alone."""
+    assert len(pipe.encode(LONG)) > 64 and pipe.target.capabilities.batches
+    prompts = [LONG, *PROMPTS, LONG.replace("weight", "size"), "Name a colour.", PROMPTS[0].upper()]
+    plain = [pipe.generate(p, max_new_tokens=24, speculative=False).token_ids for p in prompts]
+    assert pipe.generate(LONG, max_new_tokens=24).token_ids == plain[0]
+    for speculative in (False, True):
+        rows = pipe.generate_batch(prompts, batch_size=4, max_new_tokens=24, speculative=speculative)
+        assert [r.token_ids for r in rows] == plain, speculative
+
+
 def test_the_llama_cpp_baselines_run_on_the_same_file(pipe):
     assert llama_unavailable(pipe) is None
     ids = pipe.encode(PROMPTS[0])

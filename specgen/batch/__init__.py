@@ -1,8 +1,10 @@
 """Many requests advancing together: ragged verification and continuous batching.
 
 Every active row is a :class:`specgen.state.Request` whose ``target_cache`` is a
-:class:`RowCache`, a view of one row of a shared batch-B DynamicCache
-(:class:`BatchKV`). A step runs plan + draft for every row (its own drafter
+row of the batched cache of the target's backend (:func:`~specgen.batch.kv.batch_cache`):
+on torch a :class:`RowCache`, a view of one row of a shared batch-B DynamicCache
+(:class:`BatchKV`, described below); on llama.cpp one KV stream of a context of the
+batch's own (:class:`specgen.models.llama_cpp.LlamaBatch`). A step runs plan + draft for every row (its own drafter
 session and γ; with num_tokens="auto" the rows' draft lengths are chosen together
 against the batched cost table, :mod:`specgen.batch.plan`, because one row's long
 draft widens every row's forward; a row without a drafter runs a plain step), then ONE
@@ -11,7 +13,7 @@ candidates), then each row's process / accept / commit with its own processor
 stack, grammar and RNG -- the same functions :mod:`specgen.round` uses for a
 single request, so a row's output law equals a single-request run's.
 
-The shared cache: each forward appends the same number w of slots to every row
+The shared torch cache: each forward appends the same number w of slots to every row
 (w = the widest feed; shorter feeds are padded with dummies nobody attends to, and
 linear layers skip them where they can, :func:`specgen.models.packed_linear.real_tokens`).
 A fresh row's prompt is prefilled in a forward of its own and stored in its batch

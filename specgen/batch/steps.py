@@ -12,7 +12,7 @@ from specgen.batch.plan import batch_costs, plan_rows
 from specgen.drafters import batch_refusal
 from specgen.errors import ConfigError, DeadEndError, PromptError, SpecgenError
 from specgen.events import FinishEvent, Generation, TokenEvent
-from specgen.options import RequestOptions, request_options, set_fields, with_overrides
+from specgen.options import RequestOptions, parse_batch_size, request_options, set_fields, with_overrides
 from specgen.planning import AUTO, BatchCostTable
 from specgen.request_plan import RequestPlan, finish, record
 from specgen.round import RoundContext, accept_chain, accept_plain, chain_feed, plain_events, round_events
@@ -70,9 +70,7 @@ def prepare(pipe, prompt, common: RequestOptions | None, index: int | None, *, p
 
 
 def _check_batch_size(batch_size) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
-    return batch_size
+    return parse_batch_size(batch_size)
 
 
 class Batch:

@@ -22,8 +22,11 @@ import torch
 from specgen.errors import ConfigError, ModelLoadError, NumericalError, SpecgenError
 from specgen.models.target import TokenCache
 
-#: Tokens fed to llama.cpp per decode call (a longer feed is split).
-BATCH_TOKENS = 512
+#: Tokens fed to llama.cpp per decode call (a longer feed is split). llama.cpp's CPU kernels compute a
+#: decode of 64 tokens or more another way, whose logits differ from smaller decodes'; below that, a
+#: position's logits do not depend on how many positions a decode holds, so a feed gives the same
+#: logits however it is split. LlamaCppLM.verify_gap measures this width with the others.
+BATCH_TOKENS = 32
 #: llama.cpp's flash-attention switch by name (its enum: -1 auto, 0 off, 1 on).
 FLASH = {"auto": -1, "off": 0, "on": 1}
 
@@ -89,7 +92,8 @@ class LlamaContext:
         self._lib, self.owner, self.name = lib, owner, name
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = int(n_ctx)
-        cparams.n_batch = cparams.n_ubatch = min(BATCH_TOKENS, int(n_ctx))
+        # llama.cpp needs room for one output per sequence; this class feeds BATCH_TOKENS at most
+        cparams.n_batch = cparams.n_ubatch = min(max(BATCH_TOKENS, int(sequences)), int(n_ctx))
         cparams.n_seq_max = int(sequences)
         cparams.kv_unified = bool(unified)
         cparams.n_threads = cparams.n_threads_batch = int(threads)
@@ -103,15 +107,10 @@ class LlamaContext:
         self.vocab_size = min(int(vocab_size), self.n_vocab)
         #: The most tokens one sequence may hold.
         self.length = int(n_ctx) if unified else int(n_ctx) // int(sequences)
-        self._batch_tokens = int(cparams.n_batch)
+        self._batch_tokens = min(BATCH_TOKENS, int(cparams.n_batch))
         self._batch = lib.llama_batch_init(self._batch_tokens, 0, 1)
         self._free = list(range(int(sequences)))
         self._closer = weakref.finalize(self, _free_context, lib, self._ctx, self._batch)
-
-    @property
-    def free_sequences(self) -> int:
-        """Handles that may still be opened."""
-        return len(self._free)
 
     def close(self) -> None:
         """Free the context now (its handles must not be used after)."""

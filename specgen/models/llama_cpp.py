@@ -25,7 +25,7 @@ import torch
 
 from specgen.errors import ConfigError, ModelLoadError
 from specgen.models.llama_batch import LlamaBatch, batch_gap
-from specgen.models.llama_context import FLASH, LlamaContext, LlamaKV, available, library
+from specgen.models.llama_context import BATCH_TOKENS, FLASH, LlamaContext, LlamaKV, available, library
 from specgen.models.target import Capabilities
 
 __all__ = ["LlamaBatch", "LlamaCppLM", "LlamaKV", "available"]
@@ -113,11 +113,6 @@ class LlamaCppLM:
                                               batches=batch_gap(self, BATCH_GAP_ROWS) == 0.0)
         return self._capabilities
 
-    @property
-    def free_sequences(self) -> int:
-        """KV handles that may still be opened on the main context."""
-        return self._main.free_sequences
-
     def new_cache(self) -> LlamaKV:
         return self._main.new_handle()
 
@@ -145,8 +140,9 @@ class LlamaCppLM:
 
     def verify_gap(self, widths, prefix: int = 16) -> tuple[float, int]:
         """Batch invariance: the largest |logit| difference between positions fed ``width`` at a time
-        and the same positions fed one by one, over ``widths``; -> (max difference, its width)."""
-        widths = list(widths)
+        and the same positions fed one by one, over ``widths`` and the widest decode this backend
+        makes (BATCH_TOKENS, which longer feeds are split into); -> (max difference, its width)."""
+        widths = sorted({*widths, BATCH_TOKENS})
         tokens = [(7919 * i + 11) % self.vocab_size for i in range(prefix + max(widths))]
         cache = self.new_cache()
         self.forward(cache, tokens[:prefix], keep=1)  # the shared prefix, fed once

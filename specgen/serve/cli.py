@@ -20,13 +20,12 @@ from omegaconf import DictConfig
 from specgen.checks import check_run_config
 from specgen.config import conf_dir, exits_on_error, run_console, to_container
 from specgen.errors import ConfigError
-from specgen.options import parse_int
+from specgen.options import parse_batch_size, parse_int
 from specgen.serve.app import MAX_REQUEST_BYTES
 
 #: Keys of the shared config that only a one-shot run uses.
 _ONE_SHOT_KEYS = ("prompt", "prompt_file", "output", "resume")
 #: The most requests one batch may run together.
-MAX_BATCH_SIZE = 256
 #: The smallest request-body limit: room for a short request.
 MIN_REQUEST_BYTES = 1024
 
@@ -47,7 +46,7 @@ def check_server_config(cfg: Mapping) -> dict:
         raise ConfigError(f"host must be a host name or IP address such as 127.0.0.1, got {host!r}")
     cfg["host"] = host
     cfg["port"] = parse_int(cfg.get("port", 8000), "port", minimum=1, maximum=65535)
-    cfg["batch_size"] = parse_int(size, "batch_size", minimum=1, maximum=MAX_BATCH_SIZE)
+    cfg["batch_size"] = parse_batch_size(size)
     cfg["max_request_bytes"] = parse_int(cfg.get("max_request_bytes", MAX_REQUEST_BYTES), "max_request_bytes",
                                          minimum=MIN_REQUEST_BYTES)
     return cfg
