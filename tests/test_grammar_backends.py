@@ -99,6 +99,13 @@ def test_refusals_name_keyword_and_pointer_per_backend():
         automaton_for({"type": "array", "items": ITEM}, "outlines_core")
 
 
+@pytest.mark.parametrize("backend", ["llguidance", "outlines_core"])
+def test_a_schema_pattern_that_is_not_a_regex_is_named_with_its_pointer_and_reason(backend):
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "(a"}}}
+    with pytest.raises(ConfigError, match=r"invalid regex '\(a' \(.*\) in #/properties/code/pattern of json_schema"):
+        automaton_for(schema, backend)
+
+
 def test_auto_falls_back_to_a_backend_that_supports_the_schema(monkeypatch):
     monkeypatch.setattr(grammar_registry, "AUTO_ORDER", ("outlines_core", "llguidance"))
     automaton, info = automaton_for({"type": "integer", "minimum": 3, "maximum": 7})

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import subprocess
 import sys
 
@@ -45,7 +46,7 @@ from specgen.grammar.backend import (
     strip_anchors,
     write_cached,
 )
-from specgen.grammar.schema_check import Unsupported, check_one_of, check_schema, subschemas
+from specgen.grammar.schema_check import Unsupported, check_one_of, check_schema, find_pointer, subschemas
 from specgen.grammar.spec import GrammarSpec, ascii_classes
 from specgen.grammar.vocabulary import TokenBytes
 
@@ -202,6 +203,9 @@ class OutlinesBackend(GrammarBackend):
             detail = message.split("missing tokens corresponding to", 1)[-1].strip(" .")
             return ConfigError(f"the tokenizer cannot express this grammar: no token sequence spells "
                                f"some required text ({detail[:80]}); grammar: {short}")
+        bad_pattern = _pattern_error(spec) if spec.kind == "json_schema" else None
+        if bad_pattern is not None:
+            return bad_pattern
         return Unsupported(f"outlines-core cannot compile {short}: {first_line(ValueError(message))[:200]}")
 
     def _language_nonempty(self, marked: str) -> bool:
@@ -260,3 +264,27 @@ def largest_part(schema: dict, whitespace: str) -> str:
         if best is None or best[0] * 4 < size:
             return path
         size, node, path = best
+
+
+def _pattern_error(spec: GrammarSpec) -> ConfigError | None:
+    """The first ``pattern`` of the schema that is not a regex, named with its pointer and the reason
+    (outlines-core's own error says only that its automaton failed to build); None: every one parses."""
+    errors: list[tuple[str, re.error]] = []
+
+    def broken(sub) -> bool:
+        pattern = sub.get("pattern")
+        if not isinstance(pattern, str):
+            return False
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            if "bad escape" not in str(exc):  # \p{L}, \x{41}: valid for the backends' Rust syntax
+                errors.append((pattern, exc))
+                return True
+        return False
+
+    pointer = find_pointer(spec.schema, broken)
+    if pointer is None:
+        return None
+    pattern, exc = errors[-1]
+    return ConfigError(f"invalid regex {pattern!r} ({exc}) in {pointer}/pattern of {spec.description}")
