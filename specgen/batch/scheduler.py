@@ -8,10 +8,10 @@ import threading
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
-from specgen.batch.steps import Batch, _check_batch_size, prepare, unbatched_reason
+from specgen.batch.steps import Batch, prepare, unbatched_reason
 from specgen.errors import ConfigError, SpecgenError, first_line
 from specgen.events import FinishEvent, Generation, TokenEvent
-from specgen.options import RequestOptions, with_overrides
+from specgen.options import RequestOptions, parse_batch_size, with_overrides
 
 log = logging.getLogger("specgen.batch")
 
@@ -86,7 +86,7 @@ class BatchScheduler:
         if why:
             raise ConfigError(f"the batch scheduler cannot run this pipeline: {why}")
         self.pipe, self.variants = pipe, variants
-        self.batch = Batch(pipe, _check_batch_size(batch_size))
+        self.batch = Batch(pipe, parse_batch_size(batch_size))
         self._waiting: queue.SimpleQueue[Handle | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None

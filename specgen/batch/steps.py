@@ -69,10 +69,6 @@ def prepare(pipe, prompt, common: RequestOptions | None, index: int | None, *, p
         raise type(exc)(f"{caller} prompt {index}: {exc}") from None
 
 
-def _check_batch_size(batch_size) -> int:
-    return parse_batch_size(batch_size)
-
-
 class Batch:
     """The step loop's state, shared by :func:`stream_batch` and :class:`BatchScheduler`:
     ``size`` slots over one batched cache (:func:`~specgen.batch.kv.batch_cache`; a row holds
@@ -143,7 +139,7 @@ def stream_batch(pipe, prompts: Sequence, *, batch_size: int = 8, options: Reque
     before the first forward. options / overrides: shared by all rows, as ``Pipeline.stream``
     takes them (a row's dict overrides them).
     """
-    _check_batch_size(batch_size)
+    parse_batch_size(batch_size)
     if isinstance(prompts, (str, Mapping)) or not isinstance(prompts, Sequence):
         raise PromptError("generate_batch() takes a list of prompts")
     common = with_overrides(options, overrides, "generate_batch()")
