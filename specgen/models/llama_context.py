@@ -22,10 +22,10 @@ import torch
 from specgen.errors import ConfigError, ModelLoadError, NumericalError, SpecgenError
 from specgen.models.target import TokenCache
 
-#: Tokens fed to llama.cpp per decode call (a longer feed is split). llama.cpp's CPU kernels compute a
-#: decode of 64 tokens or more another way, whose logits differ from smaller decodes'; below that, a
-#: position's logits do not depend on how many positions a decode holds, so a feed gives the same
-#: logits however it is split. LlamaCppLM.verify_gap measures this width with the others.
+#: The most tokens fed to llama.cpp per decode call (a longer feed is split). llama.cpp's CPU kernels
+#: switch to other matrix paths for wide decodes, whose logits differ from narrow ones'; the width a
+#: context actually uses (:attr:`LlamaContext.batch_tokens`) is the widest that LlamaCppLM measures
+#: equal to single-token decodes, at most this.
 BATCH_TOKENS = 32
 #: llama.cpp's flash-attention switch by name (its enum: -1 auto, 0 off, 1 on).
 FLASH = {"auto": -1, "off": 0, "on": 1}
@@ -107,8 +107,9 @@ class LlamaContext:
         self.vocab_size = min(int(vocab_size), self.n_vocab)
         #: The most tokens one sequence may hold.
         self.length = int(n_ctx) if unified else int(n_ctx) // int(sequences)
-        self._batch_tokens = min(BATCH_TOKENS, int(cparams.n_batch))
-        self._batch = lib.llama_batch_init(self._batch_tokens, 0, 1)
+        #: Tokens per llama_decode; a longer feed is split into decodes of this many.
+        self.batch_tokens = min(BATCH_TOKENS, int(cparams.n_batch))
+        self._batch = lib.llama_batch_init(self.batch_tokens, 0, 1)
         self._free = list(range(int(sequences)))
         self._closer = weakref.finalize(self, _free_context, lib, self._ctx, self._batch)
 
@@ -136,7 +137,7 @@ class LlamaContext:
     def forward_rows(self, caches: list[LlamaKV], feeds: list[list[int]], keeps: list[int],
                      check: bool = True) -> list[torch.Tensor | None]:
         """Feed each handle's ``feeds[i]`` after its cached tokens, all in one llama.cpp decode (one
-        per BATCH_TOKENS tokens): sequence ids keep the handles apart, positions are each handle's
+        per :attr:`batch_tokens` tokens): sequence ids keep the handles apart, positions are each handle's
         own. -> per handle the raw logits of its last ``keeps[i]`` fed positions [keeps[i],
         vocab_size] float32 (None where keeps[i] or the feed is 0). Every feed is appended, or
         on a failed decode none is."""
@@ -154,8 +155,8 @@ class LlamaContext:
             raise ValueError("forward needs at least one new token")
         rows = []
         try:
-            for offset in range(0, len(entries), self._batch_tokens):
-                chunk = entries[offset: offset + self._batch_tokens]
+            for offset in range(0, len(entries), self.batch_tokens):
+                chunk = entries[offset: offset + self.batch_tokens]
                 self._decode(chunk)
                 wanted = sum(e[3] for e in chunk)
                 if wanted:

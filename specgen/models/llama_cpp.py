@@ -32,6 +32,11 @@ __all__ = ["LlamaBatch", "LlamaCppLM", "LlamaKV", "available"]
 
 #: Rows the batch-invariance probe feeds together.
 BATCH_GAP_ROWS = 4
+#: Decode widths tried at load, widest first: feeds are split into decodes of the widest whose logits
+#: equal single-token decodes bit for bit (else of the widest, and verify_gap reports the gap).
+DECODE_WIDTHS = (BATCH_TOKENS, 16, 8)
+#: Tokens of the fixed prefix that the batch-invariance measurements feed first.
+GAP_PREFIX = 16
 
 
 class LlamaCppLM:
@@ -62,6 +67,8 @@ class LlamaCppLM:
         self.threads, self.flash_attention, self.batch_row_context = int(threads), flash_attention, int(batch_row_context)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
+        # ggml's AMX weight buffers raised SIGILL on an AMX VM; a build with them loads without them
+        params.use_extra_bufts = not _has_amx_kernels(lib)
         self._model = lib.llama_model_load_from_file(self.path.encode(), params)
         if not self._model:
             raise ModelLoadError(f"llama.cpp cannot load {self.path} (not a GGUF it supports)")
@@ -78,6 +85,12 @@ class LlamaCppLM:
         self._description = self._describe_model()
         self._capabilities: Capabilities | None = None
         weakref.finalize(self, _close, self._main.close, lib, self._model)
+        self._gaps: dict[int, float] = {}  # decode width -> its gap after GAP_PREFIX tokens
+        #: Tokens per llama.cpp decode: the widest of DECODE_WIDTHS measured batch invariant.
+        self.decode_width = next((w for w in DECODE_WIDTHS if self._gaps_after(GAP_PREFIX, [w])[w] == 0.0),
+                                 DECODE_WIDTHS[0])
+        self._main.batch_tokens = min(self._main.batch_tokens, self.decode_width)
+        self._gaps = {w: g for w, g in self._gaps.items() if w <= self.decode_width}  # wider feeds now split
 
     def _describe_model(self) -> str:
         buffer = ctypes.create_string_buffer(256)
@@ -123,9 +136,11 @@ class LlamaCppLM:
 
     def open_context(self, n_ctx: int, sequences: int) -> LlamaContext:
         """A further context on this model: ``sequences`` streams of n_ctx / sequences cells each."""
-        return LlamaContext(self._lib, self._model, self, name=self.name, n_ctx=n_ctx, sequences=sequences,
-                            unified=False, threads=self.threads, flash_attention=self.flash_attention,
-                            vocab_size=self.vocab_size)
+        context = LlamaContext(self._lib, self._model, self, name=self.name, n_ctx=n_ctx, sequences=sequences,
+                               unified=False, threads=self.threads, flash_attention=self.flash_attention,
+                               vocab_size=self.vocab_size)
+        context.batch_tokens = min(context.batch_tokens, self.decode_width)
+        return context
 
     def forward(self, cache: LlamaKV, new_tokens: list[int] | torch.Tensor, keep: int,
                 check: bool = True) -> torch.Tensor:
@@ -138,24 +153,35 @@ class LlamaCppLM:
             raise ValueError(f"that KV handle belongs to another model than {self.name}")
         return self._main.forward_rows([cache], [ids], [keep], check=check)[0]
 
-    def verify_gap(self, widths, prefix: int = 16) -> tuple[float, int]:
+    def verify_gap(self, widths, prefix: int = GAP_PREFIX) -> tuple[float, int]:
         """Batch invariance: the largest |logit| difference between positions fed ``width`` at a time
-        and the same positions fed one by one, over ``widths`` and the widest decode this backend
-        makes (BATCH_TOKENS, which longer feeds are split into); -> (max difference, its width)."""
-        widths = sorted({*widths, BATCH_TOKENS})
-        tokens = [(7919 * i + 11) % self.vocab_size for i in range(prefix + max(widths))]
-        cache = self.new_cache()
-        self.forward(cache, tokens[:prefix], keep=1)  # the shared prefix, fed once
-        worst, at = 0.0, 0
-        for width in widths:
-            cache.crop(prefix)
-            together = self.forward(cache, tokens[prefix: prefix + width], keep=width)  # [width, vocab]
-            cache.crop(prefix)
-            alone = torch.cat([self.forward(cache, [t], keep=1) for t in tokens[prefix: prefix + width]])
-            gap = float((together - alone).abs().max())
-            if gap > worst or not at:
-                worst, at = gap, width
-        return worst, at
+        and the same positions fed one by one, over ``widths`` and :attr:`decode_width` (the width
+        longer feeds are split into); -> (max difference, its width)."""
+        gaps = self._gaps_after(prefix, sorted({*widths, self.decode_width}))
+        at = max(gaps, key=lambda w: (gaps[w], -w))
+        return gaps[at], at
+
+    def _gaps_after(self, prefix: int, widths: list[int]) -> dict[int, float]:
+        """{width: max |logit| difference between ``width`` tokens fed together and one by one},
+        after a fixed ``prefix``-token context fed once (kept for the default prefix)."""
+        memo = self._gaps if prefix == GAP_PREFIX else {}
+        todo = [w for w in widths if w not in memo]
+        if todo:
+            tokens = [(7919 * i + 11) % self.vocab_size for i in range(prefix + max(todo))]
+            cache = self.new_cache()
+            self.forward(cache, tokens[:prefix], keep=1)
+            for width in todo:
+                cache.crop(prefix)
+                together = self.forward(cache, tokens[prefix: prefix + width], keep=width)  # [width, vocab]
+                cache.crop(prefix)
+                alone = torch.cat([self.forward(cache, [t], keep=1) for t in tokens[prefix: prefix + width]])
+                memo[width] = float((together - alone).abs().max())
+        return {w: memo[w] for w in widths}
+
+
+def _has_amx_kernels(lib) -> bool:
+    """Whether this llama.cpp build carries ggml's AMX kernels (they run from its extra weight buffers)."""
+    return b"AMX_INT8 = 1" in lib.llama_print_system_info()
 
 
 def _close(close_main, lib, model) -> None:
