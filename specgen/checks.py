@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from specgen.errors import ConfigError
-from specgen.options import parse_batch_size, parse_bool, parse_chat, parse_int, parse_optional_text, parse_seed, parse_stop
+from specgen.options import (check_unicode, parse_batch_size, parse_bool, parse_chat, parse_int, parse_optional_text,
+                             parse_seed, parse_stop)
 from specgen.paths import check_output_file
 
 #: Hydra's marker for a value that must be given on the command line.
@@ -62,6 +63,7 @@ def check_run_config(cfg: Mapping) -> dict:
     cfg["threads"] = parse_threads(cfg.get("threads", "auto"))
     for key in ("prompt", "prompt_file", "system"):
         cfg[key] = parse_optional_text(cfg.get(key), key)
+    check_unicode(cfg["system"], "system", ConfigError)  # text for the tokenizer (a path may hold any bytes)
     if "sampling" in cfg:
         cfg["sampling"] = check_sampling(cfg["sampling"])
     if "ui" in cfg:

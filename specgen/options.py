@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Literal
 
-from specgen.errors import ConfigError, PromptError
+from specgen.errors import ConfigError, PromptError, SpecgenError
 
 if TYPE_CHECKING:
     from specgen.stats import Stats
@@ -152,18 +152,32 @@ CHAT_ROLES = ("system", "user", "assistant")
 PROMPT_BYTES_PER_TOKEN = 256
 
 
+def check_unicode(text: str | None, name: str, error: type[SpecgenError] = PromptError) -> str | None:
+    """``text`` unchanged (None too), or ``error`` naming ``name`` when it holds a lone surrogate (U+D800 to
+    U+DFFF): what an unpaired ``\\ud800`` JSON escape, or a command-line argument that is not UTF-8, decodes
+    to. Such a string has no UTF-8 form, so no tokenizer could take it."""
+    if text is None or text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise error(f"{name} is not valid Unicode text: a lone surrogate U+{ord(text[exc.start]):04X} at "
+                    f"character {exc.start} (from an unpaired \\ud800-style escape, or bytes that are not UTF-8)") from None
+    return text
+
+
 def check_prompt(prompt: object, name: str = "prompt") -> str | list[dict]:
     """A prompt string, or chat messages (a list of mappings with string ``role`` and ``content``).
 
-    PromptError for an empty or whitespace-only string, a role outside :data:`CHAT_ROLES`, and
-    messages without a user message that holds text (nothing to answer), before any chat template
-    could turn them into a non-empty prompt.
+    PromptError for an empty or whitespace-only string, text with a lone surrogate
+    (:func:`check_unicode`), a role outside :data:`CHAT_ROLES`, and messages without a user message
+    that holds text (nothing to answer), before any chat template could turn them into a non-empty prompt.
     """
     if isinstance(prompt, str):
         if not prompt.strip():
             what = "is empty" if not prompt else "holds only whitespace"
             raise PromptError(f"{name} {what}; give some text to generate from")
-        return prompt
+        return check_unicode(prompt, name)
     if isinstance(prompt, (bytes, bytearray)):
         raise PromptError(f"{name} must be text, got bytes; decode it first (e.g. {name}.decode('utf-8'))")
     if isinstance(prompt, Mapping) or not isinstance(prompt, Iterable):
@@ -181,6 +195,7 @@ def check_prompt(prompt: object, name: str = "prompt") -> str | list[dict]:
         if message["role"] not in CHAT_ROLES:
             raise PromptError(f"{name}[{index}] has the role {message['role']!r}; a role is one of "
                               f"{', '.join(CHAT_ROLES)}")
+        check_unicode(message["content"], f"{name}[{index}].content")
     if not any(m["role"] == "user" and m["content"].strip() for m in messages):
         raise PromptError(f"{name} has no user message with text; give the user's message to answer")
     return [dict(message) for message in messages]
@@ -307,9 +322,10 @@ def request_options(defaults, options: RequestOptions | None = None, **overrides
         stop=parse_stop(defaults.stop if o.stop is None else o.stop),
         speculative=True if o.speculative is None else parse_bool(o.speculative, "speculative"),
         chat=parse_chat(defaults.chat if o.chat is None else o.chat),
-        system=parse_optional_text(defaults.system if o.system is None else o.system, "system"),
+        system=check_unicode(parse_optional_text(defaults.system if o.system is None else o.system, "system"),
+                             "system", ConfigError),
         schema=o.schema,
-        regex=parse_optional_text(o.regex, "regex"),
+        regex=check_unicode(parse_optional_text(o.regex, "regex"), "regex", ConfigError),
         num_tokens=None if o.num_tokens is None else parse_num_tokens(o.num_tokens),
         stats=parse_stats(o.stats),
     )

@@ -143,6 +143,19 @@ def test_invalid_utf8_prompts(monkeypatch, capsys, tmp_path):
     assert_one_error_line(code, err, "specgen", "stdin is not UTF-8 text (byte 0xff at offset 3)")
 
 
+def test_arguments_that_are_not_utf8_are_refused_before_loading(monkeypatch, capsys):
+    """Python decodes argument bytes that are not UTF-8 to lone surrogates, which no tokenizer can encode
+    (the default model's raised TypeError after loading): one line, before anything loads."""
+    import specgen.build
+
+    monkeypatch.setattr(specgen.build, "build_pipeline", lambda cfg: pytest.fail("the model was loaded"))
+    code, _, err = run_command(monkeypatch, capsys, cli.main, "specgen", *TINY_ARGS, "prompt=caf\udce9")
+    assert_one_error_line(code, err, "specgen", "prompt is not valid Unicode text: a lone surrogate U+DCE9 at "
+                                                "character 3")
+    code, _, err = run_command(monkeypatch, capsys, cli.main, "specgen", *TINY_ARGS, "prompt=hi", "system=\udcff")
+    assert_one_error_line(code, err, "specgen", "system is not valid Unicode text: a lone surrogate U+DCFF")
+
+
 def test_prompt_file_that_is_a_directory(monkeypatch, capsys, tmp_path):
     with pytest.raises(PromptError, match="prompt_file is empty"):
         cli.read_prompt({"prompt_file": ""})

@@ -168,6 +168,20 @@ def test_a_byte_order_mark_and_a_row_nested_too_deeply(tmp_path):
     assert records[1]["error"] == "line 2: the row nests JSON arrays or objects too deeply to parse"
 
 
+def test_a_lone_surrogate_is_an_error_row_not_a_crash(tmp_path):
+    """A JSON escape \\ud800 with no pair decodes to a string no tokenizer can encode (a real one raised
+    TypeError mid-file and sank every later row): an error row, and the rows after it run."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('"first"\n{"prompt": "bad \\ud800"}\n{"prompt": "ok", "system": "\\udcff"}\n"last"\n',
+                    encoding="utf-8")
+    code, records, err = run_file(tmp_path)
+    assert code == 1 and "4 rows: 2 ok, 2 errors" in err
+    assert "text" in records[0] and "text" in records[3]
+    assert records[1]["error"] == ("line 2: prompt is not valid Unicode text: a lone surrogate U+D800 at character 4 "
+                                   "(from an unpaired \\ud800-style escape, or bytes that are not UTF-8)")
+    assert records[2]["error"].startswith("line 3: system is not valid Unicode text: a lone surrogate U+DCFF")
+
+
 @pytest.mark.parametrize("content", ["not a record\n", '{"index": 0, "id": null, "text": "a"}\nnot a record\n'])
 def test_resume_refuses_a_file_whose_last_complete_line_is_not_a_record(tmp_path, content):
     """Only a line without its newline is torn; any other line that is not a record is the user's, kept intact."""

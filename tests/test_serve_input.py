@@ -90,6 +90,11 @@ def test_a_body_nested_too_deeply_is_400_not_500(app):
     ({"messages": [{"role": "user", "content": ""}]}, "/v1/chat/completions", "messages has no user message with text"),
     ({"prompt": "  \n"}, "/v1/completions", "prompt holds only whitespace"),
     ({"prompt": "a" * 3000}, "/v1/completions", "the prompt has 3000 tokens"),  # under the body limit: tokenised
+    # a lone surrogate has no UTF-8 form: a real tokenizer raised TypeError, answered with a 500
+    ({"prompt": "hi \ud800"}, "/v1/completions", "prompt is not valid Unicode text: a lone surrogate U+D800 at "
+                                                  "character 3"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\udcff"}]},
+     "/v1/chat/completions", "messages[1].content is not valid Unicode text: a lone surrogate U+DCFF"),
 ])
 def test_unknown_roles_and_empty_prompts_are_400(app, payload, path, message):
     status, body, _ = call(app, [json.dumps({"model": "tiny", "max_tokens": 2, **payload}).encode()], path=path)
