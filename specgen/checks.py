@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from specgen.errors import ConfigError
-from specgen.options import (check_unicode, parse_batch_size, parse_bool, parse_chat, parse_int, parse_optional_text,
+from specgen.options import (check_temperature, check_unicode, parse_batch_size, parse_bool, parse_chat, parse_int, parse_optional_text,
                              parse_seed, parse_stop)
 from specgen.paths import check_output_file
 
@@ -197,6 +197,8 @@ def check_sampling(sampling: Mapping) -> dict:
         if below or (high is not None and value > high):
             raise ConfigError(f"sampling.{key} must be {limits.wording}, got {sampling[key]!r}")
         sampling[key] = value
+    if "temperature" in sampling:
+        check_temperature(sampling["temperature"], "sampling.temperature")
     for key in ("top_k", "min_new_tokens"):
         if key in sampling:
             sampling[key] = parse_int(sampling[key], f"sampling.{key}", minimum=0)

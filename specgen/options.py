@@ -93,6 +93,20 @@ def parse_seed(value: object, name: str = "seed") -> int:
     return parse_int(value, name, minimum=0, maximum=SEED_MAX)
 
 
+#: The smallest positive temperature. Logits are divided by it in float32: below about 1e-37 the largest one
+#: becomes inf and the distribution NaN, long before that the draws are greedy but for exact ties.
+MIN_TEMPERATURE = 1e-6
+
+
+def check_temperature(value: float, name: str = "temperature") -> float:
+    """``value`` (a number already checked to be finite and >= 0), or ConfigError naming ``name`` when it
+    is positive but below :data:`MIN_TEMPERATURE`."""
+    if 0 < value < MIN_TEMPERATURE:
+        raise ConfigError(f"{name} must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {value!r} (a smaller one "
+                          "only nears greedy, and near 1e-37 the logits divided by it overflow float32)")
+    return value
+
+
 def parse_stop(value: object, name: str = "stop") -> tuple[str, ...]:
     """Stop strings: one string is one stop string; otherwise a sequence of non-empty strings."""
     if value is None:

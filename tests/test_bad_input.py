@@ -58,6 +58,7 @@ BAD_OVERRIDES = [
     (["sampling.temperature=inf"], "sampling.temperature must be >= 0 (0 = greedy), got inf"),
     (["sampling.temperature=nan"], "sampling.temperature must be >= 0"),
     (["sampling.temperature=-1"], "sampling.temperature must be >= 0"),
+    (["sampling.temperature=1e-40"], "sampling.temperature must be 0 (greedy) or at least 1e-06, got 1e-40"),
     (["sampling.temperature=hot"], "invalid value in sampling.temperature=hot: Value 'hot' of type 'str' could not"),
     (["sampling.top_p=0"], "sampling.top_p must be in (0, 1]"),
     (["sampling.repetition_penalty=-inf"], "sampling.repetition_penalty must be > 0"),
@@ -206,6 +207,7 @@ BENCH = ["target=tiny", "drafter=ngram", "threads=1", "bench.num_prompts=2", "be
 @pytest.mark.parametrize("extra, fragment", [
     (["bench.num_prompts=0"], "bench.num_prompts must be a positive integer (or null = every prompt), got 0"),
     (["bench.temperatures=[-1]"], "bench.temperatures must hold finite numbers >= 0 (0 = greedy), got -1"),
+    (["bench.temperatures=[1e-40]"], "bench.temperatures must be 0 (greedy) or at least 1e-06, got 1e-40"),
     (["bench.gammas=[]"], "bench.gammas needs at least one value"),
 ])
 def test_bench_settings_messages(monkeypatch, capsys, extra, fragment):

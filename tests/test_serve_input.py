@@ -95,6 +95,8 @@ def test_a_body_nested_too_deeply_is_400_not_500(app):
                                                   "character 3"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\udcff"}]},
      "/v1/chat/completions", "messages[1].content is not valid Unicode text: a lone surrogate U+DCFF"),
+    # logits / 1e-40 overflow float32: the NaN distribution was a 500 after the request was queued
+    ({"prompt": "hi", "temperature": 1e-40}, "/v1/completions", "temperature must be 0 (greedy) or at least 1e-06"),
 ])
 def test_unknown_roles_and_empty_prompts_are_400(app, payload, path, message):
     status, body, _ = call(app, [json.dumps({"model": "tiny", "max_tokens": 2, **payload}).encode()], path=path)

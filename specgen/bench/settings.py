@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from specgen.bench.baselines import HF_KERNELS
 from specgen.bench.llama_baselines import LLAMA_METHODS
 from specgen.errors import ConfigError
-from specgen.options import parse_bool, parse_int, parse_seed
+from specgen.options import check_temperature, parse_bool, parse_int, parse_seed
 from specgen.planning import AUTO
 
 BASELINES = ("plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", *LLAMA_METHODS)
@@ -84,4 +84,4 @@ def _as_list(value) -> list:
 def _temperature(value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ConfigError(f"bench.temperatures must hold finite numbers >= 0 (0 = greedy), got {value!r}")
-    return float(value)
+    return check_temperature(float(value), "bench.temperatures")

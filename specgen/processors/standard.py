@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from specgen.errors import ConfigError
+from specgen.options import check_temperature
 from specgen.processors.history import History
 
 NEG_INF = float("-inf")
@@ -62,7 +63,7 @@ class Temperature(Processor):
 
     def __init__(self, temperature: float):
         _check(temperature > 0, f"sampling.temperature must be > 0 here (0 means greedy), got {temperature}")
-        self.temperature = float(temperature)
+        self.temperature = check_temperature(float(temperature), "sampling.temperature")
 
     def __call__(self, logits, history):
         return logits.div_(self.temperature)

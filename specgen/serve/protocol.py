@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from specgen.errors import SpecgenError
 from specgen.events import Generation
-from specgen.options import RequestOptions, check_prompt, parse_int, parse_seed, parse_stop
+from specgen.options import RequestOptions, check_prompt, check_temperature, parse_int, parse_seed, parse_stop
 
 #: Fields accepted but with no effect on the output (OpenAI bookkeeping).
 _NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier"})
@@ -165,8 +165,10 @@ def _common(body: Mapping, kind: str, max_tokens_name: str) -> dict:
     options = RequestOptions(seed=seed, stop=_guarded(parse_stop, body.get("stop"), "stop", param="stop"),
                              schema=_schema(body),
                              max_new_tokens=None if max_tokens is None else _max_tokens(max_tokens, max_tokens_name))
-    sampling = Sampling(_number(body, "temperature", 0.0, None, low_allowed=True),
-                        _number(body, "top_p", 0.0, 1.0, low_allowed=False))
+    temperature = _number(body, "temperature", 0.0, None, low_allowed=True)
+    if temperature is not None:
+        _guarded(check_temperature, temperature, param="temperature")
+    sampling = Sampling(temperature, _number(body, "top_p", 0.0, 1.0, low_allowed=False))
     return {"kind": kind, "options": options, "sampling": sampling, "seed": seed, "stream": stream,
             "include_usage": stream and bool(usage.get("include_usage", False))}
 
