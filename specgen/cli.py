@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 from specgen.checks import check_run_config
 from specgen.config import conf_dir, exits_on_error, run_console, to_container
-from specgen.errors import PromptError
+from specgen.errors import PromptError, not_utf8
 from specgen.events import FinishEvent, Generation
 from specgen.jsonl import Summary
 from specgen.options import check_prompt, check_prompt_size, prompt_size_bound, size_error
@@ -97,7 +97,7 @@ def _read_file(path: Path, limit: int | None, context_length: int | None) -> str
             raise size_error(f"prompt_file {path}", len(data), "bytes or more", context_length)
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise PromptError(f"prompt_file {path} is not UTF-8 text ({_where(exc)})") from None
+        raise PromptError(not_utf8(f"prompt_file {path}", exc)) from None
     except OSError as exc:
         raise PromptError(f"cannot read prompt_file {path}: {exc.strerror or exc}") from None
 
@@ -113,11 +113,7 @@ def _read_text(stream, name: str, limit: int | None = None, context_length: int 
     try:
         return data.decode("utf-8") if raw is not None else data
     except UnicodeDecodeError as exc:
-        raise PromptError(f"{name} is not UTF-8 text ({_where(exc)})") from None
-
-
-def _where(exc: UnicodeDecodeError) -> str:
-    return f"byte 0x{exc.object[exc.start]:02x} at offset {exc.start}"
+        raise PromptError(not_utf8(name, exc)) from None
 
 
 def summary_line(gen: Generation) -> str:

@@ -11,6 +11,12 @@ def first_line(exc: BaseException, default: str | None = None) -> str:
     return text.splitlines()[0] if text else (default or type(exc).__name__)
 
 
+def not_utf8(what: str, exc: UnicodeDecodeError, offset: int = 0) -> str:
+    """``'<what> is not UTF-8 text (byte 0xe9 at offset 3)'``: where decoding bytes that start at byte
+    ``offset`` of ``what`` failed with ``exc``."""
+    return f"{what} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {offset + exc.start})"
+
+
 class SpecgenError(Exception):
     """Base class for user-facing errors with a clear, specific message."""
 

@@ -44,7 +44,7 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specgen.errors import ConfigError, PromptError, SpecgenError, first_line
+from specgen.errors import ConfigError, PromptError, SpecgenError, first_line, not_utf8
 from specgen.events import FinishEvent, Generation
 from specgen.jsonl_output import RecordWriter, scan_output, sort_records
 from specgen.options import RequestOptions, check_prompt, check_prompt_size, prompt_size_bound, request_options
@@ -175,8 +175,7 @@ def _decode_line(line: bytes, path: Path, offset: int) -> str:
     try:
         return line.decode("utf-8-sig" if offset == 0 else "utf-8").rstrip("\n")
     except UnicodeDecodeError as exc:
-        raise PromptError(f"prompt_file {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "
-                          f"at offset {offset + exc.start})") from None
+        raise PromptError(not_utf8(f"prompt_file {path}", exc, offset)) from None
 
 
 def result_record(row: Row, gen: Generation) -> dict:

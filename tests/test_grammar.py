@@ -35,6 +35,7 @@ from specgen.grammar import (
 )
 from specgen.grammar import backend as grammar_backend
 from specgen.grammar.backend import CompiledAutomaton
+from specgen.grammar.spec import GRAMMAR_FILE_BYTES
 from specgen.models.tiny import TinyTokenizer
 from specgen.models.tokenizer import TokenizerInfo
 from specgen.processors import History
@@ -474,6 +475,28 @@ def test_bad_input_is_a_clear_config_error(name):
     with pytest.raises(ConfigError, match=re.escape(message)) as caught:
         grammar_processor(spec, char_info(PRINTABLE_ASCII))
     assert "\n" not in str(caught.value) and len(str(caught.value)) < 300, "one short line"
+
+
+def test_grammar_files_that_are_not_text_are_one_config_error(tmp_path):
+    """A regex file that was not UTF-8 raised UnicodeDecodeError (a traceback, status 1); a directory was said
+    not to exist; inline JSON that is not an object was taken for a file name."""
+    info = char_info(PRINTABLE_ASCII)
+    latin = tmp_path / "latin1.re"
+    latin.write_bytes(b"caf\xe9[0-9]+\n")
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (GRAMMAR_FILE_BYTES + 1))
+    cases = [({"kind": "regex", "pattern_file": str(latin)}, f"regex file '{latin}' is not UTF-8 text (byte 0xe9 at "
+              "offset 3)"),
+             ({"kind": "regex", "pattern_file": str(tmp_path)}, f"regex file '{tmp_path}' is a directory"),
+             ({"kind": "json_schema", "schema": str(latin)}, f"schema file '{latin}' is not UTF-8 text (byte 0xe9"),
+             ({"kind": "json_schema", "schema": str(tmp_path)}, f"schema file '{tmp_path}' is a directory"),
+             ({"kind": "json_schema", "schema": str(big)}, f"schema file '{big}' holds more than 4,194,304 bytes"),
+             ({"kind": "json_schema", "schema": "[1, 2]"}, "grammar.schema must be a JSON object (a JSON schema), "
+              "not list")]
+    for spec, message in cases:
+        with pytest.raises(ConfigError) as caught:
+            grammar_processor(spec, info)
+        assert str(caught.value).startswith(message), caught.value
 
 
 def test_grammar_the_tokenizer_cannot_spell_is_refused():

@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from specgen.errors import ConfigError, first_line
+from specgen.errors import ConfigError, first_line, not_utf8
 
 #: Whitespace allowed between JSON tokens: at most one space keeps small models on track
 #: ("" gives compact JSON, whose longer forced runs suit speculation).
@@ -164,10 +164,7 @@ def _pattern(pattern, pattern_file) -> str:
     if pattern is not None and pattern_file not in _MISSING:
         raise ConfigError("give grammar.pattern or grammar.pattern_file, not both")
     if pattern_file not in _MISSING:
-        path = pathlib.Path(str(pattern_file)).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"regex file {str(pattern_file)!r} does not exist")
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        lines = [line for line in _read_file(str(pattern_file), "regex file").splitlines() if line.strip()]
         if len(lines) != 1:
             raise ConfigError(f"regex file {str(pattern_file)!r} must hold exactly one non-empty line")
         return lines[0]
@@ -193,22 +190,51 @@ def load_schema(value) -> tuple[dict, str]:
         raise ConfigError(f"grammar.schema must be a dict, JSON text, a file path or a pydantic model "
                           f"class; got {type(value).__name__}")
     text = str(value).strip()
-    if text.startswith("{"):
+    if text.startswith(("{", "[")):
         try:
             parsed = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"grammar.schema is not valid JSON: {exc}") from exc
+        if not isinstance(parsed, Mapping):
+            raise ConfigError(f"grammar.schema must be a JSON object (a JSON schema), not {type(parsed).__name__}")
         return _plain(parsed), _short(text)
-    path = pathlib.Path(text).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"schema file {text!r} does not exist (give a path to a .json file or inline JSON)")
     try:
-        parsed = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        parsed = json.loads(_read_file(text, "schema file", " (give a path to a .json file or inline JSON)"))
+    except json.JSONDecodeError as exc:
         raise ConfigError(f"schema file {text!r} is not valid JSON: {first_line(exc)}") from exc
     if not isinstance(parsed, Mapping):
         raise ConfigError(f"schema file {text!r} must contain a JSON object, not {type(parsed).__name__}")
-    return _plain(parsed), path.name
+    return _plain(parsed), pathlib.Path(text).name
+
+
+#: The most bytes a schema or regex file may have: a bigger one is refused before it is read.
+GRAMMAR_FILE_BYTES = 4 * 2**20
+
+
+def _read_file(name: str, what: str, hint: str = "") -> str:
+    """The UTF-8 text of the file ``name`` (``what``: "regex file" or "schema file", for messages).
+
+    ConfigError when it does not exist (+ ``hint``), is a directory or not a regular file, holds more than
+    :data:`GRAMMAR_FILE_BYTES`, cannot be read or is not UTF-8."""
+    path = pathlib.Path(name).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"{what} {name!r} is a directory; give the path of a file")
+    if not path.exists():
+        raise ConfigError(f"{what} {name!r} does not exist{hint}")
+    if not path.is_file():
+        raise ConfigError(f"{what} {name!r} is not a regular file")
+    try:
+        with open(path, "rb") as file:
+            data = file.read(GRAMMAR_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {name!r}: {exc.strerror or exc}") from None
+    if len(data) > GRAMMAR_FILE_BYTES:
+        raise ConfigError(f"{what} {name!r} holds more than {GRAMMAR_FILE_BYTES:,} bytes; a grammar that big "
+                          "cannot compile in time")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(not_utf8(f"{what} {name!r}", exc)) from None
 
 
 def _plain(value):
