@@ -176,13 +176,22 @@ def check_jsonl_paths(cfg: Mapping) -> None:
 
 
 def parse_threads(value: object, name: str = "threads") -> int | str:
-    """``"auto"`` (physical cores) or a positive int, else :class:`ConfigError` naming ``name``."""
+    """``"auto"`` (physical cores) or a positive int up to the logical CPUs this process may use, else
+    :class:`ConfigError` naming ``name``. More threads than CPUs only wait on each other, and a count
+    like 100000 made the thread pool raise MemoryError."""
+    from specgen.models.threads import logical_cpus
+
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return "auto"
     try:
-        return parse_int(value, name, minimum=1)
+        threads = parse_int(value, name, minimum=1)
     except ConfigError:
         raise ConfigError(f"{name} must be a positive integer or auto, got {value!r}") from None
+    cpus = logical_cpus()
+    if threads > cpus:
+        raise ConfigError(f"{name}={threads} is more than the {cpus} CPUs this process may run on; "
+                          f"give at most {cpus}, or auto")
+    return threads
 
 
 def check_sampling(sampling: Mapping) -> dict:

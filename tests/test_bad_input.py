@@ -50,6 +50,7 @@ BAD_OVERRIDES = [
     (["max_new_tokens=abc"], "max_new_tokens must be an integer, got 'abc'"),
     (["threads=abc"], "threads must be a positive integer or auto, got 'abc'"),
     (["threads=0"], "threads must be a positive integer or auto"),
+    (["threads=100000"], "threads=100000 is more than the"),  # the thread pool raised MemoryError
     (["seed=abc"], "seed must be an integer, got 'abc'"),
     (["seed=99999999999999999999999"], "seed must be at most 18446744073709551615"),
     (["seed=-1"], "seed must be at least 0"),

@@ -37,6 +37,7 @@ def test_set_threads_auto_follows_the_idle_cores(monkeypatch):
     before = torch.get_num_threads()
     try:
         monkeypatch.setattr(threads, "physical_cores", lambda: 4)
+        monkeypatch.setattr(threads, "logical_cpus", lambda: 4)
         monkeypatch.setattr(threads, "runnable_others", lambda: 3)
         assert set_threads("auto") == 1 and torch.get_num_threads() == 1
         monkeypatch.setattr(threads, "runnable_others", lambda: 0)
@@ -44,5 +45,7 @@ def test_set_threads_auto_follows_the_idle_cores(monkeypatch):
         assert set_threads(3) == 3
         with pytest.raises(ConfigError, match="threads must be a positive integer or auto"):
             set_threads(0)
+        with pytest.raises(ConfigError, match="threads=5 is more than the 4 CPUs this process may run on"):
+            set_threads(5)  # 100000 made the thread pool raise MemoryError
     finally:
         torch.set_num_threads(before)

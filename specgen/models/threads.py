@@ -20,12 +20,17 @@ SAMPLES, INTERVAL_S = 5, 0.02
 LOADAVG = Path("/proc/loadavg")
 
 
+def logical_cpus() -> int:
+    """Logical CPUs this process may run on: the most threads that can run at once."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def physical_cores() -> int:
     """Physical cores available to this process (falls back to logical CPUs)."""
-    try:
-        available = len(os.sched_getaffinity(0))
-    except AttributeError:
-        available = os.cpu_count() or 1
+    available = logical_cpus()
     try:
         siblings = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").read_text()
         per_core = len([s for s in siblings.replace("-", ",").split(",") if s.strip()])
