@@ -25,7 +25,9 @@ from specgen.paths import check_output_file
 MISSING = "???"
 
 
-class _Range(NamedTuple):
+class NumberRange(NamedTuple):
+    """The finite numbers a setting takes (:func:`check_number`)."""
+
     low: float | None  # None = no lower bound
     low_allowed: bool  # whether ``low`` itself is allowed
     high: float | None  # inclusive; None = no upper bound
@@ -33,12 +35,12 @@ class _Range(NamedTuple):
 
 
 _SAMPLING_RANGES = {
-    "temperature": _Range(0.0, True, None, ">= 0 (0 = greedy)"),
-    "top_p": _Range(0.0, False, 1.0, "in (0, 1] (1 = off)"),
-    "min_p": _Range(0.0, True, 1.0, "in [0, 1] (0 = off)"),
-    "repetition_penalty": _Range(0.0, False, None, "> 0 (1 = off)"),
-    "presence_penalty": _Range(None, True, None, "a finite number (0 = off)"),
-    "frequency_penalty": _Range(None, True, None, "a finite number (0 = off)"),
+    "temperature": NumberRange(0.0, True, None, ">= 0 (0 = greedy)"),
+    "top_p": NumberRange(0.0, False, 1.0, "in (0, 1] (1 = off)"),
+    "min_p": NumberRange(0.0, True, 1.0, "in [0, 1] (0 = off)"),
+    "repetition_penalty": NumberRange(0.0, False, None, "> 0 (1 = off)"),
+    "presence_penalty": NumberRange(None, True, None, "a finite number (0 = off)"),
+    "frequency_penalty": NumberRange(None, True, None, "a finite number (0 = off)"),
 }
 
 
@@ -198,14 +200,8 @@ def check_sampling(sampling: Mapping) -> dict:
     """The ``sampling`` group with finite numbers in range and usable ``bad_words`` entries."""
     sampling = dict(sampling)
     for key, limits in _SAMPLING_RANGES.items():
-        if key not in sampling:
-            continue
-        value = _finite(sampling[key], f"sampling.{key}", limits.wording)
-        low, high = limits.low, limits.high
-        below = low is not None and (value < low or (value == low and not limits.low_allowed))
-        if below or (high is not None and value > high):
-            raise ConfigError(f"sampling.{key} must be {limits.wording}, got {sampling[key]!r}")
-        sampling[key] = value
+        if key in sampling:
+            sampling[key] = check_number(sampling[key], f"sampling.{key}", limits)
     if "temperature" in sampling:
         check_temperature(sampling["temperature"], "sampling.temperature")
     for key in ("top_k", "min_new_tokens"):
@@ -213,6 +209,17 @@ def check_sampling(sampling: Mapping) -> dict:
             sampling[key] = parse_int(sampling[key], f"sampling.{key}", minimum=0)
     sampling["bad_words"] = [_bad_word(entry, i) for i, entry in enumerate(sampling.get("bad_words") or [])]
     return sampling
+
+
+def check_number(value: object, name: str, limits: NumberRange) -> float:
+    """``value`` as a float: a finite number (an int or float, not a bool or text) within ``limits``, else
+    ConfigError naming ``name`` with the range's wording."""
+    number = _finite(value, name, limits.wording)
+    low, high = limits.low, limits.high
+    below = low is not None and (number < low or (number == low and not limits.low_allowed))
+    if below or (high is not None and number > high):
+        raise ConfigError(f"{name} must be {limits.wording}, got {value!r}")
+    return number
 
 
 def check_source(source: Mapping, where: str) -> None:

@@ -269,6 +269,23 @@ def test_train_takes_top_level_device_dtype_threads():
     assert train["threads"] == 2
 
 
+@pytest.mark.parametrize("extra, fragment", [
+    ("train.lr=-1", "train.lr must be a finite number > 0, got -1"),  # was ValueError from AdamW, status 1
+    ("train.lr=nan", "train.lr must be a finite number > 0, got nan"),
+    ("train.steps=abc", "train.steps must be an integer, got 'abc'"),  # was ValueError from int()
+    ("train.steps=2.7", "train.steps must be an integer, got 2.7"),  # was cut to 2 steps without a word
+    ("train.shard_tokens=abc", "train.shard_tokens must be an integer, got 'abc'"),
+    ("train.seed=-1", "train.seed must be at least 0, got -1"),
+    ("train.min_lr_ratio=2", "train.min_lr_ratio must be in [0, 1], got 2"),
+])
+def test_bad_train_settings_are_one_line_before_loading(monkeypatch, capsys, tmp_path, extra, fragment):
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
+    code, _, err = run_command(monkeypatch, capsys, train_cli.main, "specgen-train", *TRAIN,
+                               f"train.out={tmp_path / 'head.safetensors'}", extra)
+    assert_one_error_line(code, err, "specgen-train", fragment)
+    assert not (tmp_path / "cache").exists()  # refused before the target was loaded
+
+
 def test_train_out_that_is_a_directory_fails_before_training(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
     code, _, err = run_command(monkeypatch, capsys, train_cli.main, "specgen-train", *TRAIN, f"train.out={tmp_path}")

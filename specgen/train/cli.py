@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 
 from specgen.config import compose, conf_dir, exits_on_error, run_console, to_container
 from specgen.errors import ConfigError
+from specgen.options import parse_int
 from specgen.paths import check_output_file
 
 CONFIG_NAME = "train"
@@ -131,8 +132,8 @@ def _prepare(cfg, err) -> _Job:
     if store_dtype is None:
         raise ConfigError(f"train.cache_dtype must be one of {', '.join(_STORE_DTYPES)}")
     for key in ("shard_tokens", "extract_tokens"):
-        if train.get(key) is not None and int(train[key]) < 1:
-            raise ConfigError(f"train.{key} must be >= 1, got {train.get(key)}")
+        if train.get(key) is not None:
+            parse_int(train[key], f"train.{key}", minimum=1)
     threads = set_threads(train.get("threads", "auto"), "train.threads")
     device = resolve_device(str(train.get("device", "auto")))
     dtype = resolve_dtype(str(train.get("dtype", "auto")), device)

@@ -28,9 +28,11 @@ from pathlib import Path
 
 import torch
 
+from specgen.checks import NumberRange, check_number
 from specgen.errors import ConfigError
 from specgen.heads.modules import DraftHead
 from specgen.train.data import Features, lm_logits
+from specgen.options import parse_int, parse_seed
 from specgen.train.losses import LOSSES, acceptance, depth_loss
 
 
@@ -51,20 +53,34 @@ class Settings:
 
     @classmethod
     def from_config(cls, train: dict) -> Settings:
-        fields = cls.__dataclass_fields__
-        known = {k: type(f.default)(train[k]) for k, f in fields.items() if train.get(k) is not None}
-        s = cls(**known)
+        """The loop's settings from the ``train`` group (a key missing or null keeps its default).
+
+        ConfigError naming the first bad ``train.*`` value; nothing is converted (``train.steps=2.7``
+        is refused, not cut to 2; ``train.lr=abc`` is one line, not a ValueError from float()).
+        """
+        s = cls(**{name: train[name] for name in cls.__dataclass_fields__ if train.get(name) is not None})
         if s.loss not in LOSSES:
             raise ConfigError(f"train.loss must be one of {', '.join(LOSSES)}, got {s.loss!r}")
-        for name in ("steps", "batch_tokens", "unroll", "window"):
-            if int(getattr(s, name)) < 1:
-                raise ConfigError(f"train.{name} must be >= 1, got {getattr(s, name)}")
+        for name, minimum in _INTEGERS.items():
+            setattr(s, name, parse_int(getattr(s, name), f"train.{name}", minimum=minimum))
+        s.seed = parse_seed(s.seed, "train.seed")
+        for name, limits in _NUMBERS.items():
+            setattr(s, name, check_number(getattr(s, name), f"train.{name}", limits))
         return s
 
     def signature(self) -> dict:
         out = dict(self.__dict__)
         out.pop("checkpoint_every")
         return out
+
+
+#: The integer settings and their least values (checkpoint_every 0 = no periodic checkpoints).
+_INTEGERS = {"steps": 1, "batch_tokens": 1, "unroll": 1, "window": 1, "warmup_steps": 0, "checkpoint_every": 0}
+#: The real-valued settings (grad_clip 0 = no clipping).
+_NUMBERS = {"lr": NumberRange(0.0, False, None, "a finite number > 0"),
+            "weight_decay": NumberRange(0.0, True, None, "a finite number >= 0"),
+            "min_lr_ratio": NumberRange(0.0, True, 1.0, "in [0, 1]"),
+            "grad_clip": NumberRange(0.0, True, None, "a finite number >= 0 (0 = off)")}
 
 
 def depth_of(head: DraftHead, unroll: int) -> int:
