@@ -210,10 +210,28 @@ BENCH = ["target=tiny", "drafter=ngram", "threads=1", "bench.num_prompts=2", "be
     (["bench.temperatures=[-1]"], "bench.temperatures must hold finite numbers >= 0 (0 = greedy), got -1"),
     (["bench.temperatures=[1e-40]"], "bench.temperatures must be 0 (greedy) or at least 1e-06, got 1e-40"),
     (["bench.gammas=[]"], "bench.gammas needs at least one value"),
+    (["bench.batch_sizes=[100000]"], "bench.batch_sizes must be at most 256, got 100000"),  # was after loading
 ])
 def test_bench_settings_messages(monkeypatch, capsys, extra, fragment):
     code, _, err = run_command(monkeypatch, capsys, bench_cli.main, "specgen-bench", *BENCH, *extra)
     assert_one_error_line(code, err, "specgen-bench", fragment)
+
+
+def test_bench_prompts_and_seeds_are_checked_before_any_model_loads(monkeypatch, capsys, tmp_path):
+    """A prompt file that is not UTF-8 raised UnicodeDecodeError (status 1); a bench.seed whose seed + i
+    passes 2**64 - 1 stopped the run after the first prompt was measured, losing it."""
+    import specgen.bench.runner as runner
+
+    monkeypatch.setattr(runner, "build_variant", lambda *a, **k: pytest.fail("a model was loaded"))
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes(b'{"prompt": "first"}\n{"prompt": "caf\xe9"}\n')
+    code, _, err = run_command(monkeypatch, capsys, bench_cli.main, "specgen-bench", *BENCH,
+                               f"bench.prompts=[{latin}]")
+    assert_one_error_line(code, err, "specgen-bench", f"{latin} is not UTF-8 text (byte 0xe9 at offset 35)")
+    code, _, err = run_command(monkeypatch, capsys, bench_cli.main, "specgen-bench", *BENCH,
+                               "bench.seed=18446744073709551615")
+    assert_one_error_line(code, err, "specgen-bench", "bench.seed=18446744073709551615: prompt i runs with "
+                                                      "bench.seed + i, past the largest seed")
 
 
 def test_bench_out_dir_that_is_a_file_fails_before_running(monkeypatch, capsys, tmp_path):

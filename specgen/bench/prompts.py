@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from specgen.errors import ConfigError
+from specgen.errors import ConfigError, not_utf8
 
 #: A ShareGPT conversation is held out (never used for drafter training, always
 #: usable for benchmarks) when sha256(id) mod HELD_OUT_MODULUS == 0.
@@ -113,11 +113,16 @@ def read_jsonl(path: Path, *, task: str, limit: int | None = None) -> list[Bench
     ``turns`` may be a list of strings (successive user turns, MT-Bench style: the
     first one is used, later turns need the model's answers) or a list of chat
     messages ``{role, content}`` (used as they are). An optional ``task`` field
-    overrides the set's label for that line.
+    overrides the set's label for that line. ConfigError for a line that is not JSON or UTF-8.
     """
-    prompts = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
+    prompts, offset = [], 0
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(not_utf8(str(path), exc, offset)) from None
+            offset += len(raw)
             if not line.strip():
                 continue
             try:

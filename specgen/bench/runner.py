@@ -187,6 +187,7 @@ def run_matrix(cfg: DictConfig, settings: Settings, *, progress: bool = True) ->
 
     run = BenchRun()
     prompts = load_prompt_sets(settings.prompts, settings.num_prompts, run.notes.append)
+    settings.check_seeds(len(prompts))
     bar = tqdm(total=0, desc="specgen-bench", unit="gen", disable=not progress, leave=False)
     encoded = None
     try:

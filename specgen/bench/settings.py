@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from specgen.bench.baselines import HF_KERNELS
 from specgen.bench.llama_baselines import LLAMA_METHODS
 from specgen.errors import ConfigError
-from specgen.options import check_temperature, parse_bool, parse_int, parse_seed
+from specgen.options import SEED_MAX, check_temperature, parse_batch_size, parse_bool, parse_int, parse_seed
 from specgen.planning import AUTO
 
 BASELINES = ("plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", *LLAMA_METHODS)
@@ -46,7 +46,7 @@ class Settings:
                  "baselines", "warmup", "ignore_eos", "seed", "calibration_repeats", "remeasure_costs",
                  "batch_sizes", "batch_repeats", "hf_kernels")
         settings = cls(**{name: bench[name] for name in names if name in bench})
-        settings.batch_sizes = sorted({parse_int(b, "bench.batch_sizes", minimum=1)
+        settings.batch_sizes = sorted({parse_batch_size(b, "bench.batch_sizes")
                                        for b in _as_list(settings.batch_sizes or [])})
         settings.batch_repeats = parse_int(settings.batch_repeats, "bench.batch_repeats", minimum=1)
         settings.gammas = [AUTO if str(g).strip().lower() == AUTO else parse_int(g, "bench.gammas", minimum=1)
@@ -75,6 +75,13 @@ class Settings:
         if settings.hf_kernels not in HF_KERNELS:
             raise ConfigError(f"bench.hf_kernels: unknown {settings.hf_kernels!r}; choose from {list(HF_KERNELS)}")
         return settings
+
+    def check_seeds(self, prompts: int) -> None:
+        """ConfigError when the seed of the last of ``prompts`` prompts (prompt i runs with bench.seed + i)
+        would pass the largest seed: checked once the prompts are read, before any model loads."""
+        if self.seed + prompts - 1 > SEED_MAX:
+            raise ConfigError(f"bench.seed={self.seed}: prompt i runs with bench.seed + i, past the largest seed "
+                              f"{SEED_MAX} for {prompts} prompts; give bench.seed={SEED_MAX - prompts + 1} or less")
 
 
 def _as_list(value) -> list:
