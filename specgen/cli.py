@@ -38,12 +38,15 @@ _RESET = "\033[0m"
 def check_prompt_source(cfg: dict, stdin=None) -> None:
     """PromptError for a prompt source that cannot give a prompt, found without reading it: both
     ``prompt`` and ``prompt_file``, an empty ``prompt``, a ``prompt_file`` that is missing or not a
-    regular file, or no source at all (nothing given and stdin a terminal)."""
+    regular file, ``-`` (stdin) with stdin closed, or no source at all (nothing given and stdin a terminal)."""
     stdin = sys.stdin if stdin is None else stdin
     prompt, prompt_file = cfg.get("prompt"), cfg.get("prompt_file")
     if prompt is not None and prompt_file is not None:
         raise PromptError("give prompt= or prompt_file=, not both")
     if prompt == "-" or prompt_file == "-":
+        if stdin is None:  # started with stdin closed (<&-): Python has no sys.stdin at all
+            raise PromptError(f"{'prompt' if prompt == '-' else 'prompt_file'}=- reads stdin, but stdin is closed; "
+                              "pipe the prompt in, or give prompt=\"...\" or prompt_file=PATH")
         return
     if prompt_file == "":
         raise PromptError("prompt_file is empty; give the path of a text file (or - for stdin)")

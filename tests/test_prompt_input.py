@@ -80,6 +80,17 @@ def test_cli_empty_stdin_is_one_line(monkeypatch, capsys, no_tokenising):
     assert out == ""
 
 
+@pytest.mark.parametrize("source", ["prompt=-", "prompt_file=-"])
+def test_cli_reading_a_closed_stdin_is_one_line_before_loading(monkeypatch, capsys, source):
+    """Started with stdin closed (``<&-``), Python has no sys.stdin: prompt=- raised AttributeError after loading."""
+    import specgen.build
+
+    monkeypatch.setattr(specgen.build, "build_pipeline", lambda cfg: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(sys, "stdin", None)
+    code, out, err = run_command(monkeypatch, capsys, cli.main, "specgen", *TINY_ARGS, source)
+    assert_one_error_line(code, err, "specgen", f"{source} reads stdin, but stdin is closed")
+
+
 def test_a_huge_prompt_file_is_refused_by_its_size(monkeypatch, capsys, tmp_path, no_tokenising):
     """A sparse 400 MB file: refused from its size alone (nothing read or tokenised), in little memory."""
     big = tmp_path / "big.txt"
