@@ -72,3 +72,12 @@ def test_backend_auto_serves_the_default_model_on_llama_cpp():
     assert pipe.target.backend == "llama_cpp"
     eagle = specgen.pipeline("threads=1", "backend=auto", "drafter=eagle", progress=False)
     assert eagle.target.backend == "torch"
+
+
+def test_the_gguf_runs_on_llama_cpp_without_a_weight_conversion(tmp_path, monkeypatch):
+    """Only the tokenizer is read from the GGUF: nothing is dequantised, and a GGUF joined from parts
+    into the cache is not removed by a conversion before llama.cpp opens it."""
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
+    plain = specgen.pipeline("threads=1", "backend=llama_cpp", "speculative=false", progress=False)
+    assert len(plain.generate(PROMPTS[0], max_new_tokens=4).token_ids) == 4
+    assert [p.name for p in (tmp_path / "tokenizers").iterdir()] and not (tmp_path / "converted").exists()

@@ -146,7 +146,7 @@ def load_llama_cpp(source: Mapping, *, name: str, threads: int, extra_eos: tuple
         path, tokenizer, eos = tiny_gguf(model, writable_cache_dir("gguf"), tiny_type), TinyTokenizer(model.config.vocab_size), []
     else:
         path = gguf_file(source, progress=progress)
-        tokenizer, eos = load_tokenizer(source, progress=progress)
+        tokenizer, eos = load_tokenizer(source, progress=progress, gguf=path)
     info = TokenizerInfo(tokenizer, (*extra_eos, *eos))
     lm = LlamaCppLM(path, vocab_size=vocab_size or info.vocab_size, name=name, threads=threads, sequences=sequences,
                     batch_row_context=batch_row_context,

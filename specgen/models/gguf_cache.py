@@ -5,8 +5,9 @@ converted once (dequantised) to ``model.safetensors`` plus tokenizer files under
 ``cache_root()/converted/<sha256 of the gguf>`` (suffixed ``-<cache_dtype>`` unless
 float32). A conversion is written to a temporary directory and renamed into place,
 so an interrupted conversion never leaves a partial cache entry; a complete entry
-holds ``config.json``, ``model.safetensors`` and the source marker. File hashes are
-remembered by (path, size, mtime) so an unchanged file is not hashed again.
+holds ``config.json``, ``model.safetensors`` and the source marker. A run on llama.cpp needs
+only the tokenizer: :func:`tokenizer_files` writes it alone under ``cache_root()/tokenizers/<sha256>``.
+File hashes are remembered by (path, size, mtime) so an unchanged file is not hashed again.
 """
 
 from __future__ import annotations
@@ -195,12 +196,48 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+def tokenizer_files(gguf_path: pathlib.Path, progress: bool) -> pathlib.Path:
+    """Cache directory holding ``gguf_path``'s tokenizer and generation config, read from its metadata
+    once (the weights are not converted: what a GGUF run on llama.cpp needs). The files are those a
+    conversion writes."""
+    from transformers import GenerationConfig
+
+    check_gguf_file(gguf_path)
+    target = cache_root() / "tokenizers" / file_sha256(gguf_path)
+    if (target / _MARKER).is_file():
+        return target
+    say(progress, f"reading the tokenizer of {gguf_path.name} (one-time) ...")
+    writable_cache_dir("tokenizers")
+    _remove_stale_temps(target.parent)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=target.parent))
+    try:
+        config, tokenizer = _read_gguf(gguf_path, lambda: _gguf_config(gguf_path))
+        tokenizer.save_pretrained(str(tmp))
+        GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
+        tmp.chmod(0o755)
+        (tmp / _MARKER).write_text(json.dumps({"source": str(gguf_path), "name": gguf_path.name}))
+        if target.exists():
+            shutil.rmtree(target)
+        _install(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def _convert_gguf(gguf_path: pathlib.Path, out_dir: pathlib.Path, dtype: torch.dtype) -> None:
     """Write ``gguf_path`` dequantised, in ``dtype``, as an HF directory (safetensors + tokenizer)."""
+    model, tokenizer = _read_gguf(gguf_path, lambda: _dequantised_model(gguf_path))
+    model.to(dtype).save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def _read_gguf(gguf_path: pathlib.Path, read):
+    """``(read(), tokenizer)`` of ``gguf_path`` (the tokenizer with the GGUF's chat template);
+    ModelLoadError naming the file when either cannot be read."""
     from transformers import AutoTokenizer
 
     try:
-        model = _dequantised_model(gguf_path)
+        value = read()
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except struct.error as error:
         raise ModelLoadError(f"{gguf_path} ends inside its GGUF header, so the file is truncated or corrupt; "
@@ -212,8 +249,13 @@ def _convert_gguf(gguf_path: pathlib.Path, out_dir: pathlib.Path, dtype: torch.d
         ) from error
     if not tokenizer.chat_template:
         tokenizer.chat_template = _gguf_string(gguf_path, "tokenizer.chat_template")
-    model.to(dtype).save_pretrained(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
+    return value, tokenizer
+
+
+def _gguf_config(gguf_path: pathlib.Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
 def _dequantised_model(gguf_path: pathlib.Path):
@@ -222,10 +264,10 @@ def _dequantised_model(gguf_path: pathlib.Path):
     ``from_pretrained(gguf_file=...)`` is not used: in transformers 5 it needs
     ``accelerate`` and returns a model that refuses ``save_pretrained``.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    config = _gguf_config(gguf_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]

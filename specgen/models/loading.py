@@ -116,13 +116,14 @@ def gguf_file(source: Mapping, *, progress: bool = True) -> pathlib.Path:
     return path
 
 
-def load_tokenizer(source: Mapping, *, progress: bool = True):
-    """``(tokenizer, generation-config EOS ids)`` of a source, without loading its weights
-    (a GGUF source is converted once, as for :func:`load_model_and_tokenizer`)."""
+def load_tokenizer(source: Mapping, *, progress: bool = True, gguf: pathlib.Path | None = None):
+    """``(tokenizer, generation-config EOS ids)`` of a source, without loading its weights: read from
+    ``gguf`` (the source's GGUF file) when given, else from the source's model directory (a GGUF
+    source is then converted once, as for :func:`load_model_and_tokenizer`)."""
     from transformers import AutoTokenizer, GenerationConfig
 
     trust = source.get("trust_remote_code") is True
-    model_dir = resolve_model_dir(source, progress=progress)
+    model_dir = gguf_cache.tokenizer_files(gguf, progress) if gguf else resolve_model_dir(source, progress=progress)
     tokenizer_source = source.get("tokenizer")
     tokenizer_dir = resolve_model_dir(tokenizer_source, progress=progress) if tokenizer_source else model_dir
     try:
