@@ -35,7 +35,7 @@ from specgen.grammar import (
 )
 from specgen.grammar import backend as grammar_backend
 from specgen.grammar.backend import CompiledAutomaton
-from specgen.grammar.spec import GRAMMAR_FILE_BYTES
+from specgen.grammar.spec import GRAMMAR_FILE_BYTES, MAX_SCHEMA_DEPTH
 from specgen.models.tiny import TinyTokenizer
 from specgen.models.tokenizer import TokenizerInfo
 from specgen.processors import History
@@ -497,6 +497,20 @@ def test_grammar_files_that_are_not_text_are_one_config_error(tmp_path):
         with pytest.raises(ConfigError) as caught:
             grammar_processor(spec, info)
         assert str(caught.value).startswith(message), caught.value
+
+
+def test_a_schema_nested_too_deeply_is_one_config_error():
+    """A 500-level schema (20 KB of JSON) ran _plain out of Python's stack: RecursionError, a 500 from the
+    server, a traceback from the CLI, a JSONL run stopped mid-file. MAX_SCHEMA_DEPTH levels still compile."""
+    info = char_info(PRINTABLE_ASCII)
+
+    def nested(levels: int) -> str:
+        return '{"type": "array", "items": ' * (levels - 1) + '{"type": "string"}' + "}" * (levels - 1)
+
+    grammar_processor({"kind": "json_schema", "schema": json.loads(nested(MAX_SCHEMA_DEPTH))}, info)
+    for schema in (json.loads(nested(MAX_SCHEMA_DEPTH + 1)), nested(500), nested(100_000)):
+        with pytest.raises(ConfigError, match="grammar.schema nests objects and arrays more than 100 levels deep"):
+            grammar_processor({"kind": "json_schema", "schema": schema}, info)
 
 
 def test_grammar_the_tokenizer_cannot_spell_is_refused():

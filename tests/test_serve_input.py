@@ -103,6 +103,17 @@ def test_unknown_roles_and_empty_prompts_are_400(app, payload, path, message):
     assert status == 400 and body["error"]["message"].startswith(message), body
 
 
+def test_a_schema_nested_too_deeply_is_400_not_500():
+    """500 levels of {"type": "array", "items": ...} (20 KB) fit the body limit but ran the schema walk out of
+    Python's stack: a 500."""
+    schema = '{"type": "array", "items": ' * 500 + '{"type": "string"}' + "}" * 500
+    body = ('{"model": "tiny", "prompt": "hi", "max_tokens": 2, "response_format": {"type": "json_schema", '
+            '"json_schema": {"schema": ' + schema + "}}}")
+    status, reply, _ = call(create_app(tiny_pipeline("drafter.num_tokens=3")), [body.encode()])
+    assert status == 400, reply
+    assert reply["error"]["message"] == "grammar.schema nests objects and arrays more than 100 levels deep; flatten it"
+
+
 def test_a_prompt_too_big_for_the_context_is_400_before_tokenising(monkeypatch):
     from specgen.models.tokenizer import TokenizerInfo
 

@@ -183,7 +183,8 @@ def load_schema(value) -> tuple[dict, str]:
             raise ConfigError(f"schema class {value.__name__} is not a pydantic model (no model_json_schema)")
         return dump(), value.__name__
     if isinstance(value, Mapping):
-        return _plain(value), _short(json.dumps(_plain(value), sort_keys=True))
+        schema = _shallow(value, "grammar.schema")
+        return schema, _short(json.dumps(schema, sort_keys=True))
     if isinstance(value, bool):
         raise ConfigError("boolean schemas (true/false) are not supported; give an object schema")
     if not isinstance(value, (str, pathlib.Path)):
@@ -195,16 +196,46 @@ def load_schema(value) -> tuple[dict, str]:
             parsed = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"grammar.schema is not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise _too_deep("grammar.schema") from None
         if not isinstance(parsed, Mapping):
             raise ConfigError(f"grammar.schema must be a JSON object (a JSON schema), not {type(parsed).__name__}")
-        return _plain(parsed), _short(text)
+        return _shallow(parsed, "grammar.schema"), _short(text)
     try:
         parsed = json.loads(_read_file(text, "schema file", " (give a path to a .json file or inline JSON)"))
     except json.JSONDecodeError as exc:
         raise ConfigError(f"schema file {text!r} is not valid JSON: {first_line(exc)}") from exc
+    except RecursionError:
+        raise _too_deep(f"schema file {text!r}") from None
     if not isinstance(parsed, Mapping):
         raise ConfigError(f"schema file {text!r} must contain a JSON object, not {type(parsed).__name__}")
-    return _plain(parsed), pathlib.Path(text).name
+    return _shallow(parsed, f"schema file {text!r}"), pathlib.Path(text).name
+
+
+#: The deepest nesting of objects and arrays a schema may have. A deeper one is refused before any walk
+#: over it (``_plain``, the schema checks) runs out of Python's stack: a 500-level schema was a
+#: RecursionError. llguidance's JSON parser stops at 128 levels of its own input, which wraps the schema;
+#: real schemas stay far below either.
+MAX_SCHEMA_DEPTH = 100
+
+
+def _shallow(schema: Mapping, what: str) -> dict:
+    """``schema`` as plain dicts and lists, ConfigError (naming it as ``what``) when its objects and arrays
+    nest more than :data:`MAX_SCHEMA_DEPTH` levels deep; measured without recursion."""
+    stack = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, Mapping) else value if _is_list(value) else None
+        if children is None:
+            continue
+        if depth > MAX_SCHEMA_DEPTH:
+            raise _too_deep(what)
+        stack.extend((child, depth + 1) for child in children)
+    return _plain(schema)
+
+
+def _too_deep(what: str) -> ConfigError:
+    return ConfigError(f"{what} nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep; flatten it")
 
 
 #: The most bytes a schema or regex file may have: a bigger one is refused before it is read.
@@ -241,9 +272,14 @@ def _plain(value):
     """Deep copy into plain dict/list (OmegaConf containers included)."""
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) or (hasattr(value, "__iter__") and type(value).__name__ == "ListConfig"):
+    if _is_list(value):
         return [_plain(v) for v in value]
     return value
+
+
+def _is_list(value) -> bool:
+    """A list, tuple or OmegaConf ListConfig."""
+    return isinstance(value, (list, tuple)) or (hasattr(value, "__iter__") and type(value).__name__ == "ListConfig")
 
 
 def _short(text: str, limit: int = 60) -> str:
