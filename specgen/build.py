@@ -124,6 +124,12 @@ def _batch_invariance(guarantee: Guarantee, lm, max_tokens: int) -> Guarantee:
                      "GGUFs with llama_cpp.flash_attention=on measured bit-exact")
 
 
+def _repack(setting: str, name: str) -> str:
+    """llama_cpp.repack for the model called ``name``: a draft model's q is whatever it computes,
+    so it keeps repacked weights unless they are switched off."""
+    return setting if name == "target" or setting == "off" else "on"
+
+
 def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
     """Check ``cfg``'s values, instantiate everything it describes and decide the run's guarantee.
 
@@ -145,7 +151,8 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
                                   sequences=int(llama.get("sequences", 64)),
                                   tiny_type=str(llama.get("tiny_type", "Q8_0")),
                                   batch_row_context=int(llama.get("batch_row_context", 4096)),
-                                  flash_attention=str(llama.get("flash_attention", "on")), vocab_size=vocab_size)
+                                  flash_attention=str(llama.get("flash_attention", "on")), vocab_size=vocab_size,
+                                  repack=_repack(str(llama.get("repack", "auto")), name))
         return load_model(source, name=name, dtype=dtype, device=device, extra_eos=extra_eos, progress=progress,
                           packed=packed, vocab_size=vocab_size)
 

@@ -90,6 +90,7 @@ def check_run_config(cfg: Mapping) -> dict:
 #: The llama.cpp group's choices (specgen.models.llama_cpp, specgen.models.gguf_write).
 LLAMA_FLASH_MODES = ("auto", "off", "on")
 LLAMA_TINY_TYPES = ("Q8_0", "F32")
+LLAMA_REPACK_MODES = ("auto", "on", "off")
 #: KV handles a run holds at once on one llama.cpp context: a request's, the cost measurement's and
 #: the batch-invariance probe's.
 LLAMA_MIN_SEQUENCES = 3
@@ -116,7 +117,8 @@ def check_llama_cpp(section: Mapping) -> dict:
     except ConfigError:
         raise ConfigError(f"llama_cpp.batch_row_context must be an integer of at least {LLAMA_MIN_ROW_CONTEXT} "
                           f"(tokens), got {section.get('batch_row_context')!r}") from None
-    for key, choices, default in (("flash_attention", LLAMA_FLASH_MODES, "on"), ("tiny_type", LLAMA_TINY_TYPES, "Q8_0")):
+    for key, choices, default in (("flash_attention", LLAMA_FLASH_MODES, "on"), ("tiny_type", LLAMA_TINY_TYPES, "Q8_0"),
+                                  ("repack", LLAMA_REPACK_MODES, "auto")):
         value = str(section.get(key, default))
         if value not in choices:
             raise ConfigError(f"llama_cpp.{key}={value!r} is not one of {', '.join(choices)}")

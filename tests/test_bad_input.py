@@ -373,7 +373,9 @@ def test_gguf_cut_inside_its_header(monkeypatch, tmp_path):
     cut.write_bytes(b"GGUF\x03\x00\x00\x00\x01")
     with pytest.raises(ModelLoadError, match="ends inside its GGUF header"):
         specgen.pipeline("target=gguf", f"target.source.path={cut}", "drafter=none", "threads=1", progress=False)
-    assert [p.name for p in (tmp_path / "cache" / "converted").iterdir()] == []
+    folders = [tmp_path / "cache" / name for name in ("converted", "tokenizers")]  # torch or llama.cpp's cache
+    assert any(f.is_dir() for f in folders)
+    assert [p.name for f in folders if f.is_dir() for p in f.iterdir()] == []  # no partial entry left
 
 
 @pytest.mark.parametrize("where", ["file", "file/below"])

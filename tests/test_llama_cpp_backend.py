@@ -91,8 +91,29 @@ def test_a_build_with_amx_kernels_loads_without_its_extra_weight_buffers(monkeyp
                         lambda path, params: (loaded.append(params.use_extra_bufts), original(path, params))[1])
     for info, extra in ((b"AVX2 = 1 | AMX_INT8 = 1 | OPENMP = 1", False), (b"AVX2 = 1 | AMX_INT8 = 0 |", True)):
         monkeypatch.setattr(lib, "llama_print_system_info", lambda info=info: info)
-        load_llama_cpp(TINY_SOURCE, name="t", threads=1)
-        assert loaded[-1] is extra
+        loaded.clear()
+        load_llama_cpp(TINY_SOURCE, name="t", threads=1, repack="on")
+        assert loaded == [extra]
+
+
+def test_repacked_weights_are_kept_only_where_a_decode_width_is_batch_invariant(monkeypatch):
+    monkeypatch.setattr(llama_cpp, "_has_amx_kernels", lambda lib: False)
+    monkeypatch.setattr(llama_cpp.LlamaCppLM, "_gaps_after",  # as if repacking made every width differ
+                        lambda self, prefix, widths: {w: 0.5 if self.repacked else 0.0 for w in widths})
+    auto = load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm
+    assert not auto.repacked and auto.verify_gap([2, 4]) == (0.0, 2) and "repacked" not in auto.describe()["dtype"]
+    on = load_llama_cpp(TINY_SOURCE, name="t", threads=1, repack="on").lm
+    assert on.repacked and on.verify_gap([2])[0] == 0.5 and on.describe()["dtype"].endswith(", repacked")
+    monkeypatch.setattr(llama_cpp.LlamaCppLM, "_gaps_after", lambda self, prefix, widths: {w: 0.0 for w in widths})
+    assert load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm.repacked
+    assert not load_llama_cpp(TINY_SOURCE, name="t", threads=1, repack="off").lm.repacked
+
+
+def test_the_draft_model_repacks_unless_repacking_is_off():
+    from specgen.build import _repack
+
+    assert [_repack(s, "target") for s in llama_cpp.REPACK] == list(llama_cpp.REPACK)
+    assert [_repack(s, "drafter") for s in llama_cpp.REPACK] == ["on", "on", "off"]
 
 
 def test_crop_rolls_back_and_refeeding_gives_the_same_rows():
@@ -185,6 +206,8 @@ def test_the_guarantee_follows_the_measurement_for_each_file_type_and_attention(
 def test_an_unknown_flash_attention_setting_is_refused():
     with pytest.raises(ConfigError, match="llama_cpp.flash_attention='maybe' is not one of auto, off, on"):
         _pipe("llama_cpp.flash_attention=maybe")
+    with pytest.raises(ConfigError, match="llama_cpp.repack='yes' is not one of auto, on, off"):
+        _pipe("llama_cpp.repack=yes")
 
 
 def _count_batched_decodes(monkeypatch) -> list[int]:

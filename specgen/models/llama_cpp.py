@@ -37,6 +37,9 @@ BATCH_GAP_ROWS = 4
 DECODE_WIDTHS = (BATCH_TOKENS, 16, 8)
 #: Tokens of the fixed prefix that the batch-invariance measurements feed first.
 GAP_PREFIX = 16
+#: llama_cpp.repack: weights in llama.cpp's repacked CPU buffers (``on``), as stored (``off``), or
+#: repacked unless that makes every decode width's logits differ from single-token ones (``auto``).
+REPACK = ("auto", "on", "off")
 
 
 class LlamaCppLM:
@@ -49,6 +52,8 @@ class LlamaCppLM:
     flash_attention: llama.cpp's flash attention (on | off | auto). With it on, a position's
     logits do not depend on how many positions a decode feeds (measured by :meth:`verify_gap`);
     off, llama.cpp's other attention path gives verify logits that differ from single-token ones.
+    repack: one of REPACK (``auto`` keeps repacked weights only where some decode width is batch
+    invariant with them).
     """
 
     backend = "llama_cpp"
@@ -57,40 +62,57 @@ class LlamaCppLM:
 
     def __init__(self, path, *, vocab_size: int, name: str = "model", threads: int = 1,
                  context_length: int | None = None, sequences: int = 64, flash_attention: str = "on",
-                 batch_row_context: int = 4096):
+                 batch_row_context: int = 4096, repack: str = "auto"):
         if flash_attention not in FLASH:
             raise ConfigError(f"llama_cpp.flash_attention={flash_attention!r} is not one of {', '.join(FLASH)}")
-        lib = library()
-        self._lib = lib
+        if repack not in REPACK:
+            raise ConfigError(f"llama_cpp.repack={repack!r} is not one of {', '.join(REPACK)}")
+        self._lib = library()
         self.name = name
         self.path = str(path)
         self.threads, self.flash_attention, self.batch_row_context = int(threads), flash_attention, int(batch_row_context)
+        self._capabilities: Capabilities | None = None
+        # ggml's AMX kernels (run from repacked buffers) raised SIGILL on an AMX VM: a build with them never repacks
+        repacked = repack != "off" and not _has_amx_kernels(self._lib)
+        invariant = self._open(repacked, vocab_size, context_length, sequences)
+        if repack == "auto" and repacked and not invariant:
+            self._close_now()  # repacked weights change logits with the decode width: load them as stored
+            self._open(False, vocab_size, context_length, sequences)
+        weakref.finalize(self, _close, self._main.close, self._lib, self._model)
+
+    def _open(self, repacked: bool, vocab_size: int, context_length: int | None, sequences: int) -> bool:
+        """Load the model (its weights repacked for llama.cpp's CPU kernels or as stored) with its
+        main context, and measure :attr:`decode_width`; -> whether its decodes are batch invariant."""
+        lib = self._lib
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
-        # ggml's AMX weight buffers raised SIGILL on an AMX VM; a build with them loads without them
-        params.use_extra_bufts = not _has_amx_kernels(lib)
+        params.use_extra_bufts = repacked
         self._model = lib.llama_model_load_from_file(self.path.encode(), params)
         if not self._model:
             raise ModelLoadError(f"llama.cpp cannot load {self.path} (not a GGUF it supports)")
         trained = int(lib.llama_model_n_ctx_train(self._model))
         self._context = min(trained, int(context_length)) if context_length else trained
         try:
-            self._main = LlamaContext(lib, self._model, None, name=name, n_ctx=self._context, sequences=sequences,
-                                      unified=True, threads=threads, flash_attention=flash_attention,
-                                      vocab_size=vocab_size)
+            self._main = LlamaContext(lib, self._model, None, name=self.name, n_ctx=self._context,
+                                      sequences=sequences, unified=True, threads=self.threads,
+                                      flash_attention=self.flash_attention, vocab_size=vocab_size)
         except ModelLoadError:
             lib.llama_model_free(self._model)
             raise ModelLoadError(f"llama.cpp cannot make a context for {self.path} with {self._context} tokens")
         self.n_vocab, self.vocab_size = self._main.n_vocab, self._main.vocab_size
-        self._description = self._describe_model()
-        self._capabilities: Capabilities | None = None
-        weakref.finalize(self, _close, self._main.close, lib, self._model)
+        #: Whether the weights sit in llama.cpp's repacked buffers.
+        self.repacked = repacked
+        self._description = self._describe_model() + (", repacked" if repacked else "")
         self._gaps: dict[int, float] = {}  # decode width -> its gap after GAP_PREFIX tokens
         #: Tokens per llama.cpp decode: the widest of DECODE_WIDTHS measured batch invariant.
-        self.decode_width = next((w for w in DECODE_WIDTHS if self._gaps_after(GAP_PREFIX, [w])[w] == 0.0),
-                                 DECODE_WIDTHS[0])
+        invariant = next((w for w in DECODE_WIDTHS if self._gaps_after(GAP_PREFIX, [w])[w] == 0.0), None)
+        self.decode_width = invariant or DECODE_WIDTHS[0]
         self._main.batch_tokens = min(self._main.batch_tokens, self.decode_width)
         self._gaps = {w: g for w, g in self._gaps.items() if w <= self.decode_width}  # wider feeds now split
+        return invariant is not None
+
+    def _close_now(self) -> None:
+        _close(self._main.close, self._lib, self._model)
 
     def _describe_model(self) -> str:
         buffer = ctypes.create_string_buffer(256)
