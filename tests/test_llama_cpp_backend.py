@@ -59,13 +59,13 @@ def test_feeds_are_split_at_the_widest_decode_width_measured_batch_invariant(mon
     """A width whose decodes differ from single-token ones is never used: feeds are split narrower."""
     asked = []
 
-    def gaps(self, prefix, widths):  # as if llama.cpp changed kernels above 16 tokens
+    def gaps(self, prefix, widths, probe=None):  # as if llama.cpp changed kernels above 16 tokens
         asked.extend(widths)
         return {w: 0.25 if w > 16 else 0.0 for w in widths}
 
     monkeypatch.setattr(llama_cpp.LlamaCppLM, "_gaps_after", gaps)
     lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm
-    assert lm.decode_width == 16 and asked == [32, 16]
+    assert lm.decode_width == 16 and asked == [32, 16, 24, 20, 18, 17]  # bisection
     assert lm.verify_gap([2, 4]) == (0.0, 2) and lm.verify_gap([2, 20]) == (0.25, 20)
     batch = lm.new_batch(2, row_context=256)
     sizes = []
@@ -79,8 +79,8 @@ def test_feeds_are_split_at_the_widest_decode_width_measured_batch_invariant(mon
 
 def test_the_chosen_decode_width_is_batch_invariant_or_the_widest():
     lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm
-    assert lm.decode_width in llama_cpp.DECODE_WIDTHS
-    assert lm.verify_gap([lm.decode_width])[0] == 0.0 or lm.decode_width == llama_cpp.DECODE_WIDTHS[0]
+    assert 2 <= lm.decode_width <= llama_context.BATCH_TOKENS
+    assert lm.verify_gap([lm.decode_width])[0] == 0.0 or lm.decode_width == llama_context.BATCH_TOKENS
 
 
 def test_a_build_with_amx_kernels_loads_without_its_extra_weight_buffers(monkeypatch):
@@ -99,13 +99,18 @@ def test_a_build_with_amx_kernels_loads_without_its_extra_weight_buffers(monkeyp
 def test_repacked_weights_are_kept_only_where_a_decode_width_is_batch_invariant(monkeypatch):
     monkeypatch.setattr(llama_cpp, "_has_amx_kernels", lambda lib: False)
     monkeypatch.setattr(llama_cpp.LlamaCppLM, "_gaps_after",  # as if repacking made every width differ
-                        lambda self, prefix, widths: {w: 0.5 if self.repacked else 0.0 for w in widths})
+                        lambda self, prefix, widths, probe=None: {w: 0.5 if self.repacked else 0.0 for w in widths})
     auto = load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm
     assert not auto.repacked and auto.verify_gap([2, 4]) == (0.0, 2) and "repacked" not in auto.describe()["dtype"]
     on = load_llama_cpp(TINY_SOURCE, name="t", threads=1, repack="on").lm
     assert on.repacked and on.verify_gap([2])[0] == 0.5 and on.describe()["dtype"].endswith(", repacked")
-    monkeypatch.setattr(llama_cpp.LlamaCppLM, "_gaps_after", lambda self, prefix, widths: {w: 0.0 for w in widths})
+    monkeypatch.setattr(llama_cpp.LlamaCppLM, "_gaps_after", lambda self, prefix, widths, probe=None: {w: 0.0 for w in widths})
     assert load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm.repacked
+    monkeypatch.setattr(llama_cpp.LlamaCppLM, "_gaps_after",  # repacked: exact up to 3 tokens; as stored: up to 7
+                        lambda self, prefix, widths, probe=None: {w: float(w > (3 if self.repacked else 7)) for w in widths})
+    narrow = load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm
+    assert not narrow.repacked and narrow.decode_width == 7
+    assert load_llama_cpp(TINY_SOURCE, name="t", threads=1, repack="on").lm.decode_width == 3
     assert not load_llama_cpp(TINY_SOURCE, name="t", threads=1, repack="off").lm.repacked
 
 

@@ -32,9 +32,9 @@ __all__ = ["LlamaBatch", "LlamaCppLM", "LlamaKV", "available"]
 
 #: Rows the batch-invariance probe feeds together.
 BATCH_GAP_ROWS = 4
-#: Decode widths tried at load, widest first: feeds are split into decodes of the widest whose logits
-#: equal single-token decodes bit for bit (else of the widest, and verify_gap reports the gap).
-DECODE_WIDTHS = (BATCH_TOKENS, 16, 8)
+#: Repacked weights are kept (llama_cpp.repack=auto) only where decodes of at least this many tokens
+#: give single-token logits: a verify of up to 7 drafts in one decode, prefills not cut too fine.
+REPACK_MIN_WIDTH = 8
 #: Tokens of the fixed prefix that the batch-invariance measurements feed first.
 GAP_PREFIX = 16
 #: llama_cpp.repack: weights in llama.cpp's repacked CPU buffers (``on``), as stored (``off``), or
@@ -74,15 +74,15 @@ class LlamaCppLM:
         self._capabilities: Capabilities | None = None
         # ggml's AMX kernels (run from repacked buffers) raised SIGILL on an AMX VM: a build with them never repacks
         repacked = repack != "off" and not _has_amx_kernels(self._lib)
-        invariant = self._open(repacked, vocab_size, context_length, sequences)
-        if repack == "auto" and repacked and not invariant:
+        widest = self._open(repacked, vocab_size, context_length, sequences)
+        if repack == "auto" and repacked and (widest or 0) < REPACK_MIN_WIDTH:
             self._close_now()  # repacked weights change logits with the decode width: load them as stored
             self._open(False, vocab_size, context_length, sequences)
         weakref.finalize(self, _close, self._main.close, self._lib, self._model)
 
-    def _open(self, repacked: bool, vocab_size: int, context_length: int | None, sequences: int) -> bool:
+    def _open(self, repacked: bool, vocab_size: int, context_length: int | None, sequences: int) -> int | None:
         """Load the model (its weights repacked for llama.cpp's CPU kernels or as stored) with its
-        main context, and measure :attr:`decode_width`; -> whether its decodes are batch invariant."""
+        main context, and measure :attr:`decode_width`; -> the widest batch-invariant decode (None: none)."""
         lib = self._lib
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
@@ -104,12 +104,28 @@ class LlamaCppLM:
         self.repacked = repacked
         self._description = self._describe_model() + (", repacked" if repacked else "")
         self._gaps: dict[int, float] = {}  # decode width -> its gap after GAP_PREFIX tokens
-        #: Tokens per llama.cpp decode: the widest of DECODE_WIDTHS measured batch invariant.
-        invariant = next((w for w in DECODE_WIDTHS if self._gaps_after(GAP_PREFIX, [w])[w] == 0.0), None)
-        self.decode_width = invariant or DECODE_WIDTHS[0]
+        widest = self._widest_invariant()
+        #: Tokens per llama.cpp decode: the widest measured batch invariant (BATCH_TOKENS where none is).
+        self.decode_width = widest or BATCH_TOKENS
         self._main.batch_tokens = min(self._main.batch_tokens, self.decode_width)
         self._gaps = {w: g for w, g in self._gaps.items() if w <= self.decode_width}  # wider feeds now split
-        return invariant is not None
+        return widest
+
+    def _widest_invariant(self) -> int | None:
+        """The widest decode of 2..BATCH_TOKENS tokens whose logits equal single-token decodes, by
+        bisection (llama.cpp's CPU kernels switch paths above some width); None where 2 already differ."""
+        probe = self._gap_probe(GAP_PREFIX, BATCH_TOKENS)
+
+        def invariant(width: int) -> bool:
+            return self._gaps_after(GAP_PREFIX, [width], probe)[width] == 0.0
+
+        if invariant(BATCH_TOKENS):
+            return BATCH_TOKENS
+        good, bad = 1, BATCH_TOKENS
+        while bad - good > 1:
+            middle = (good + bad) // 2
+            good, bad = (middle, bad) if invariant(middle) else (good, middle)
+        return good if good >= 2 else None
 
     def _close_now(self) -> None:
         _close(self._main.close, self._lib, self._model)
@@ -183,22 +199,33 @@ class LlamaCppLM:
         at = max(gaps, key=lambda w: (gaps[w], -w))
         return gaps[at], at
 
-    def _gaps_after(self, prefix: int, widths: list[int]) -> dict[int, float]:
+    def _gaps_after(self, prefix: int, widths: list[int], probe=None) -> dict[int, float]:
         """{width: max |logit| difference between ``width`` tokens fed together and one by one},
-        after a fixed ``prefix``-token context fed once (kept for the default prefix)."""
+        after a fixed ``prefix``-token context (kept for the default prefix); ``probe``: a
+        :meth:`_gap_probe` of that prefix, long enough for every width, to measure with."""
         memo = self._gaps if prefix == GAP_PREFIX else {}
         todo = [w for w in widths if w not in memo]
         if todo:
-            tokens = [(7919 * i + 11) % self.vocab_size for i in range(prefix + max(todo))]
-            cache = self.new_cache()
-            self.forward(cache, tokens[:prefix], keep=1)
-            for width in todo:
-                cache.crop(prefix)
-                together = self.forward(cache, tokens[prefix: prefix + width], keep=width)  # [width, vocab]
-                cache.crop(prefix)
-                alone = torch.cat([self.forward(cache, [t], keep=1) for t in tokens[prefix: prefix + width]])
-                memo[width] = float((together - alone).abs().max())
+            probe = probe or self._gap_probe(prefix, max(todo))
+            memo.update((width, probe(width)) for width in todo)
         return {w: memo[w] for w in widths}
+
+    def _gap_probe(self, prefix: int, length: int):
+        """-> gap(width) for width <= ``length``: on one KV handle, ``prefix`` fixed tokens are fed
+        once and ``length`` tokens after them one by one; gap feeds the first ``width`` of those
+        together after the prefix and compares. One handle throughout: where a sequence's cells
+        lie in the context's pool changes the logits too, which is not what is measured."""
+        tokens = [(7919 * i + 11) % self.vocab_size for i in range(prefix + length)]
+        cache = self.new_cache()
+        self.forward(cache, tokens[:prefix], keep=1)
+        alone = torch.cat([self.forward(cache, [t], keep=1) for t in tokens[prefix:]])  # [length, vocab]
+
+        def gap(width: int) -> float:
+            cache.crop(prefix)
+            together = self.forward(cache, tokens[prefix: prefix + width], keep=width)  # [width, vocab]
+            return float((together - alone[:width]).abs().max())
+
+        return gap
 
 
 def _has_amx_kernels(lib) -> bool:
