@@ -195,6 +195,20 @@ def test_an_online_drafter_is_planned_its_whole_budget_when_drafting_can_pay():
     assert plan_budget(STEEP, _history(0.05), 8, online=True) == 0  # nothing pays: a plain step
 
 
+def test_a_costly_online_drafter_starts_only_where_drafting_pays_on_average():
+    """Its first token is paid before the stopper sees its confidence: a drafter whose confident drafts
+    would pay, but whose drafts on average do not, is not started (it cost a 0.47-step draft a round)."""
+    steep_pair = CostTable(chain=(1.0, 1.45, 1.91, 2.35, 2.76, 3.16, 3.56, 4.52, 4.96), tree=(), draft_per_token=0.465)
+    rng, history = random.Random(0), AcceptanceHistory()
+    for _ in range(300):  # half the drafts sure and right, half doubtful and wrong
+        sure = rng.random() < 0.5
+        history.observe([0.99 if sure else 0.1] * 8, 8 if sure else 0)
+    assert not history.probe_due
+    assert plan_budget(steep_pair, history, 8, online=True) == 0
+    cheap_pair = CostTable(chain=steep_pair.chain, tree=(), draft_per_token=0.02)
+    assert plan_budget(cheap_pair, history, 8, online=True) == 8  # a cheap one still drafts on confidence
+
+
 def _calibrated_history(rounds: int = 300, depth: int = 8, seed: int = 0) -> AcceptanceHistory:
     """A history of mostly confident drafts, each accepted with probability its confidence."""
     rng, history = random.Random(seed), AcceptanceHistory()

@@ -48,14 +48,15 @@ def plan_budget(costs: CostTable, history: AcceptanceHistory, max_tokens: int, *
     because truncation after drafting removes what does not pay; a cheap chain
     drafter that reports confidences then drafts all ``max_tokens`` whenever any
     draft could pay, and :func:`truncate_chain` keeps what its confidences justify.
-    ``online``: the drafter stops itself with a :class:`ChainStopper`, which pays
-    for no draft it would cut, so it is planned like a cheap drafter, whatever
-    its cost: all ``max_tokens`` whenever any draft could pay.
+    ``online``: the drafter stops itself with a :class:`ChainStopper`, so once
+    drafting pays it is asked for all ``max_tokens``. Whether to start is judged
+    with the rates for its cost like any drafter's: its first token is drafted,
+    and paid for, before the stopper can judge it.
     """
     if max_tokens <= 0:
         return 0
     history.price_probes(costs)
-    cheap = online or costs.cheap
+    cheap = costs.cheap
     gains = expected_tokens(planning_rates(history, max_tokens, cheap))
     best, best_rate = 0, 1.0 / costs.verify(1)
     for k in range(1, max_tokens + 1):
