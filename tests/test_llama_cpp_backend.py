@@ -72,9 +72,13 @@ def test_feeds_are_split_at_the_widest_decode_width_measured_batch_invariant(mon
     for context in (lm._main, batch.context):
         original = context._decode
         monkeypatch.setattr(context, "_decode", lambda entries, o=original: (sizes.append(len(entries)), o(entries)))
-    lm.forward(lm.new_cache(), list(range(1, 16)) * 3, keep=1)
-    batch.forward([[1, 2, 3] * 7, [4, 5] * 7], [1, 1])
+    lm.forward(lm.new_cache(), list(range(1, 16)) * 3, keep=45)
+    batch.forward([[1, 2, 3] * 7, [4, 5] * 7], [21, 14])
     assert sizes == [16, 16, 13, 16, 16, 3]
+    sizes.clear()  # the tokens before the kept rows: one handle a decode, split only at PREFILL_TOKENS
+    lm.forward(lm.new_cache(), list(range(1, 16)) * 10, keep=2)
+    batch.forward([[1, 2, 3] * 7, [4, 5] * 7], [1, 3])
+    assert sizes == [llama_context.PREFILL_TOKENS, 148 - llama_context.PREFILL_TOKENS, 2, 20, 11, 4]
 
 
 def test_the_chosen_decode_width_is_batch_invariant_or_the_widest():

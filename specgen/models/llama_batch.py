@@ -45,7 +45,7 @@ class LlamaBatch:
         row = self.rows[r]
         if len(row) or not tokens:
             return False
-        self.context.forward_rows([row], [list(tokens)], [1], check=False)  # its KV entries; the logits are not used
+        self.context.forward_rows([row], [list(tokens)], [0], check=False)  # its KV entries only
         return True
 
     def clear_row(self, r: int) -> LlamaKV:
@@ -84,15 +84,16 @@ def batch_gap(lm, rows: int = 4) -> float:
     prefixes = [[(7919 * i + 104729 * r + 11) % vocab for i in range(5 + 4 * r)] for r in range(rows)]
     feeds = [[(31 * i + 17 * r + 3) % vocab for i in range(1 + r % 4)] for r in range(rows)]
     batch = LlamaBatch(lm, rows, ROW_ALIGN)
-    for r, prefix in enumerate(prefixes):
-        batch.prefill(r, prefix)
-    together = batch.forward(feeds, [len(f) for f in feeds])
+    for r, prefix in enumerate(prefixes):  # as a row is fed: its prompt but the last token, then steps
+        batch.prefill(r, prefix[:-1])
+    together = batch.forward([[prefix[-1], *feed] for prefix, feed in zip(prefixes, feeds, strict=True)],
+                             [1 + len(f) for f in feeds])
     worst = 0.0
     alone_cache = lm.new_cache()
     for r, (prefix, feed) in enumerate(zip(prefixes, feeds, strict=True)):
         alone_cache.crop(0)
-        lm.forward(alone_cache, prefix, keep=1)
+        lm.forward(alone_cache, prefix, keep=1)  # as a request is fed: its prompt, then one token a step
         alone = torch.cat([lm.forward(alone_cache, [t], keep=1) for t in feed])  # [len(feed), vocab]
-        worst = max(worst, float((together[r] - alone).abs().max()))
+        worst = max(worst, float((together[r][1:] - alone).abs().max()))
     batch.context.close()
     return worst

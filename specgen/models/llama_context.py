@@ -27,6 +27,10 @@ from specgen.models.target import TokenCache
 #: context actually uses (:attr:`LlamaContext.batch_tokens`) is the widest that LlamaCppLM measures
 #: equal to single-token decodes, at most this.
 BATCH_TOKENS = 32
+#: The most tokens of one sequence fed per decode where no logits are asked for (a prompt's context,
+#: the tokens before the first kept row). Such a span is decoded alone, split from its own first
+#: position, so every path that feeds it (plain, speculative, a batched row) splits it alike.
+PREFILL_TOKENS = 128
 #: llama.cpp's flash-attention switch by name (its enum: -1 auto, 0 off, 1 on).
 FLASH = {"auto": -1, "off": 0, "on": 1}
 
@@ -92,8 +96,8 @@ class LlamaContext:
         self._lib, self.owner, self.name = lib, owner, name
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = int(n_ctx)
-        # llama.cpp needs room for one output per sequence; this class feeds BATCH_TOKENS at most
-        cparams.n_batch = cparams.n_ubatch = min(max(BATCH_TOKENS, int(sequences)), int(n_ctx))
+        # llama.cpp needs room for one output per sequence; this class feeds PREFILL_TOKENS at most
+        cparams.n_batch = cparams.n_ubatch = min(max(PREFILL_TOKENS, int(sequences)), int(n_ctx))
         cparams.n_seq_max = int(sequences)
         cparams.kv_unified = bool(unified)
         cparams.n_threads = cparams.n_threads_batch = int(threads)
@@ -107,9 +111,11 @@ class LlamaContext:
         self.vocab_size = min(int(vocab_size), self.n_vocab)
         #: The most tokens one sequence may hold.
         self.length = int(n_ctx) if unified else int(n_ctx) // int(sequences)
-        #: Tokens per llama_decode; a longer feed is split into decodes of this many.
+        #: Tokens per llama_decode of the rows that give logits; longer feeds are split into this many.
         self.batch_tokens = min(BATCH_TOKENS, int(cparams.n_batch))
-        self._batch = lib.llama_batch_init(self.batch_tokens, 0, 1)
+        #: Tokens per llama_decode of a sequence's span before its first kept row.
+        self.prefill_tokens = min(PREFILL_TOKENS, int(cparams.n_batch))
+        self._batch = lib.llama_batch_init(self.prefill_tokens, 0, 1)
         self._free = list(range(int(sequences)))
         self._closer = weakref.finalize(self, _free_context, lib, self._ctx, self._batch)
 
@@ -136,11 +142,13 @@ class LlamaContext:
     @torch.inference_mode()
     def forward_rows(self, caches: list[LlamaKV], feeds: list[list[int]], keeps: list[int],
                      check: bool = True) -> list[torch.Tensor | None]:
-        """Feed each handle's ``feeds[i]`` after its cached tokens, all in one llama.cpp decode (one
-        per :attr:`batch_tokens` tokens): sequence ids keep the handles apart, positions are each handle's
-        own. -> per handle the raw logits of its last ``keeps[i]`` fed positions [keeps[i],
-        vocab_size] float32 (None where keeps[i] or the feed is 0). Every feed is appended, or
-        on a failed decode none is."""
+        """Feed each handle's ``feeds[i]`` after its cached tokens: sequence ids keep the handles
+        apart, positions are each handle's own. Each handle's tokens before its last ``keeps[i]``
+        go first, in decodes of their own (:attr:`prefill_tokens` each); the kept rows of every
+        handle then share decodes of :attr:`batch_tokens`. -> per handle the raw logits of its
+        last ``keeps[i]`` fed positions [keeps[i], vocab_size] float32 (None where keeps[i] or
+        the feed is 0). Every feed is appended, or on a failed decode none is."""
+        spans: list[list[tuple[int, int, int, bool]]] = []  # per handle, its entries before the kept rows
         entries: list[tuple[int, int, int, bool]] = []  # (sequence, token, position, logits wanted)
         starts = []
         for cache, feed, keep in zip(caches, feeds, keeps, strict=True):
@@ -150,11 +158,17 @@ class LlamaContext:
             if start + n > self.length:
                 raise SpecgenError(f"{self.name}: {start + n} tokens do not fit its {self.length}-token context")
             starts.append(start)
-            entries.extend((cache.seq, int(t), start + i, i >= n - min(keep, n)) for i, t in enumerate(feed))
-        if not entries:
+            fed = [(cache.seq, int(t), start + i, i >= n - min(keep, n)) for i, t in enumerate(feed)]
+            split = n - min(keep, n)
+            spans.append(fed[:split])
+            entries.extend(fed[split:])
+        if not entries and not any(spans):
             raise ValueError("forward needs at least one new token")
         rows = []
         try:
+            for span in spans:
+                for offset in range(0, len(span), self.prefill_tokens):
+                    self._decode(span[offset: offset + self.prefill_tokens])
             for offset in range(0, len(entries), self.batch_tokens):
                 chunk = entries[offset: offset + self.batch_tokens]
                 self._decode(chunk)
