@@ -40,6 +40,9 @@ class RowCache(KVCache):
 class BatchKV:
     """A batch-``size`` DynamicCache shared by ``size`` row views (:attr:`rows`)."""
 
+    #: Rows share the cache's width: a forward spans every row's slots up to the widest.
+    shares_width = True
+
     def __init__(self, lm: CausalLM, size: int):
         self.lm = lm
         self.cache = growing_cache(lm.config)  # appends in place: no copy of the whole cache per step

@@ -28,6 +28,9 @@ class LlamaBatch:
     row's attention reads at most); row_context: the most tokens a row may hold.
     """
 
+    #: Each row attends only to its own cells (see :meth:`compact`).
+    shares_width = False
+
     def __init__(self, lm, size: int, row_context: int):
         self.lm = lm
         self.row_context = -(-int(row_context) // ROW_ALIGN) * ROW_ALIGN

@@ -70,6 +70,8 @@ class BatchCache(Protocol):
 
     rows: list
     width: int
+    #: Whether rows share one cache width (a forward spans the widest row's slots until compacted).
+    shares_width: bool
 
     def prefill(self, r: int, tokens: list[int], reuse: bool = True) -> bool: ...
 
@@ -236,15 +238,21 @@ def measure_batch(subject: Subject, size: int, new_batch: Callable[[int], BatchC
     context = calibration_context(subject, max_width)[:BATCH_CONTEXT_TOKENS]
     feed = [context[-1]] + context[: max_width - 1]
     timer = _BatchTimer(new_batch, sizes, context, feed, max(1, repeats), clock)
+    kv = new_batch(sizes[-1])
+    wide = None
+    if kv.shares_width:
+        if progress:
+            progress(f"{sizes[-1]} rows, wide cache")
+        wide, _, _, wide_slots = timer.run(False, sorted({w for w in WIDE_WIDTHS if w < widths[-1]} | {widths[-1]}), kv)
+        kv = None
     if progress:
-        progress(f"{sizes[-1]} rows, wide cache")
-    wide, _, _, wide_slots = timer.run(False, sorted({w for w in WIDE_WIDTHS if w < widths[-1]} | {widths[-1]}))
-    if progress:
-        progress(f"{sizes[-1]} rows, compacted cache")
-    narrow, full, ragged, narrow_slots = timer.run(True, widths)
+        progress(f"{sizes[-1]} rows" + (", compacted cache" if wide else ""))
+    narrow, full, ragged, narrow_slots = timer.run(True, widths, kv)
     fastest = {key: min(times) for key, times in narrow.items()}
     fit = fit_forwards([(b, w, b * w, t) for (b, w), t in fastest.items()]
                        + [(b, w, b - 1 + w, min(t)) for (b, w), t in ragged.items()])
+    if wide is None:  # every row keeps its own cells: the cache as prefilled is the compacted one
+        wide, wide_slots = narrow, narrow_slots
     fit_wide = fit_forwards([(b, w, b * w, min(t)) for (b, w), t in wide.items()])
     step = fit(1, 1, 1) or 1e-9
     body = tuple(tuple(fit(b, w, b * w) / step for w in widths) for b in sizes)
@@ -268,13 +276,14 @@ class _BatchTimer:
     repeats: int
     clock: Callable[[], float]
 
-    def run(self, compacted: bool, widths: list[int]):
+    def run(self, compacted: bool, widths: list[int], kv: BatchCache | None = None):
         """At ``widths`` -> ({(b, w): seconds of each timed forward}, full-logits timings, {(b, w): seconds of the
         ragged forward (one row w tokens, the rest 1)}, shared slots), on the cache compacted or as
         the prefills leave it. Full-logits and ragged forwards run on the compacted cache only
-        (ragged: where w > 1 and b > 1, the only shapes where the two differ)."""
+        (ragged: where w > 1 and b > 1, the only shapes where the two differ). ``kv``: a fresh
+        cache of sizes[-1] rows to use (None: a new one)."""
         rows = self.sizes[-1]
-        kv = self.new_batch(rows)
+        kv = kv or self.new_batch(rows)
         for r in range(rows):
             kv.prefill(r, self.context[:-1], reuse=False)  # side by side: the wide cache of a batch with one long row
         if compacted:
