@@ -137,7 +137,7 @@ def test_shard_and_batch_sizes_must_be_positive(tmp_path, key):
 
     cfg = compose_train(["target=tiny", "train.kind=medusa", f"train.{key}=0", "train.progress=false",
                          f"train.out={tmp_path / 'h.safetensors'}"])
-    with pytest.raises(ConfigError, match=f"train.{key} must be >= 1"):
+    with pytest.raises(ConfigError, match=f"train.{key} must be at least 1, got 0"):
         run_train(cfg, out=io.StringIO())
 
 
