@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
+from specgen import machine
 from specgen.errors import ConfigError
 from specgen.options import (check_temperature, check_unicode, parse_batch_size, parse_bool, parse_chat, parse_int, parse_optional_text,
                              parse_seed, parse_stop)
@@ -183,15 +184,13 @@ def parse_threads(value: object, name: str = "threads") -> int | str:
     """``"auto"`` (physical cores) or a positive int up to the logical CPUs this process may use, else
     :class:`ConfigError` naming ``name``. More threads than CPUs only wait on each other, and a count
     like 100000 made the thread pool raise MemoryError."""
-    from specgen.models.threads import logical_cpus
-
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return "auto"
     try:
         threads = parse_int(value, name, minimum=1)
     except ConfigError:
         raise ConfigError(f"{name} must be a positive integer or auto, got {value!r}") from None
-    cpus = logical_cpus()
+    cpus = machine.logical_cpus()
     if threads > cpus:
         raise ConfigError(f"{name}={threads} is more than the {cpus} CPUs this process may run on; "
                           f"give at most {cpus}, or auto")

@@ -29,7 +29,7 @@ from specgen.config import conf_dir, exits_on_error, run_console, to_container
 from specgen.errors import PromptError, not_utf8
 from specgen.events import FinishEvent, Generation
 from specgen.jsonl import Summary
-from specgen.options import check_prompt, check_prompt_size, prompt_size_bound, size_error
+from specgen.options import MAX_CONTEXT_TOKENS, check_prompt, check_prompt_size, prompt_size_bound, size_error
 
 _COLOURS = {"accepted": "\033[32m", "resampled": "\033[33m", "bonus": "\033[36m", "plain": ""}
 _RESET = "\033[0m"
@@ -38,7 +38,8 @@ _RESET = "\033[0m"
 def check_prompt_source(cfg: dict, stdin=None) -> None:
     """PromptError for a prompt source that cannot give a prompt, found without reading it: both
     ``prompt`` and ``prompt_file``, an empty ``prompt``, a ``prompt_file`` that is missing or not a
-    regular file, ``-`` (stdin) with stdin closed, or no source at all (nothing given and stdin a terminal)."""
+    regular file or larger than any context holds (MAX_CONTEXT_TOKENS), ``-`` (stdin) with stdin closed, or
+    no source at all (nothing given and stdin a terminal)."""
     stdin = sys.stdin if stdin is None else stdin
     prompt, prompt_file = cfg.get("prompt"), cfg.get("prompt_file")
     if prompt is not None and prompt_file is not None:
@@ -58,6 +59,10 @@ def check_prompt_source(cfg: dict, stdin=None) -> None:
             raise PromptError(f"prompt_file {prompt_file} does not exist")
         if not path.is_file():
             raise PromptError(f"prompt_file {prompt_file} is not a regular file; pipe it to stdin (prompt=-) instead")
+        size, bound = path.stat().st_size, prompt_size_bound(MAX_CONTEXT_TOKENS)
+        if size > bound:  # no model's context holds it: refused before anything loads
+            raise PromptError(f"prompt_file {prompt_file} is {size:,} bytes; a prompt for any model's context (at "
+                              f"most {MAX_CONTEXT_TOKENS:,} tokens) has at most {bound:,} bytes; shorten it")
     elif prompt is not None:
         check_prompt(prompt)
     elif stdin is None or stdin.isatty():
@@ -147,14 +152,14 @@ def _use_colour(setting, stream) -> bool:
 def run(cfg: dict, out=None, err=None) -> Generation | Summary | None:
     """Check the resolved config's values, build the pipeline and stream one generation
     (or, with ``output=``, run the JSONL file: :func:`run_jsonl`)."""
-    from specgen.build import build_pipeline
-
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     cfg = check_run_config(cfg)
     if cfg.get("output") is not None:
         return run_jsonl(cfg, err)
     check_prompt_source(cfg)
+    from specgen.build import build_pipeline  # after the checks: it imports the models
+
     pipe = build_pipeline(cfg)
     prompt = read_prompt(cfg, context_length=pipe.target.context_length)
     ui = cfg.get("ui") or {}

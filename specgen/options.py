@@ -164,6 +164,9 @@ CHAT_ROLES = ("system", "user", "assistant")
 #: vocabulary spans (SmolLM2's longest is 81 bytes), so a longer prompt cannot fit the context
 #: and is refused by its size alone, before anything is tokenised.
 PROMPT_BYTES_PER_TOKEN = 256
+#: More tokens of context than any model specgen runs holds: a prompt file over its byte bound is
+#: refused before a model loads (a model's own bound is checked once it has loaded).
+MAX_CONTEXT_TOKENS = 1 << 20
 
 
 def check_unicode(text: str | None, name: str, error: type[SpecgenError] = PromptError) -> str | None:

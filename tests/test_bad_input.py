@@ -281,7 +281,7 @@ TRAIN = ["target=tiny", "train.kind=mtp", "train.head.intermediate_size=16", "tr
 
 
 def test_train_takes_top_level_device_dtype_threads(monkeypatch):
-    monkeypatch.setattr("specgen.models.threads.logical_cpus", lambda: 4)  # whatever this machine has
+    monkeypatch.setattr("specgen.machine.logical_cpus", lambda: 4)  # whatever this machine has
     train = to_container(train_cli.compose_train(["threads=1", "dtype=float32", "device=cpu"]))["train"]
     assert (train["threads"], train["dtype"], train["device"]) == (1, "float32", "cpu")
     train = to_container(train_cli.compose_train(["threads=1", "train.threads=2"]))["train"]

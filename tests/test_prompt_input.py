@@ -103,9 +103,14 @@ def test_a_huge_prompt_file_is_refused_by_its_size(monkeypatch, capsys, tmp_path
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert_one_error_line(code, err, "specgen", f"prompt_file {big} is 419,430,400 bytes; a prompt for this "
-                                                f"model's 512-token context has at most {BOUND:,} bytes")
+    assert_one_error_line(code, err, "specgen", f"prompt_file {big} is 419,430,400 bytes; a prompt for any "
+                                                "model's context (at most 1,048,576 tokens) has at most 268,435,456 bytes")
     assert time.perf_counter() - start < 30 and peak < 100 * 2**20
+    with open(big, "r+b") as file:  # under any context's bound, over this model's: refused once it has loaded
+        file.truncate(2**20)
+    code, _, err = run_command(monkeypatch, capsys, cli.main, "specgen", *TINY_ARGS, f"prompt_file={big}")
+    assert_one_error_line(code, err, "specgen", f"prompt_file {big} is 1,048,576 bytes; a prompt for this "
+                                                f"model's 512-token context has at most {BOUND:,} bytes")
 
 
 def test_huge_stdin_and_prompt_strings_are_refused_unread(monkeypatch, capsys, no_tokenising):

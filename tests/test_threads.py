@@ -37,7 +37,7 @@ def test_set_threads_auto_follows_the_idle_cores(monkeypatch):
     before = torch.get_num_threads()
     try:
         monkeypatch.setattr(threads, "physical_cores", lambda: 4)
-        monkeypatch.setattr(threads, "logical_cpus", lambda: 4)
+        monkeypatch.setattr("specgen.machine.logical_cpus", lambda: 4)
         monkeypatch.setattr(threads, "runnable_others", lambda: 3)
         assert set_threads("auto") == 1 and torch.get_num_threads() == 1
         monkeypatch.setattr(threads, "runnable_others", lambda: 0)

@@ -15,17 +15,12 @@ import statistics
 import time
 from pathlib import Path
 
+from specgen.machine import logical_cpus
+
 #: Samples of the run queue taken at start, this many seconds apart.
 SAMPLES, INTERVAL_S = 5, 0.02
 LOADAVG = Path("/proc/loadavg")
 
-
-def logical_cpus() -> int:
-    """Logical CPUs this process may run on: the most threads that can run at once."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def physical_cores() -> int:
