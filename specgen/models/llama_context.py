@@ -158,8 +158,8 @@ class LlamaContext:
             if start + n > self.length:
                 raise SpecgenError(f"{self.name}: {start + n} tokens do not fit its {self.length}-token context")
             starts.append(start)
-            fed = [(cache.seq, int(t), start + i, i >= n - min(keep, n)) for i, t in enumerate(feed)]
-            split = n - min(keep, n)
+            split = n - min(keep, n)  # the first kept row
+            fed = [(cache.seq, int(t), start + i, i >= split) for i, t in enumerate(feed)]
             spans.append(fed[:split])
             entries.extend(fed[split:])
         if not entries and not any(spans):
