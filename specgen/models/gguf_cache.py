@@ -82,16 +82,7 @@ def converted(gguf_path: pathlib.Path, cache_dtype: str, progress: bool) -> path
         shutil.rmtree(target)
     say(progress, _conversion_notice(gguf_path))
     started = time.monotonic()
-    writable_cache_dir("converted")
-    _remove_stale_temps(target.parent)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=target.parent))
-    try:
-        _convert_gguf(gguf_path, tmp, CACHE_DTYPES[cache_dtype])
-        tmp.chmod(0o755)
-        (tmp / _MARKER).write_text(json.dumps({"source": str(gguf_path), "name": gguf_path.name}))
-        _install(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    _write_entry(target, gguf_path, lambda tmp: _convert_gguf(gguf_path, tmp, CACHE_DTYPES[cache_dtype]))
     say(progress, f"converted {gguf_path.name} in {time.monotonic() - started:.0f} s -> {target}")
     return target
 
@@ -207,21 +198,31 @@ def tokenizer_files(gguf_path: pathlib.Path, progress: bool) -> pathlib.Path:
     if (target / _MARKER).is_file():
         return target
     say(progress, f"reading the tokenizer of {gguf_path.name} (one-time) ...")
-    writable_cache_dir("tokenizers")
-    _remove_stale_temps(target.parent)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=target.parent))
-    try:
+    if target.exists():
+        shutil.rmtree(target)
+
+    def write(tmp: pathlib.Path) -> None:
         config, tokenizer = _read_gguf(gguf_path, lambda: _gguf_config(gguf_path))
         tokenizer.save_pretrained(str(tmp))
         GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
+
+    _write_entry(target, gguf_path, write)
+    return target
+
+
+def _write_entry(target: pathlib.Path, gguf_path: pathlib.Path, write) -> None:
+    """Make the cache entry ``target`` for ``gguf_path``: ``write(tmp)`` fills a temporary directory
+    beside it, which gets the source marker and is renamed into place (nothing partial is left)."""
+    writable_cache_dir(*target.parent.relative_to(cache_root()).parts)
+    _remove_stale_temps(target.parent)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=target.parent))
+    try:
+        write(tmp)
         tmp.chmod(0o755)
         (tmp / _MARKER).write_text(json.dumps({"source": str(gguf_path), "name": gguf_path.name}))
-        if target.exists():
-            shutil.rmtree(target)
         _install(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _convert_gguf(gguf_path: pathlib.Path, out_dir: pathlib.Path, dtype: torch.dtype) -> None:
