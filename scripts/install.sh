@@ -13,7 +13,10 @@ $PIP install -q -e ".[dev,bench]"
 # builds its own instead of reusing one it cannot run. SPECGEN_NO_LLAMA_CPP=1 skips it (backend=torch only).
 if [[ -z "${SPECGEN_NO_LLAMA_CPP:-}" ]]; then
   LLAMA_CPP_VERSION=0.3.36
-  LLAMA_CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
+  # GGML_LLAMAFILE=OFF: llamafile's small-matrix kernels sum a multi-token decode's attention products in
+  # another order than a single token's; without them, attention without flash attention gives the same
+  # logits at every decode width (the weights' kernels may still not: the backend measures that at load).
+  LLAMA_CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_LLAMAFILE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
   # ggml's AMX kernels are left out of the build (on an AMX VM they stop the process with SIGILL at their
   # first tile instruction); llama.cpp then runs its AVX-512 kernels there.
   LLAMA_CFLAGS=""

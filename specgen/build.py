@@ -120,8 +120,7 @@ def _batch_invariance(guarantee: Guarantee, lm, max_tokens: int) -> Guarantee:
     if gap == 0.0:
         return guarantee
     return Guarantee("approximate", f"{lm.name} on {lm.backend} ({lm.describe()['dtype']}) computes {width}-token "
-                     f"verify logits up to {gap:.2g} away from single-token ones, so near-ties can flip; quantised "
-                     "GGUFs with llama_cpp.flash_attention=on measured bit-exact")
+                     f"verify logits up to {gap:.2g} away from single-token ones, so near-ties can flip")
 
 
 def _repack(setting: str, name: str) -> str:
@@ -151,7 +150,7 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
                                   sequences=int(llama.get("sequences", 64)),
                                   tiny_type=str(llama.get("tiny_type", "Q8_0")),
                                   batch_row_context=int(llama.get("batch_row_context", 4096)),
-                                  flash_attention=str(llama.get("flash_attention", "on")), vocab_size=vocab_size,
+                                  flash_attention=str(llama.get("flash_attention", "auto")), vocab_size=vocab_size,
                                   repack=_repack(str(llama.get("repack", "auto")), name))
         return load_model(source, name=name, dtype=dtype, device=device, extra_eos=extra_eos, progress=progress,
                           packed=packed, vocab_size=vocab_size)

@@ -118,7 +118,7 @@ def check_llama_cpp(section: Mapping) -> dict:
     except ConfigError:
         raise ConfigError(f"llama_cpp.batch_row_context must be an integer of at least {LLAMA_MIN_ROW_CONTEXT} "
                           f"(tokens), got {section.get('batch_row_context')!r}") from None
-    for key, choices, default in (("flash_attention", LLAMA_FLASH_MODES, "on"), ("tiny_type", LLAMA_TINY_TYPES, "Q8_0"),
+    for key, choices, default in (("flash_attention", LLAMA_FLASH_MODES, "auto"), ("tiny_type", LLAMA_TINY_TYPES, "Q8_0"),
                                   ("repack", LLAMA_REPACK_MODES, "auto")):
         value = str(section.get(key, default))
         if value not in choices:

@@ -45,7 +45,7 @@ def test_the_tiny_gguf_computes_the_torch_model():
     want = reference.forward(reference.new_cache(), ids, keep=len(ids))
     assert got.shape == want.shape == (len(ids), 16) and got.dtype == torch.float32
     assert torch.allclose(got, want, atol=2e-2), float((got - want).abs().max())
-    assert isinstance(lm, Target) and lm.backend == "llama_cpp" and not lm.capabilities.batches
+    assert isinstance(lm, Target) and lm.backend == "llama_cpp"
 
 
 @pytest.mark.parametrize("prefix", [1, 7, 40])
@@ -107,7 +107,7 @@ def test_repacked_weights_are_kept_only_where_a_decode_width_is_batch_invariant(
     auto = load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm
     assert not auto.repacked and auto.verify_gap([2, 4]) == (0.0, 2) and "repacked" not in auto.describe()["dtype"]
     on = load_llama_cpp(TINY_SOURCE, name="t", threads=1, repack="on").lm
-    assert on.repacked and on.verify_gap([2])[0] == 0.5 and on.describe()["dtype"].endswith(", repacked")
+    assert on.repacked and on.verify_gap([2])[0] == 0.5 and ", repacked" in on.describe()["dtype"]
     monkeypatch.setattr(llama_cpp.LlamaCppLM, "_gaps_after", lambda self, prefix, widths, probe=None: {w: 0.0 for w in widths})
     assert load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm.repacked
     monkeypatch.setattr(llama_cpp.LlamaCppLM, "_gaps_after",  # repacked: exact up to 3 tokens; as stored: up to 7
@@ -116,6 +116,33 @@ def test_repacked_weights_are_kept_only_where_a_decode_width_is_batch_invariant(
     assert not narrow.repacked and narrow.decode_width == 7
     assert load_llama_cpp(TINY_SOURCE, name="t", threads=1, repack="on").lm.decode_width == 3
     assert not load_llama_cpp(TINY_SOURCE, name="t", threads=1, repack="off").lm.repacked
+
+
+def test_flash_attention_is_off_unless_only_flash_attention_is_batch_invariant(monkeypatch):
+    monkeypatch.setattr(llama_cpp, "_has_amx_kernels", lambda lib: False)
+    opened = []
+    real_open = llama_cpp.LlamaCppLM._open
+    monkeypatch.setattr(llama_cpp.LlamaCppLM, "_open",
+                        lambda self, *args: (opened.append(self.flash_attention), real_open(self, *args))[1])
+
+    def gaps(off: float, on: float):
+        monkeypatch.setattr(llama_cpp.LlamaCppLM, "_gaps_after", lambda self, prefix, widths, probe=None:
+                            {w: on if self.flash_attention == "on" else off for w in widths})
+        opened.clear()
+
+    gaps(off=0.0, on=0.0)
+    lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1, repack="off").lm
+    assert lm.flash_attention == "off" and opened == ["off"] and "flash" not in lm.describe()["dtype"]
+    gaps(off=0.5, on=0.0)  # only flash attention is batch invariant: auto turns it on
+    lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1, repack="off").lm
+    assert lm.flash_attention == "on" and opened == ["off", "on"] and lm.verify_gap([2, 4]) == (0.0, 2)
+    assert lm.describe()["dtype"].endswith(", flash attention")
+    gaps(off=0.5, on=0.0)  # an explicit setting is kept, measured gap and all
+    lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1, repack="off", flash_attention="off").lm
+    assert opened == ["off"] and lm.verify_gap([2])[0] == 0.5
+    gaps(off=0.5, on=0.5)  # neither path is: the last one tried stays, and the run measures its gap
+    lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1, repack="off").lm
+    assert opened == ["off", "on"] and lm.verify_gap([2])[0] == 0.5
 
 
 def test_the_draft_model_repacks_unless_repacking_is_off():

@@ -31,8 +31,9 @@ BATCH_TOKENS = 32
 #: the tokens before the first kept row). Such a span is decoded alone, split from its own first
 #: position, so every path that feeds it (plain, speculative, a batched row) splits it alike.
 PREFILL_TOKENS = 128
-#: llama.cpp's flash-attention switch by name (its enum: -1 auto, 0 off, 1 on).
-FLASH = {"auto": -1, "off": 0, "on": 1}
+#: llama.cpp's flash-attention switch by name (its enum: 0 off, 1 on; llama.cpp's own -1 "auto" is
+#: not used: LlamaCppLM chooses by measurement).
+FLASH = {"off": 0, "on": 1}
 
 _INITIALISED = False
 _LOG_CALLBACK = None  # kept referenced: llama.cpp calls it for every log line

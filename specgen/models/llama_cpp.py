@@ -37,6 +37,8 @@ BATCH_GAP_ROWS = 4
 REPACK_MIN_WIDTH = 8
 #: Tokens of the fixed prefix that the batch-invariance measurements feed first.
 GAP_PREFIX = 16
+#: llama_cpp.flash_attention: llama.cpp's attention paths, or ``auto`` (off unless only on is batch invariant).
+FLASH_MODES = ("auto", "off", "on")
 #: llama_cpp.repack: weights in llama.cpp's repacked CPU buffers (``on``), as stored (``off``), or
 #: repacked unless that makes every decode width's logits differ from single-token ones (``auto``).
 REPACK = ("auto", "on", "off")
@@ -49,9 +51,10 @@ class LlamaCppLM:
     context_length: the KV cache's size in tokens, shared by every live handle (None: the
     model's training context); sequences: how many KV handles may be live at once;
     batch_row_context: the tokens a row of :meth:`new_batch` holds unless the caller sizes it;
-    flash_attention: llama.cpp's flash attention (on | off | auto). With it on, a position's
-    logits do not depend on how many positions a decode feeds (measured by :meth:`verify_gap`);
-    off, llama.cpp's other attention path gives verify logits that differ from single-token ones.
+    flash_attention: one of FLASH_MODES: llama.cpp's flash attention ``on`` or ``off``, or ``auto``:
+    off (the cheaper path per token) unless no decode width is batch invariant with it off, then on.
+    Which attention path gives logits independent of the decode width depends on the build
+    (llamafile's small-matrix kernels) and the thread count; :meth:`verify_gap` measures it.
     repack: one of REPACK (``auto`` keeps repacked weights only where some decode width is batch
     invariant with them).
     """
@@ -61,23 +64,30 @@ class LlamaCppLM:
     hf_model = None
 
     def __init__(self, path, *, vocab_size: int, name: str = "model", threads: int = 1,
-                 context_length: int | None = None, sequences: int = 64, flash_attention: str = "on",
+                 context_length: int | None = None, sequences: int = 64, flash_attention: str = "auto",
                  batch_row_context: int = 4096, repack: str = "auto"):
-        if flash_attention not in FLASH:
-            raise ConfigError(f"llama_cpp.flash_attention={flash_attention!r} is not one of {', '.join(FLASH)}")
+        if flash_attention not in FLASH_MODES:
+            raise ConfigError(f"llama_cpp.flash_attention={flash_attention!r} is not one of {', '.join(FLASH_MODES)}")
         if repack not in REPACK:
             raise ConfigError(f"llama_cpp.repack={repack!r} is not one of {', '.join(REPACK)}")
         self._lib = library()
         self.name = name
         self.path = str(path)
-        self.threads, self.flash_attention, self.batch_row_context = int(threads), flash_attention, int(batch_row_context)
+        self.threads, self.batch_row_context = int(threads), int(batch_row_context)
         self._capabilities: Capabilities | None = None
         # ggml's AMX kernels (run from repacked buffers) raised SIGILL on an AMX VM: a build with them never repacks
         repacked = repack != "off" and not _has_amx_kernels(self._lib)
-        widest = self._open(repacked, vocab_size, context_length, sequences)
-        if repack == "auto" and repacked and (widest or 0) < REPACK_MIN_WIDTH:
-            self._close_now()  # repacked weights change logits with the decode width: load them as stored
-            self._open(False, vocab_size, context_length, sequences)
+        attention = ("off", "on") if flash_attention == "auto" else (flash_attention,)
+        for tried, flash in enumerate(attention, 1):
+            #: llama.cpp's flash attention as used: "on" or "off".
+            self.flash_attention = flash
+            widest = self._open(repacked, vocab_size, context_length, sequences)
+            if repack == "auto" and repacked and (widest or 0) < REPACK_MIN_WIDTH:
+                self._close_now()  # repacked weights change logits with the decode width: load them as stored
+                widest = self._open(False, vocab_size, context_length, sequences)
+            if widest is not None or tried == len(attention):
+                break
+            self._close_now()  # no width is batch invariant on this attention path: try the other
         weakref.finalize(self, _close, self._main.close, self._lib, self._model)
 
     def _open(self, repacked: bool, vocab_size: int, context_length: int | None, sequences: int) -> int | None:
@@ -102,7 +112,8 @@ class LlamaCppLM:
         self.n_vocab, self.vocab_size = self._main.n_vocab, self._main.vocab_size
         #: Whether the weights sit in llama.cpp's repacked buffers.
         self.repacked = repacked
-        self._description = self._describe_model() + (", repacked" if repacked else "")
+        self._description = (self._describe_model() + (", repacked" if repacked else "")
+                             + (", flash attention" if self.flash_attention == "on" else ""))
         self._gaps: dict[int, float] = {}  # decode width -> its gap after GAP_PREFIX tokens
         widest = self._widest_invariant()
         #: Tokens per llama.cpp decode: the widest measured batch invariant (BATCH_TOKENS where none is).
