@@ -1,8 +1,8 @@
 """Heads by kind: :func:`build_head` makes an untrained head of a :class:`HeadConfig`'s kind
 and :func:`fill_head` loads stored tensors into it.
 
-Kinds: ``eagle``, ``mtp``, ``medusa`` (:mod:`specgen.heads.modules`) and ``eagle3``
-(:mod:`specgen.heads.eagle3`).
+Kinds: ``eagle``, ``mtp``, ``medusa`` (:mod:`specgen.heads.modules`), ``eagle3``
+(:mod:`specgen.heads.eagle3`) and ``dspark`` (:mod:`specgen.heads.dspark`).
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from collections.abc import Mapping
 import torch
 
 from specgen.errors import ModelLoadError
+from specgen.heads.dspark import DsparkHead
 from specgen.heads.eagle3 import Eagle3Head
 from specgen.heads.modules import DraftHead, EagleHead, HeadConfig, MedusaHead, MtpHead
 
-#: The kinds built from :mod:`specgen.heads.modules`; ``eagle3`` is built apart (its config has attention).
-HEADS: dict[str, type[DraftHead]] = {"eagle": EagleHead, "mtp": MtpHead, "medusa": MedusaHead}
+#: The kinds built from their config alone; ``eagle3`` is built apart (its config has attention).
+HEADS: dict[str, type[DraftHead]] = {"eagle": EagleHead, "mtp": MtpHead, "medusa": MedusaHead,
+                                     "dspark": DsparkHead}
 
 
 def build_head(cfg: HeadConfig, vocab_ids: torch.Tensor) -> DraftHead:

@@ -34,12 +34,18 @@ from specgen.models import packed_linear
 from specgen.models.causal_lm import select_features
 
 
+#: Config fields only one kind reads: left out of other kinds' JSON (and so of their files and signatures).
+_KIND_FIELDS = {"block_size": "dspark", "markov_rank": "dspark"}
+
+
 @dataclass
 class HeadConfig:
-    """kind: eagle | eagle3 | mtp | medusa. hidden_size: the target's. feature_layers: target
+    """kind: eagle | eagle3 | mtp | medusa | dspark. hidden_size: the target's. feature_layers: target
     hidden-state indices concatenated into the input feature ([] = the final,
     normalised hidden state the LM head reads). num_heads: Medusa heads (K).
-    intermediate_size: width of the decoder block's MLP. draft_vocab_size: len(vocab_ids)."""
+    intermediate_size: width of the decoder block's MLP. draft_vocab_size: len(vocab_ids).
+    block_size, markov_rank: a dspark head's block positions (γ_max) and Markov rank r; stored
+    (in :meth:`to_json`) for dspark heads only, so other kinds' configs read as before."""
 
     kind: str
     hidden_size: int
@@ -52,9 +58,15 @@ class HeadConfig:
     num_key_value_heads: int = 0
     head_dim: int = 0
     rope_theta: float = 10000.0
+    block_size: int = 6  # dspark: γ_max, the base rows one backbone pass produces
+    markov_rank: int = 64  # dspark: r, the rank of the Markov correction
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        fields = asdict(self)
+        for name, kind in _KIND_FIELDS.items():
+            if self.kind != kind:
+                fields.pop(name)
+        return json.dumps(fields, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> HeadConfig:
