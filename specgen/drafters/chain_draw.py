@@ -1,7 +1,7 @@
 """Drawing a draft chain token by token from the processor stack, recording q.
 
 The one draw-and-record helper of the drafters that sample step by step (the
-small model, MTP). Step ``i``'s distribution q_i is the stack applied to the
+small model, MTP, DSpark). Step ``i``'s distribution q_i is the stack applied to the
 drafter's raw logits with the drafter's own history (committed tokens + its
 draws before ``i``); the recorded rows are exactly what was sampled from, so
 verification is exact. Each step uses one uniform from the drafter's generator,
@@ -17,8 +17,8 @@ in order, on both paths below, so they draw the same tokens:
 Stopping rules: the chain ends before the first step whose row allows nothing
 (the draft's own dead end, e.g. nothing left in the draft vocabulary), and, with a
 ``stopper`` (the planner's :class:`~specgen.planning.chain.ChainStopper`), before a step
-whose confidence (max q, known before the draw) the stopper declines, or after a
-draw when it says no further draft pays. All are rules of the drafter's own
+whose confidence (max q, or the drafter's own estimate; known before the draw) the stopper
+declines, or after a draw when it says no further draft pays. All are rules of the drafter's own
 information, so exactness holds. A stopper reads each step's confidence back as
 it comes (one host read a step): meant for a CPU, where such reads cost nothing.
 ``strict_first``: a row that allows nothing at the
@@ -52,15 +52,22 @@ class ChainDraws:
         self.checks: list[torch.Tensor] = []  # device path: argmax code or total mass per step, [1]
         self.drawn: list[int] = []  # device path, after finish: every drawn id, kept or not
 
-    def draw(self, raw: torch.Tensor, greedy_peak_logits: torch.Tensor) -> int | torch.Tensor | None:
+    def draw(self, raw: torch.Tensor, greedy_peak_logits: torch.Tensor,
+             confidence: torch.Tensor | None = None) -> int | torch.Tensor | None:
         """Draw the next token from raw logits [1, vocab] -> the token to feed next (an int,
         or a [1] long tensor on the device path), or None when the chain stops here (host
         path; the device path notices in :meth:`finish`).
 
         greedy_peak_logits: [V] logits whose softmax maximum is the confidence under greedy
-        decoding (a sampled step's confidence is max q)."""
+        decoding (a sampled step's confidence is max q). confidence: [] the drafter's own
+        estimate in [0, 1] that this step's token is accepted, used instead of either; it must
+        be computed before this draw from the drafter's information (its state and the tokens
+        drawn before this step), never from the token drawn here."""
         greedy = self.stack.greedy
-        peak = torch.softmax(greedy_peak_logits.float(), dim=-1).max() if greedy else None
+        if confidence is not None:
+            confidence = confidence.to(torch.float64)
+        peak = confidence if confidence is not None or not greedy else \
+            torch.softmax(greedy_peak_logits.float(), dim=-1).max()
         if greedy and not self._keep(peak):
             return None
         if self.on_device:
@@ -72,7 +79,7 @@ class ChainDraws:
                 self.checks.append(code.to(torch.float64))
             else:
                 q_row = self.stack.probs(raw, history)[0]  # [vocab] float64
-                peak = q_row.max()
+                peak = q_row.max() if confidence is None else confidence
                 if not self._keep(peak):
                     return None
                 token, total = draw_on_device(q_row, uniforms(self.generator, 1))  # [1], [1]
@@ -84,7 +91,7 @@ class ChainDraws:
                     token = self.stack.argmax(raw, history)[0]
                 else:
                     q_row = self.stack.probs(raw, history)[0]  # [vocab] float64
-                    peak = q_row.max()
+                    peak = q_row.max() if confidence is None else confidence
                     if not self._keep(peak):
                         return None
                     token = sample_token(q_row, self.generator)

@@ -22,7 +22,7 @@ GGUF_KINDS = ("gguf", "package_gguf", "package_parts")
 #: Source kinds the llama.cpp backend loads.
 LLAMA_KINDS = (*GGUF_KINDS, "tiny")
 #: Drafters that need a tree forward or the target's hidden states.
-FEATURE_DRAFTERS = ("eagle", "medusa", "mtp")
+FEATURE_DRAFTERS = ("eagle", "medusa", "mtp", "dspark")
 
 
 def _target_kind(cfg: Mapping) -> str:
