@@ -2,6 +2,7 @@
 
     specgen-train drafter=eagle target=smollm2-135m train.steps=2000 train.loss=lk train.out=heads/eagle.safetensors
     specgen-train target=tiny train.kind=mtp train.steps=50 train.out=/tmp/mtp.safetensors
+    specgen-train target=tiny train.kind=dspark train.steps=30 train.out=/tmp/d.safetensors
 
 stdout gets the held-out evaluation table; progress and notes go to stderr.
 Errors a user can cause exit with status 2 and one line; ``train.out`` is
@@ -23,6 +24,7 @@ import torch
 from omegaconf import DictConfig
 
 from specgen.config import compose, conf_dir, exits_on_error, run_console, to_container
+from specgen.drafters.base import MAX_NUM_TOKENS
 from specgen.errors import ConfigError
 from specgen.options import parse_int
 from specgen.paths import check_output_file
@@ -36,7 +38,11 @@ HEAD_DEFAULTS = {
     "eagle3": {"feature_layers": None, "intermediate_size": 1536, "num_heads": 4, "draft_vocab_size": 8192},
     "mtp": {"feature_layers": [], "intermediate_size": 1536, "num_heads": 4, "draft_vocab_size": 8192},
     "medusa": {"feature_layers": [], "intermediate_size": 1536, "num_heads": 4, "draft_vocab_size": 8192},
+    "dspark": {"feature_layers": [], "intermediate_size": 1536, "num_heads": 4, "draft_vocab_size": 8192,
+               "block_size": 6, "markov_rank": 64},
 }
+#: the architecture keys that are positive integers (a kind reads those in its defaults)
+_SIZES = ("intermediate_size", "num_heads", "draft_vocab_size", "block_size", "markov_rank")
 _STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -58,18 +64,21 @@ def head_settings(cfg: dict) -> tuple[str, dict]:
     train, drafter = cfg["train"], cfg.get("drafter") or {}
     kind = train.get("kind") or drafter.get("kind")
     if kind not in HEAD_DEFAULTS:
-        raise ConfigError(f"specgen-train trains eagle, eagle3, mtp or medusa heads; choose one with drafter=eagle "
-                          f"(or train.kind=eagle), not {kind!r}")
+        raise ConfigError(f"specgen-train trains eagle, eagle3, mtp, medusa or dspark heads; choose one with "
+                          f"drafter=eagle (or train.kind=eagle), not {kind!r}")
     arch = dict(HEAD_DEFAULTS[kind])
     layers = [(drafter.get("head") or {}) if drafter.get("kind") == kind else {}, train.get("head") or {}]
     for layer in layers:
         arch.update({k: v for k, v in layer.items() if k in arch and v is not None})
     if arch["feature_layers"] is not None:
         arch["feature_layers"] = [int(i) for i in arch["feature_layers"]]
-    for key in ("intermediate_size", "num_heads", "draft_vocab_size"):
+    for key in (k for k in _SIZES if k in arch):
         arch[key] = int(arch[key])
         if arch[key] < 1:
             raise ConfigError(f"train.head.{key} must be >= 1, got {arch[key]}")
+    if arch.get("block_size", 0) > MAX_NUM_TOKENS:
+        raise ConfigError(f"train.head.block_size must be at most {MAX_NUM_TOKENS} (the most draft tokens a round "
+                          f"verifies), got {arch['block_size']}")
     return kind, arch
 
 
@@ -87,6 +96,15 @@ def attention_shape(config) -> dict:
             "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // heads),
             "rope_theta": float((getattr(config, "rope_parameters", None) or {}).get("rope_theta")
                                 or getattr(config, "rope_theta", None) or 10000.0)}
+
+
+def _kind_fields(kind: str, arch: dict, config) -> dict:
+    """The HeadConfig fields only ``kind`` reads: eagle3's attention shape, dspark's block and rank."""
+    if kind == "eagle3":
+        return attention_shape(config)
+    if kind == "dspark":
+        return {"block_size": arch["block_size"], "markov_rank": arch["markov_rank"]}
+    return {}
 
 
 @dataclass
@@ -207,7 +225,7 @@ def _new_head(job: _Job, model, loaded, corpus):
     vocab_ids = draft_vocab(corpus.sequences, arch["draft_vocab_size"], vocab_size, loaded.tokenizer.eos_ids)
     head_cfg = HeadConfig(kind=job.kind, hidden_size=int(model.config.hidden_size), draft_vocab_size=len(vocab_ids),
                           feature_layers=arch["feature_layers"], intermediate_size=arch["intermediate_size"],
-                          num_heads=arch["num_heads"], **attention_shape(model.config) if job.kind == "eagle3" else {})
+                          num_heads=arch["num_heads"], **_kind_fields(job.kind, arch, model.config))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(job.settings.seed)
         head = build_head(head_cfg, vocab_ids)

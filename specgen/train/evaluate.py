@@ -11,6 +11,10 @@ every held-out start position with D tokens of look-ahead:
   the expected number of accepted draft tokens per round (``expected_accepted``,
   ``expected_greedy_accepted``).
 
+A DSpark head also reports its confidence per position: ``confidence`` (mean c_k)
+and ``confidence_error`` (mean |c_k - c*_k|, c*_k = 1 - TV(q_k, p_k) = the ``accept``
+figure of that position).
+
 Deeper positions are teacher-forced with the data's tokens, so the chain
 figures approximate (they do not simulate) what decoding will see.
 """
@@ -32,16 +36,25 @@ def evaluate(head: DraftHead, feats: Features, lookup: torch.Tensor, *, unroll: 
     starts = feats.starts(depth)
     was_training = head.training
     head.eval()
-    sums = {name: torch.zeros(depth, dtype=torch.float64) for name in ("accept", "greedy", "chain_accept",
-                                                                        "chain_greedy")}
+    names = ("accept", "greedy", "chain_accept", "chain_greedy")
+    if head.cfg.kind == "dspark":
+        names += ("confidence", "confidence_error")
+    sums = {name: torch.zeros(depth, dtype=torch.float64) for name in names}
     if head.cfg.kind == "eagle3":  # an attention head sees each sequence whole, as when decoding
         chunks = [part for part in torch.split(starts, _sequence_lengths(feats, starts)) if part.numel()]
     else:
         chunks = list(torch.split(starts, batch))
     for pick in chunks:
         inputs, tokens, p, greedy = batch_targets(head, feats, lookup, pick, depth, device)
-        logits = head_logits(head, inputs, tokens)
+        if head.cfg.kind == "dspark":
+            logits, confidence = head.teacher_forced(inputs, tokens)  # [D, B, Vd], [D, B]
+        else:
+            logits, confidence = head_logits(head, inputs, tokens), None
         alpha = acceptance(logits, p).double()  # [D, B]
+        if confidence is not None:
+            confidence = torch.sigmoid(confidence.float()).double()
+            sums["confidence"] += confidence.sum(1).cpu()
+            sums["confidence_error"] += (confidence - alpha).abs().sum(1).cpu()
         agree = (logits.argmax(-1) == greedy).double()  # greedy = -1 outside the draft vocab: never agrees
         for name, value in (("accept", alpha), ("greedy", agree), ("chain_accept", alpha.cumprod(0)),
                             ("chain_greedy", agree.cumprod(0))):
@@ -67,6 +80,10 @@ def table(metrics: dict) -> str:
     for k, row in enumerate(zip(metrics["accept"], metrics["greedy"], metrics["chain_accept"],
                                 metrics["chain_greedy"]), start=1):
         lines.append(f"| {k} | " + " | ".join(f"{v:.3f}" for v in row) + " |")
+    if "confidence" in metrics:
+        lines.append("\nhead confidence c_k, mean / mean |c_k - c*_k|: " + ", ".join(
+            f"k={k} {c:.3f} / {e:.3f}"
+            for k, (c, e) in enumerate(zip(metrics["confidence"], metrics["confidence_error"]), start=1)))
     lines.append(f"\nexpected accepted draft tokens per round: {metrics['expected_accepted']:.3f} (T=1), "
                  f"{metrics['expected_greedy_accepted']:.3f} (greedy); {metrics['positions']} held-out positions")
     return "\n".join(lines)

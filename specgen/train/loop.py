@@ -8,11 +8,16 @@ state at j and predicts token j + 1. From a start position i,
   k > 1 reads its own state from step k - 1 and token_{i+k} and predicts
   p_{i+k} ("training-time test": the head learns from its own predictions).
 * Medusa head k (0-based) reads feature_i and predicts p_{i+1+k}.
+* A DSpark head's block reads (feature_i, token_{i+1}) once; its position k
+  (1-based) predicts p_{i+k} with the data's token_{i+k} as the Markov input
+  x_{k-1} (teacher forcing). Its loss is ``train.loss`` summed over the block
+  positions plus ``train.confidence_weight`` times the confidence loss against
+  c*_k = 1 - TV(q_k, p_k) (:mod:`specgen.train.losses`).
 * EAGLE-3 (attention) heads train on windows of ``train.window`` consecutive
   starts, so step 1 attends to the window's earlier positions and step k to its
   own earlier steps (:meth:`specgen.heads.eagle3.Eagle3Head.ttt_logits`).
 
-So a start i needs depth D (= train.unroll, or K Medusa heads) positions of
+So a start i needs depth D (= train.unroll, K Medusa heads, or a DSpark block's size) positions of
 look-ahead. Batches are sampled with an explicit ``torch.Generator`` whose
 state is checkpointed, so a resumed run is step-for-step the same run.
 """
@@ -33,7 +38,15 @@ from specgen.errors import ConfigError
 from specgen.heads.modules import DraftHead
 from specgen.train.data import Features, lm_logits
 from specgen.options import parse_int, parse_seed
-from specgen.train.losses import LOSSES, acceptance, depth_loss
+from specgen.train.losses import (
+    CONFIDENCE_LOSSES,
+    LOSSES,
+    acceptance,
+    confidence_loss,
+    confidence_target,
+    depth_loss,
+    summed_depth_loss,
+)
 
 
 @dataclass
@@ -50,6 +63,8 @@ class Settings:
     unroll: int = 3
     window: int = 64
     checkpoint_every: int = 200
+    confidence_loss: str = "bce"  # dspark heads only, as confidence_weight
+    confidence_weight: float = 1.0
 
     @classmethod
     def from_config(cls, train: dict) -> Settings:
@@ -61,6 +76,9 @@ class Settings:
         s = cls(**{name: train[name] for name in cls.__dataclass_fields__ if train.get(name) is not None})
         if s.loss not in LOSSES:
             raise ConfigError(f"train.loss must be one of {', '.join(LOSSES)}, got {s.loss!r}")
+        if s.confidence_loss not in CONFIDENCE_LOSSES:
+            raise ConfigError(f"train.confidence_loss must be one of {', '.join(CONFIDENCE_LOSSES)}, "
+                              f"got {s.confidence_loss!r}")
         for name, minimum in _INTEGERS.items():
             setattr(s, name, parse_int(getattr(s, name), f"train.{name}", minimum=minimum))
         s.seed = parse_seed(s.seed, "train.seed")
@@ -68,10 +86,18 @@ class Settings:
             setattr(s, name, check_number(getattr(s, name), f"train.{name}", limits))
         return s
 
-    def signature(self) -> dict:
+    def signature(self, kind: str) -> dict:
+        """What a checkpoint of a ``kind`` head must match to resume (settings that head does not read left out)."""
         out = dict(self.__dict__)
         out.pop("checkpoint_every")
+        if kind != "dspark":
+            for name in _DSPARK_ONLY:
+                out.pop(name)
         return out
+
+
+#: The settings only a dspark head's training reads.
+_DSPARK_ONLY = ("confidence_loss", "confidence_weight")
 
 
 #: The integer settings and their least values (checkpoint_every 0 = no periodic checkpoints).
@@ -80,11 +106,15 @@ _INTEGERS = {"steps": 1, "batch_tokens": 1, "unroll": 1, "window": 1, "warmup_st
 _NUMBERS = {"lr": NumberRange(0.0, False, None, "a finite number > 0"),
             "weight_decay": NumberRange(0.0, True, None, "a finite number >= 0"),
             "min_lr_ratio": NumberRange(0.0, True, 1.0, "in [0, 1]"),
-            "grad_clip": NumberRange(0.0, True, None, "a finite number >= 0 (0 = off)")}
+            "grad_clip": NumberRange(0.0, True, None, "a finite number >= 0 (0 = off)"),
+            "confidence_weight": NumberRange(0.0, True, None, "a finite number >= 0 (0 = off)")}
 
 
 def depth_of(head: DraftHead, unroll: int) -> int:
-    return head.cfg.num_heads if head.cfg.kind == "medusa" else int(unroll)
+    """Draft positions trained per start: Medusa's heads, a DSpark block's size, else ``unroll``."""
+    if head.cfg.kind == "medusa":
+        return head.cfg.num_heads
+    return head.cfg.block_size if head.cfg.kind == "dspark" else int(unroll)
 
 
 def draft_lookup(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -120,12 +150,15 @@ def window_starts(feats: Features, depth: int, window: int) -> tuple[torch.Tenso
 
 def head_logits(head: DraftHead, inputs: torch.Tensor, tokens: torch.Tensor,
                 windows: tuple[int, int] | None = None) -> torch.Tensor:
-    """Draft logits [D, B, Vd] for the chain (EAGLE/MTP, D = len(tokens)) or the K Medusa heads.
+    """Draft logits [D, B, Vd] for the chain (EAGLE/MTP, D = len(tokens)), the K Medusa heads or
+    a DSpark block (teacher-forced Markov inputs).
 
     windows: (W, T) when the B = W * T starts are W windows of T consecutive
     positions (an attention head's training-time test); None = one window."""
     if head.cfg.kind == "medusa":
         return head(inputs)
+    if head.cfg.kind == "dspark":
+        return head.teacher_forced(inputs, tokens)[0]
     if head.cfg.kind == "eagle3":
         w, t = windows or (1, inputs.shape[0])
         logits = head.ttt_logits(inputs.reshape(w, t, -1), tokens.reshape(tokens.shape[0], w, t))  # [D, W, T, Vd]
@@ -135,6 +168,22 @@ def head_logits(head: DraftHead, inputs: torch.Tensor, tokens: torch.Tensor,
         state, logits = head.step(state, tokens[k])
         out.append(logits)
     return torch.stack(out)
+
+
+def batch_loss(head: DraftHead, s: Settings, inputs: torch.Tensor, tokens: torch.Tensor, p: torch.Tensor,
+               greedy: torch.Tensor, windows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch's training loss -> (loss [], draft logits [D, B, Vd]); arguments as :func:`batch_targets`
+    returns them. A DSpark head's: ``s.loss`` summed over its positions plus ``s.confidence_weight`` times
+    its confidence loss against c* = 1 - TV(q, p), q detached; every other head's: ``s.loss`` over depths."""
+    if head.cfg.kind != "dspark":
+        logits = head_logits(head, inputs, tokens, windows)
+        return depth_loss(s.loss, logits, p, greedy), logits
+    logits, confidence = head.teacher_forced(inputs, tokens)  # [D, B, Vd], [D, B]
+    loss = summed_depth_loss(s.loss, logits, p, greedy)
+    if s.confidence_weight:
+        target = confidence_target(logits, p)  # [D, B]
+        loss = loss + s.confidence_weight * confidence_loss(s.confidence_loss, confidence, target)
+    return loss, logits
 
 
 def _lr_lambda(s: Settings):
@@ -207,8 +256,7 @@ def _step(st: _State, params: list[torch.Tensor], feats: Features, lookup: torch
     pick = starts[torch.randint(0, starts.numel(), (count,), generator=st.gen)]  # [W] window starts
     pick = (pick.unsqueeze(1) + torch.arange(width)).reshape(-1)  # [W * T]
     inputs, tokens, p, greedy = batch_targets(st.head, feats, lookup, pick, depth, device)
-    logits = head_logits(st.head, inputs, tokens, (count, width))
-    loss = depth_loss(s.loss, logits, p, greedy)
+    loss, logits = batch_loss(st.head, s, inputs, tokens, p, greedy, (count, width))
     st.opt.zero_grad(set_to_none=True)
     loss.backward()
     if s.grad_clip:
@@ -236,7 +284,8 @@ def train_head(head: DraftHead, feats: Features, lookup: torch.Tensor, s: Settin
     if starts.numel() == 0:
         raise ConfigError(f"no training position has {depth} tokens of look-ahead; raise train.max_len "
                           "or train.num_conversations")
-    st, params = _start(head, s, json.dumps({"settings": s.signature(), **(extra_signature or {})}, sort_keys=True))
+    signature = json.dumps({"settings": s.signature(head.cfg.kind), **(extra_signature or {})}, sort_keys=True)
+    st, params = _start(head, s, signature)
     if resume and checkpoint is not None and checkpoint.is_file():
         st.load(checkpoint)
     result = TrainResult(steps=st.step, seconds=0.0, resumed_from=st.step)

@@ -11,6 +11,10 @@ vocabulary is simply absent: a draft can never propose those tokens).
   ``1 - TV(p, q)`` of one draft token under speculative sampling at T = 1.
 * :func:`chain_tv` -- for a chain of depths: ``-sum_k prod_{j<=k} alpha_j``,
   the expected number of accepted tokens of the chain.
+
+A DSpark head (:mod:`specgen.heads.dspark`) also predicts its own acceptance c_k:
+:func:`confidence_target` is its label c* = 1 - TV(q, p) and :func:`confidence_loss`
+fits c_k to it (``bce`` or ``mse``); :func:`summed_depth_loss` is its draft loss.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 EPS = 1e-9
 
 LOSSES = ("ce", "kl", "lk", "chain_tv")
+CONFIDENCE_LOSSES = ("bce", "mse")
 
 
 def acceptance(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -74,3 +79,31 @@ def depth_loss(name: str, logits: torch.Tensor, p: torch.Tensor, target: torch.T
     if name == "lk":
         return lk(logits, p)
     raise ValueError(f"unknown loss {name!r}; expected one of {', '.join(LOSSES)}")
+
+
+def summed_depth_loss(name: str, logits: torch.Tensor, p: torch.Tensor,
+                      target: torch.Tensor | None = None) -> torch.Tensor:
+    """The loss ``name`` summed over the depths [D, N, Vd]: D times :func:`depth_loss` (its mean over
+    depths), and ``chain_tv`` as it is (already a sum over the chain)."""
+    value = depth_loss(name, logits, p, target)
+    return value if name == "chain_tv" else value * logits.shape[0]
+
+
+def confidence_target(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """c* = 1 - TV(q, p) per position, q = softmax(logits) detached: [..., Vd] -> [...] in [0, 1].
+
+    TV is over the full vocabulary, where q is zero outside the draft vocabulary and p keeps
+    the mass this slice lacks; then 1 - TV = sum_v min(p(v), q(v)) over the draft vocabulary
+    (:func:`acceptance`), the probability that speculative sampling accepts a token drawn from q."""
+    return acceptance(logits.detach(), p.detach())
+
+
+def confidence_loss(name: str, confidence_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean loss of predicted confidences c = sigmoid(confidence_logits) [...] against ``target`` [...]
+    in [0, 1]: ``bce`` (binary cross-entropy with soft labels) or ``mse`` ((c - target)^2)."""
+    logits, target = confidence_logits.float(), target.float()
+    if name == "bce":
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, target)
+    if name == "mse":
+        return (torch.sigmoid(logits) - target).pow(2).mean()
+    raise ValueError(f"unknown confidence loss {name!r}; expected one of {', '.join(CONFIDENCE_LOSSES)}")
