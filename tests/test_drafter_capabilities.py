@@ -14,6 +14,7 @@ from specgen.processors import ProcessorStack, Temperature
     ("ngram", "chain", False, True),
     ("small_model", "chain", False, True),
     ("mtp", "chain", True, False),  # a chain drafter that reads target features
+    ("dspark", "chain", True, False),
     ("eagle", "tree", True, False),
     ("medusa", "tree", True, False),
 ])

@@ -39,7 +39,7 @@ def heads(tmp_path_factory):
     for vocab in (16, 8):
         model = _pipe("dtype=float32", "drafter=none", f"target.source.vocab_size={vocab}").target.model
         d = model.config.hidden_size
-        for kind in ("eagle", "medusa", "mtp"):
+        for kind in ("eagle", "medusa", "mtp", "dspark"):
             torch.manual_seed(1)
             head = build_head(HeadConfig(kind=kind, hidden_size=d, draft_vocab_size=vocab - 2,
                                          intermediate_size=2 * d, num_heads=4), torch.arange(vocab - 2))
@@ -60,7 +60,7 @@ def test_tree_forward_matches_each_path_on_device():
     check_tree_forward_matches_each_path(_pipe("dtype=float32", "drafter=none").target)
 
 
-@pytest.mark.parametrize("kind", ["ngram", "tiny", "eagle", "medusa", "mtp"])
+@pytest.mark.parametrize("kind", ["ngram", "tiny", "eagle", "medusa", "mtp", "dspark"])
 def test_greedy_equals_plain_on_device(kind, heads):
     pipe = _pipe("dtype=float32", *_drafter(kind, heads), "sampling.temperature=0",
                  "sampling.repetition_penalty=1.3")
@@ -70,7 +70,7 @@ def test_greedy_equals_plain_on_device(kind, heads):
         assert spec.token_ids == pipe.generate(prompt_ids=prompt, max_new_tokens=24, speculative=False).token_ids
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "mtp", "dspark"])
 def test_learned_heads_in_bfloat16_on_device(kind, heads):
     for target_dtype, drafter_dtype in (("bfloat16", "null"), ("float32", "bfloat16")):
         pipe = _pipe(f"dtype={target_dtype}", *_drafter(kind, heads), f"drafter.dtype={drafter_dtype}",

@@ -1,4 +1,4 @@
-"""Learned drafters (EAGLE, Medusa, MTP) on the tiny target with random heads.
+"""Learned drafters (EAGLE, Medusa, MTP, DSpark) on the tiny target with random heads.
 
 Heads are built in code for the tiny target and written with the real head
 format, so loading, fingerprint checks, tree drafting, tree verification and
@@ -53,7 +53,7 @@ def heads(tmp_path_factory):
     base = tmp_path_factory.mktemp("heads")
     pipe8 = _target(*VOCAB8)
     return {kind: str(_write_head(base / f"{kind}.safetensors", kind, pipe8))
-            for kind in ("eagle", "eagle3", "medusa", "mtp")}
+            for kind in ("eagle", "eagle3", "medusa", "mtp", "dspark")}
 
 
 def _drafter(kind: str) -> str:
@@ -95,7 +95,7 @@ def test_learned_drafters_are_exact(name, heads):
     assert p_value > 1e-3, f"{name}: chi-square p={p_value:.2e}, TV={tv:.3f}"
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "mtp", "dspark"])
 def test_greedy_learned_drafters_equal_plain(kind, heads):
     pipe = _pipe(kind, heads, "sampling.temperature=0", "sampling.repetition_penalty=1.3")
     assert str(pipe.guarantee) == "greedy"
@@ -177,7 +177,7 @@ def test_medusa_tree_config_is_validated(heads):
         _pipe("medusa", heads, "drafter.tree=[[0],[0,0],[0,0,0],[0,0,0,0],[0,0,0,0,0]]")
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp", "dspark"])
 def test_learned_drafters_are_exact_under_a_grammar(kind, tmp_path):
     """The grammar mask is part of p (and of the MTP's q); tree and chain stay exact."""
     import re

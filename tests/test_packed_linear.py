@@ -161,7 +161,7 @@ def test_packed_weights_false_keeps_linear_in_every_model():
         specgen.pipeline("target=tiny", "packed_weights=maybe", progress=False)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "mtp", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "mtp", "medusa", "dspark"])
 def test_a_packed_head_drafts_what_the_unpacked_head_drafts(kind):
     import copy
 
@@ -183,6 +183,11 @@ def test_a_packed_head_drafts_what_the_unpacked_head_drafts(kind):
     with torch.inference_mode():
         if kind == "medusa":
             expected, got = head(feature), packed(feature)
+        elif kind == "dspark":  # tokens [D = 3, B = 3]
+            steps = torch.stack([tokens, tokens.flip(0), tokens])
+            expected, got = head.teacher_forced(feature, steps), packed.teacher_forced(feature, steps)
+            expected, got = torch.cat([expected[0], expected[1].unsqueeze(-1)], -1), \
+                torch.cat([got[0], got[1].unsqueeze(-1)], -1)
         else:
             expected, got = head.step(feature, tokens), packed.step(feature, tokens)
             expected, got = torch.cat(expected, -1), torch.cat(got, -1)

@@ -118,7 +118,7 @@ def test_head_settings_read_drafter_and_train_overrides():
 
 # ---- training -----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp", "medusa", "dspark"])
 def test_training_reduces_loss_and_saves_a_bound_head(tmp_path, kind):
     run = _run(tmp_path, kind, "train.steps=30", "train.loss=kl")
     assert run.path is not None and run.path.is_file()
@@ -130,7 +130,7 @@ def test_training_reduces_loss_and_saves_a_bound_head(tmp_path, kind):
     assert "random ids" in meta["specgen.data"]
     with pytest.raises(ModelLoadError, match="different target"):
         load_head(run.path, build_tiny_model(seed=1), kind=kind)
-    depth = 4 if kind == "medusa" else 3
+    depth = {"medusa": 4, "dspark": 6}.get(kind, 3)  # Medusa's heads, the dspark block's size, else unroll
     for name in ("accept", "greedy", "chain_accept", "chain_greedy"):
         assert len(first[name]) == depth and all(0.0 <= v <= 1.0 for v in first[name])
     assert 0 <= first["expected_accepted"] <= depth
@@ -148,7 +148,7 @@ def test_loss_decreases(tmp_path, monkeypatch):
         return result
 
     monkeypatch.setattr(loop, "train_head", spy)
-    for kind, loss in (("eagle", "lk"), ("mtp", "chain_tv"), ("medusa", "ce")):
+    for kind, loss in (("eagle", "lk"), ("mtp", "chain_tv"), ("medusa", "ce"), ("dspark", "kl")):
         _run(tmp_path, kind, "train.steps=40", f"train.loss={loss}")
         values = seen["losses"]
         assert len(values) == 40
