@@ -29,7 +29,7 @@ A step is a transaction over all its rows: an exception anywhere (the batched
 forward included) restores every row to its state before the step. A grammar
 dead end in one row ends that row only, as in the single-request engine.
 Drafters that are not ``batchable`` (tree drafters and those reading target
-features: eagle, medusa, mtp) and compiled targets are not batched yet and are
+features: eagle, medusa, mtp, dspark) and compiled targets are not batched yet and are
 refused with a ConfigError (:func:`specgen.drafters.batch_refusal` decides).
 
 One step loop (:class:`Batch`), two clients: :func:`stream_batch` admits a list

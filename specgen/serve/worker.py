@@ -9,7 +9,7 @@ forwards it to its event loop). :func:`make_scheduler` picks one of two:
   advance together, up to ``batch_size`` at a time, each row with its own
   processor stack (per-request temperature / top_p), grammar, seed and RNG;
 * :class:`SerialWorker` (what is not batched yet, :func:`specgen.batch.unbatched_reason`:
-  eagle, medusa, mtp, compiled targets): jobs run **one at a time**.
+  eagle, medusa, mtp, dspark, compiled targets): jobs run **one at a time**.
 
 Cancelling a job (a client that went away) is a flag read between steps: a
 queued job is skipped; a running one stops at its last committed round (the
