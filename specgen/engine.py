@@ -94,7 +94,8 @@ class Pipeline:
         return Subject(self.target, self.tokenizer.vocab_size, self.config or {},
                        trees=drafter is not None and (drafter.tree_width > 1 or drafter.feature_layers is not None),
                        feature_layers=None if drafter is None else drafter.feature_layers,
-                       open_draft=None if drafter is None else open_draft)
+                       open_draft=None if drafter is None else open_draft,
+                       draft_model=None if drafter is None else drafter.draft_model)
 
     @property
     def speculative(self) -> bool:

@@ -70,8 +70,8 @@ def test_measure_keeps_every_width_as_measured(monkeypatch):
     timer = ShapedTimer()
     real_forward, real_tree = type(pipe.target).forward, type(pipe.target).forward_tree
 
-    def forward(self, cache, feed, keep=1, **kwargs):
-        timer.width = len(feed) if len(cache) else None  # the calibration prefill is not a timed span
+    def forward(self, cache, feed, keep=1, **kwargs):  # the draft model's and the calibration prefill are not shaped
+        timer.width = len(feed) if len(cache) and self is pipe.target else None
         return real_forward(self, cache, feed, keep=keep, **kwargs)
 
     def forward_tree(self, cache, chain, nodes, *args, **kwargs):
@@ -112,6 +112,15 @@ def test_measure_shapes():
     assert table.verify(4, tree=True) == table.verify(4) and table.chain[0] == pytest.approx(1.0)
     assert table.draft_per_token >= 0 and table.draft_fixed >= 0
     assert table.facts["threads"] >= 1 and table.facts["dtype"] == "torch.float32"
+
+
+def test_a_draft_models_catch_up_is_timed_per_token():
+    """Every timed span costs one tick: a catch-up of CATCH_UP_TOKENS tokens costs 1/CATCH_UP_TOKENS steps
+    a token; a drafter without a model of its own catches up for free."""
+    table = measuring.measure(tiny_pipeline(drafter="tiny").cost_subject(), clock=FakeTimer(), repeats=1, max_tokens=6)
+    assert table.draft_catch_up == pytest.approx(1 / measuring.CATCH_UP_TOKENS)
+    table = measuring.measure(tiny_pipeline(drafter="ngram").cost_subject(), clock=FakeTimer(), repeats=1, max_tokens=6)
+    assert table.draft_catch_up == 0.0
 
 
 def test_cache_is_keyed_and_refreshable(real_cost_table, monkeypatch):

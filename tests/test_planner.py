@@ -115,6 +115,37 @@ def test_probing_never_costs_more_than_its_share():
         assert extra <= 0.02 * steps + 1e-9, (table, extra / steps)
 
 
+def _probe_share(table: CostTable, catch_up: float, steps: int = 5000) -> float:
+    """Extra cost per step of a never-right drafter's probes, each paying ``catch_up`` per token
+    committed since the drafter last drafted (a draft model's prefill of what it skipped)."""
+    history, extra, streak = AcceptanceHistory(), 0.0, 0
+    for _ in range(steps):
+        budget = plan_budget(table, history, 8)
+        if budget:
+            extra += table.draft(budget) + table.verify(budget + 1) - table.verify(1) + streak * catch_up
+            streak = 0
+        streak += 1
+        history.observe([None] * budget, 0)
+    return extra / steps
+
+
+@pytest.mark.parametrize("catch_up", [0.0, 0.01, 0.03])
+def test_probes_price_a_draft_models_catch_up(catch_up):
+    table = CostTable(chain=(1.0, 1.4, 2.2), tree=(), draft_per_token=0.3, draft_catch_up=catch_up)
+    assert _probe_share(table, catch_up) <= 0.02 + 1e-9
+    blind = CostTable(chain=(1.0, 1.4, 2.2), tree=(), draft_per_token=0.3)  # negative control: catch-up not priced
+    assert catch_up < 0.02 or _probe_share(blind, catch_up) > 0.02
+
+
+def test_a_catch_up_beyond_the_probe_share_stops_probes():
+    table = CostTable(chain=(1.0, 1.4, 2.2), tree=(), draft_per_token=0.3, draft_catch_up=0.05)
+    history = AcceptanceHistory()
+    assert plan_budget(table, history, 8) == 0
+    for _ in range(1000):
+        history.observe([], 0)
+        assert plan_budget(table, history, 8) == 0
+
+
 def test_an_undrafted_position_starts_from_its_predecessor():
     history = AcceptanceHistory()
     for _ in range(50):

@@ -63,6 +63,9 @@ class CostTable:
     tree[n - 1]: the same for a tree forward over n tokens (root + n - 1 nodes).
     draft_fixed / draft_per_token: a proposal of m tokens costs
         draft_fixed + m * draft_per_token.
+    draft_catch_up: per committed token the drafter has not seen yet, what it costs to feed
+        before its next proposal (a draft model skips plain rounds, then prefills what they
+        committed); 0 for drafters that read the committed tokens for free.
     overhead: the rest of a round (processing, commit), per verified token.
     facts: what the table was measured on (the cache key).
     """
@@ -73,6 +76,7 @@ class CostTable:
     draft_per_token: float = 0.0
     overhead: float = 0.0
     step_s: float = 0.0
+    draft_catch_up: float = 0.0
     facts: dict = field(default_factory=dict, compare=False)
 
     def verify(self, num_tokens: int, tree: bool = False) -> float:

@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from specgen.planning.costs import CostTable
 
 
+#: ``probe_gap`` where no spacing keeps a probe's price under its share: probes stop.
+NO_PROBES = 1 << 30
+
+
 class _Rate:
     """An acceptance rate estimate with exponential forgetting: (accepted + w a0) / (seen + w)."""
 
@@ -136,9 +140,19 @@ class AcceptanceHistory:
         return self.plain_streak >= max(self.probe_every, self.probe_gap)
 
     def price_probes(self, costs: CostTable) -> None:
-        """Space probes so a rejected one (verifying one extra token) costs at most ``probe_share``."""
-        extra = costs.draft(1) + costs.verify(2) - costs.verify(1)
-        self.probe_gap = math.ceil(max(0.0, extra) / self.probe_share - 1e-9) if self.probe_share > 0 else 0
+        """Space probes so a rejected one costs at most ``probe_share`` of the plain steps before it.
+
+        A probe after g plain steps costs draft(1) + v(2) - v(1) plus g times the drafter's
+        catch-up per committed token (``costs.draft_catch_up``), so g >= extra / (share - catch-up);
+        where the catch-up alone reaches the share, no gap prices a probe and none is made."""
+        extra = max(0.0, costs.draft(1) + costs.verify(2) - costs.verify(1))
+        room = self.probe_share - costs.draft_catch_up
+        if self.probe_share <= 0:
+            self.probe_gap = 0
+        elif room <= 0:
+            self.probe_gap = NO_PROBES
+        else:
+            self.probe_gap = math.ceil(extra / room - 1e-9)
 
 
 def expected_tokens(rates: Sequence[float]) -> list[float]:

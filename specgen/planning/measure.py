@@ -15,6 +15,8 @@ batched table a factory of batched caches (:class:`BatchCache`).
   features (empty otherwise: ``verify(n, tree=True)`` then prices the chain);
 * the drafter's proposal of 1 and of ``max_tokens`` tokens, which gives
   ``draft_fixed`` and ``draft_per_token``;
+* with a draft model, its forward of :data:`CATCH_UP_TOKENS` new tokens (one logits
+  row), which gives ``draft_catch_up`` per token;
 
 all over ``step_s`` (the 1-token forward, bounded by the fastest forward of any
 size: no forward costs less), each the minimum of ``repeats`` interleaved rounds
@@ -47,6 +49,8 @@ from specgen.stats import Clock
 #: The most verified tokens measured (every count from 1 up is measured).
 MAX_TOKENS = 17
 CONTEXT_TOKENS = 192
+#: Committed tokens a draft model's catch-up is timed on (a probe follows at least this many plain steps).
+CATCH_UP_TOKENS = 8
 #: Batch sizes and feed widths the batched table measures (up to its rows); the rest interpolated.
 BATCH_SIZES = (1, 2, 4, 8)
 BATCH_WIDTHS = (1, 2, 3, 5, 9)
@@ -58,8 +62,9 @@ WIDE_WIDTHS = (1, 3)
 MAX_MEASURED_ROWS = 8
 #: Part of a batched table's cache key: how it was measured (bumped when that changes).
 BATCH_METHOD = 6
-#: Part of every table's cache key: the unit is the fastest forward of any size.
-UNIT_METHOD = 2
+#: Part of every table's cache key: how a table is measured (its unit is the fastest forward of any
+#: size; a draft model's catch-up is timed).
+UNIT_METHOD = 3
 
 #: Progress reports: called with one short line while a table is measured.
 Progress = Callable[[str], None]
@@ -94,6 +99,7 @@ class Subject:
     feature_layers: the target features the drafter reads (None: none).
     open_draft: (context, max_tokens) -> a draft session on ``context`` ready to
     propose (``mark``/``propose``/``rollback``), or None without a drafter.
+    draft_model: the drafter's own model (the target protocol), or None.
     """
 
     target: Target
@@ -102,6 +108,7 @@ class Subject:
     trees: bool = False
     feature_layers: list[int] | None = None
     open_draft: Callable[[list[int], int], object] | None = None
+    draft_model: Target | None = None
 
 
 def facts(subject: Subject, max_tokens: int = MAX_TOKENS) -> dict:
@@ -147,6 +154,7 @@ def measure(subject: Subject, *, clock: Callable[[], float] | None = None, repea
     chain: dict[int, list[float]] = {n: [] for n in sizes}
     tree: dict[int, list[float]] = {n: [] for n in sizes} if subject.trees else {}
     draft = _DraftTimer(subject, context, max_tokens, clock)
+    catch_up = _CatchUpTimer(subject.draft_model, context, clock)
     for _ in range(repeats + 1):
         for n in sizes:
             feed = [context[-1]] + context[: n - 1]
@@ -163,12 +171,37 @@ def measure(subject: Subject, *, clock: Callable[[], float] | None = None, repea
                 tree[n].append(clock() - start)
                 cache.crop(base)
         draft.time()
+        catch_up.time()
     step = min(min(times[1:]) for times in chain.values()) or 1e-9  # no forward costs less than a 1-token one
     fixed, per_token = draft.result()
     return CostTable(chain=tuple(1.0 if n == 1 else min(chain[n][1:]) / step for n in sizes),
                      tree=tuple(min(times[1:]) / step for times in tree.values()),
                      draft_fixed=fixed / step, draft_per_token=per_token / step, step_s=step,
-                     facts=facts(subject, max_tokens))
+                     draft_catch_up=catch_up.per_token() / step, facts=facts(subject, max_tokens))
+
+
+class _CatchUpTimer:
+    """Times a draft model's forward of CATCH_UP_TOKENS committed tokens after the calibration context."""
+
+    def __init__(self, model: Target | None, context: list[int], clock):
+        self.model, self.clock, self.times = model, clock, []
+        if model is not None:
+            self.tokens = context[-CATCH_UP_TOKENS:]
+            self.cache = model.new_cache()
+            model.forward(self.cache, context[:-CATCH_UP_TOKENS], keep=1)
+            self.base = len(self.cache)
+
+    def time(self) -> None:
+        if self.model is None:
+            return
+        start = self.clock()
+        self.model.forward(self.cache, self.tokens, keep=1)
+        self.times.append(self.clock() - start)
+        self.cache.crop(self.base)
+
+    def per_token(self) -> float:
+        """Seconds per caught-up token (the fastest timing after the first); 0 without a draft model."""
+        return min(self.times[1:]) / CATCH_UP_TOKENS if self.times else 0.0
 
 
 class _DraftTimer:
