@@ -240,3 +240,26 @@ def test_self_distilled_corpus_is_the_targets_answers_and_cached(tmp_path):
         assert seq[: len(prompt)] == prompt and len(prompt) < len(seq) <= 24
     assert list(tmp_path.glob("self-*.json")), "the answers are cached"
     assert self_corpus(model, tokenizer, **args).sequences == corpus.sequences
+
+
+def test_train_tokens_trains_on_the_first_sequences_of_one_extraction(tmp_path):
+    from specgen.train.data import Corpus, first_tokens, random_corpus
+    from specgen.heads import target_fingerprint
+    from specgen.train.shards import cached_features
+
+    model = build_tiny_model(seed=0)
+    corpus = random_corpus(16, held_out=False, limit=4, max_len=20, seed=0)
+    feats, _ = cached_features(model, corpus, [1], 16, target_fingerprint(model), cache_dir=None, progress=False)
+    kept_corpus, kept = first_tokens(corpus, feats, 45)  # 20 + 20 fit, a third sequence would not
+    assert len(kept_corpus.sequences) == 2 and kept.tokens.shape == (40,) and kept.offsets.tolist() == [0, 20, 40]
+    assert torch.equal(kept.feature, feats.feature[:40]) and torch.equal(kept.lse, feats.lse[:40])
+    assert "the first 2 of them (40 tokens)" in kept_corpus.description
+    one, _ = first_tokens(Corpus(corpus.sequences, "d"), feats, 5)  # fewer tokens than one sequence: that sequence
+    assert one.sequences == corpus.sequences[:1]
+    run = _run(tmp_path, "eagle", "train.steps=2", "train.train_tokens=100")
+    import json
+
+    train = json.loads(read_metadata(run.path)["specgen.train"])
+    assert 0 < train["train_tokens"] <= 100
+    with pytest.raises(ConfigError, match="train.train_tokens"):
+        _run(tmp_path, "eagle", "train.steps=2", "train.train_tokens=0", name="bad")

@@ -149,7 +149,7 @@ def _prepare(cfg, err) -> _Job:
     store_dtype = _STORE_DTYPES.get(str(train.get("cache_dtype", "bfloat16")))
     if store_dtype is None:
         raise ConfigError(f"train.cache_dtype must be one of {', '.join(_STORE_DTYPES)}")
-    for key in ("shard_tokens", "extract_tokens"):
+    for key in ("shard_tokens", "extract_tokens", "train_tokens"):
         if train.get(key) is not None:
             parse_int(train[key], f"train.{key}", minimum=1)
     threads = set_threads(train.get("threads", "auto"), "train.threads")
@@ -243,7 +243,7 @@ def _save(job: _Job, head, fingerprint, result, metrics, corpora, speeds, comman
             "unroll": s.unroll, "lr": s.lr, "seconds": round(result.seconds, 2),
             "steps_per_s": round(result.steps_per_s, 3), "final_loss": round(sum(tail) / max(1, len(tail)), 5),
             "resumed_from": result.resumed_from, "eval_data": corpora["eval"].description,
-            "train_tokens": speeds["train"]["tokens"], "metrics": metrics}
+            "train_tokens": sum(len(seq) for seq in corpora["train"].sequences), "metrics": metrics}
     path = save_head(job.out_path, head, fingerprint, command=command, seed=s.seed,
                      data=corpora["train"].description, train=info)
     if not job.train.get("keep_checkpoint", False):
@@ -266,6 +266,7 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
     An interrupted run (Ctrl-C or ``stop_after``) returns ``path=None`` with
     ``info["checkpoint"]`` and a one-line ``info["message"]``.
     """
+    from specgen.train.data import first_tokens
     from specgen.train.evaluate import evaluate, table
     from specgen.train.loop import train_head
 
@@ -273,6 +274,9 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
     job = _prepare(cfg, sys.stderr if err is None else err)
     loaded, model, fingerprint, layers = _load_target(job)
     corpora, feats, speeds = _split_features(job, loaded, model, fingerprint, layers)
+    if job.train.get("train_tokens") is not None:
+        corpora["train"], feats["train"] = first_tokens(corpora["train"], feats["train"], int(job.train["train_tokens"]))
+        job.say(f"training on {corpora['train'].description}")
     head, lookup = _new_head(job, model, loaded, corpora["train"])
     signature = {"head": head.cfg.to_json(), "data": corpora["train"].description,
                  "fingerprint": fingerprint["weights_sha256"], "vocab": head.vocab_ids.tolist()[:64]}

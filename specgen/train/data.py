@@ -169,6 +169,22 @@ class Features:
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
+def first_tokens(corpus: Corpus, feats: Features, tokens: int) -> tuple[Corpus, Features]:
+    """The corpus's first whole sequences holding at most ``tokens`` tokens (at least one), with
+    their features: one extraction serves training runs on any smaller amount of data."""
+    lengths = (feats.offsets[1:] - feats.offsets[:-1]).tolist()
+    count, total = 0, 0
+    while count < len(lengths) and (count == 0 or total + lengths[count] <= tokens):
+        total += lengths[count]
+        count += 1
+    end = int(feats.offsets[count])
+    kept = Features(tokens=feats.tokens[:end], hidden=feats.hidden[:end],
+                    feature=None if feats.feature is None else feats.feature[:end], lse=feats.lse[:end],
+                    argmax=feats.argmax[:end], offsets=feats.offsets[: count + 1])
+    description = f"{corpus.description}, the first {count} of them ({total} tokens)"
+    return Corpus(corpus.sequences[:count], description), kept
+
+
 def cache_key(fingerprint: Mapping, corpus: Corpus, layers: list[int], store_dtype: torch.dtype,
               shard_tokens: int) -> str:
     """A digest of everything the cached features depend on: target, corpus (every id), layers, dtype, shards."""
