@@ -111,3 +111,30 @@ def goodness_of_fit(counts: Counter, expected: dict[tuple, float], min_expected:
     p_value = float(scipy_stats.chisquare(observed, wanted).pvalue)
     tv = 0.5 * sum(abs(counts.get(seq, 0) / total - p) for seq, p in expected.items())
     return p_value, tv
+
+
+def peeking_draw(pipe, vocab_size: int):
+    """A negative control for online stopping: :meth:`ChainDraws.draw` that drops a drawn token (and stops
+    the chain) where the target's processed p of it is below q, so drafts the verifier might reject never
+    reach it. Patch it in for ``ChainDraws.draw``; the output distribution must then fail the fit."""
+    from specgen.drafters.chain_draw import ChainDraws
+
+    draw = ChainDraws.draw
+
+    def peeking(self, raw, greedy_peak_logits, confidence=None):
+        token = draw(self, raw, greedy_peak_logits, confidence)
+        if token is None:
+            return None
+        context = list(self.committed.tokens) + [int(t) for t in self.tokens[:-1]]
+        target_raw = pipe.target.forward(pipe.target.new_cache(), context, keep=1)  # [1, vocab]
+        counts = CommittedCounts.start(context[: self.committed.num_prompt], vocab_size, torch.device("cpu"))
+        counts.commit(context[self.committed.num_prompt:])
+        target_p = float(pipe.stack.probs(target_raw, History(counts, [], 1))[0, int(token)])
+        if target_p < float(self.rows[-1][int(token)]):
+            self.tokens.pop(), self.rows.pop(), self.peaks.pop()
+            if self.on_device:
+                self.checks.pop()
+            return None
+        return token
+
+    return peeking

@@ -19,14 +19,14 @@ from safetensors.torch import load_file
 
 import specgen
 from conftest import TINY
-from exact import exact_distribution, goodness_of_fit, sample_counts
+from exact import exact_distribution, goodness_of_fit, peeking_draw, sample_counts
 from specgen.drafters.chain_draw import ChainDraws
 from specgen.drafters.dspark import DsparkSession
 from specgen.errors import ConfigError, ModelLoadError
 from specgen.heads import DsparkHead, HeadConfig, build_head, load_head, save_head, target_fingerprint
 from specgen.models.tiny import build_tiny_model
 from specgen.planning import ChainStopper, CostTable
-from specgen.processors import CommittedCounts, DeviceHistory, History
+from specgen.processors import DeviceHistory, History
 from specgen.train import losses
 
 VOCAB8 = ("target.source.vocab_size=8", "target.source.init_scale=2")
@@ -166,25 +166,7 @@ def test_a_stopper_that_peeks_at_the_target_is_caught(costly, monkeypatch):
     """The same online path, but a drawn token is dropped (and the chain stopped) when the target's p of it
     is below q: the drafts the verifier might reject never reach it."""
     pipe, _, _ = costly
-    draw = ChainDraws.draw
-
-    def peeking(self, raw, greedy_peak_logits, confidence=None):
-        token = draw(self, raw, greedy_peak_logits, confidence)
-        if token is None:
-            return None
-        context = list(self.committed.tokens) + [int(t) for t in self.tokens[:-1]]
-        target_raw = pipe.target.forward(pipe.target.new_cache(), context, keep=1)  # [1, vocab]
-        counts = CommittedCounts.start(context[: self.committed.num_prompt], 8, torch.device("cpu"))
-        counts.commit(context[self.committed.num_prompt:])
-        target_p = float(pipe.stack.probs(target_raw, History(counts, [], 1))[0, int(token)])
-        if target_p < float(self.rows[-1][int(token)]):
-            self.tokens.pop(), self.rows.pop(), self.peaks.pop()
-            if self.on_device:
-                self.checks.pop()
-            return None
-        return token
-
-    monkeypatch.setattr(ChainDraws, "draw", peeking)
+    monkeypatch.setattr(ChainDraws, "draw", peeking_draw(pipe, 8))
     assert _p_value(pipe) < MIN_P_VALUE
 
 

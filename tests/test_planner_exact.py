@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import tiny_pipeline
-from exact import exact_distribution, goodness_of_fit, sample_counts
+from exact import exact_distribution, goodness_of_fit, peeking_draw, sample_counts
 from specgen.drafters import Proposal
 from specgen.drafters.chain_draw import ChainDraws
 from specgen.drafters.small_model import SmallModelSession
@@ -156,21 +156,5 @@ def test_an_online_stop_that_peeks_at_the_target_is_caught(costly, monkeypatch):
     """The same online path, but a draw is dropped (and the chain stopped) when the target's p of the
     drawn token is below q: the drafts the verifier might reject never reach it."""
     pipe, _ = costly
-    draw = ChainDraws.draw
-
-    def peeking(self, raw, greedy_peak_logits):
-        token = draw(self, raw, greedy_peak_logits)
-        if token is None:
-            return None
-        context = list(self.committed.tokens) + [int(t) for t in self.tokens[:-1]]
-        target_raw = pipe.target.forward(pipe.target.new_cache(), context, keep=1)  # [1, vocab]
-        counts = CommittedCounts.start(context[: self.committed.num_prompt], 8, torch.device("cpu"))
-        counts.commit(context[self.committed.num_prompt:])
-        target_p = float(pipe.stack.probs(target_raw, History(counts, [], 1))[0, int(token)])
-        if target_p < float(self.rows[-1][int(token)]):
-            self.tokens.pop(), self.rows.pop(), self.peaks.pop()
-            return None
-        return token
-
-    monkeypatch.setattr(ChainDraws, "draw", peeking)
+    monkeypatch.setattr(ChainDraws, "draw", peeking_draw(pipe, 8))
     assert _p_value(pipe) < MIN_P_VALUE
