@@ -54,3 +54,28 @@ def test_stack_without_grammar_has_an_empty_slot():
     stack = ProcessorStack([Temperature(0.5)], greedy=False)
     assert stack.grammar is None and stack.with_timer(object()) is stack
     assert [p.name for p in stack.processors] == [p.name for p in stack.others]
+
+
+def test_the_ngram_index_answers_what_the_scan_does_as_the_list_grows_and_is_cut():
+    import random
+
+    from specgen.drafters.ngram import NgramIndex, lookup
+
+    rng = random.Random(0)
+    for max_ngram, min_ngram in ((3, 1), (4, 2), (1, 1)):
+        index, tokens = NgramIndex(max_ngram, min_ngram), []
+        for step in range(600):
+            move = rng.random()
+            if move < 0.6:
+                tokens = tokens + [rng.randrange(6) for _ in range(rng.randrange(1, 4))]  # commits
+            elif move < 0.8:
+                tokens = tokens[: max(0, len(tokens) - rng.randrange(1, 5))]  # a rollback
+            else:
+                cut = rng.randrange(len(tokens) + 1)  # rolled back and grown otherwise in one update
+                tokens = tokens[:cut] + [rng.randrange(9) for _ in range(rng.randrange(1, 4))]
+            index.update(tokens)
+            budget = rng.randrange(0, 6)
+            assert index.lookup(budget) == lookup(tokens, budget, max_ngram, min_ngram), (step, tokens)
+        fresh = NgramIndex(max_ngram, min_ngram)
+        fresh.update(tokens)
+        assert index.ends == fresh.ends, "cutting leaves exactly the index of the list as it is"

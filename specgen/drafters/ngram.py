@@ -30,16 +30,67 @@ def lookup(tokens: list[int], budget: int, max_ngram: int, min_ngram: int) -> tu
     return [], 0
 
 
+class NgramIndex:
+    """Every n-gram (min_ngram <= n <= max_ngram) of a growing token list, by the positions
+    where it ends: :meth:`lookup` answers what :func:`lookup` does in time independent of
+    the list's length. :meth:`update` indexes what was appended and un-indexes what was cut
+    (a rollback), so a round costs the tokens that changed plus one comparison of the lists."""
+
+    def __init__(self, max_ngram: int, min_ngram: int):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tokens: list[int] = []  # the indexed list; the n-grams ending before its last token are in ends
+        self.ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> the positions of its last token, ascending
+
+    def update(self, tokens: list[int]) -> None:
+        """Index ``tokens`` (the list as it is now)."""
+        old = self.tokens
+        same = min(len(old), len(tokens))
+        if old[:same] != tokens[:same]:
+            same = next(i for i, (a, b) in enumerate(zip(old, tokens)) if a != b)
+        kept = min(same - 1, len(tokens) - 2, len(old) - 2)  # the last end whose n-grams are unchanged
+        for end in range(len(old) - 2, kept, -1):  # latest first: each is the last of its n-grams' positions
+            for key in self._keys(old, end):
+                positions = self.ends[key]
+                positions.pop()
+                if not positions:
+                    del self.ends[key]
+        for end in range(kept + 1, len(tokens) - 1):  # every end but the last token's (the suffix itself)
+            for key in self._keys(tokens, end):
+                self.ends.setdefault(key, []).append(end)
+        self.tokens = list(tokens)
+
+    def _keys(self, tokens: list[int], end: int):
+        for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
+            yield tuple(tokens[end - n + 1: end + 1])
+
+    def lookup(self, budget: int) -> tuple[list[int], int]:
+        """:func:`lookup` of the indexed list: (continuation, matched n) or ([], 0)."""
+        tokens, length = self.tokens, len(self.tokens)
+        if budget <= 0 or length < self.min_ngram + 1:
+            return [], 0
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            positions = self.ends.get(tuple(tokens[-n:]))
+            if positions:
+                end = positions[-1]
+                return tokens[end + 1: end + 1 + budget], n
+        return [], 0
+
+
 class NgramSession(DraftSession):
     def __init__(self, drafter: NgramDrafter, ctx: DraftContext):
         self.drafter = drafter
         self.ctx = ctx
+        self.index = NgramIndex(drafter.max_ngram, drafter.min_ngram)
 
     def propose(self, budget: int) -> Proposal:
         drafter = self.drafter
         forced = forced_tokens(self.ctx, drafter.encode, budget) if drafter.encode is not None else []
-        history = self.ctx.committed.tokens + forced
-        found, n = lookup(history, budget - len(forced), drafter.max_ngram, drafter.min_ngram)
+        if forced:  # the history ends in text only this round holds: scan it
+            found, n = lookup(self.ctx.committed.tokens + forced, budget - len(forced), drafter.max_ngram,
+                              drafter.min_ngram)
+        else:
+            self.index.update(self.ctx.committed.tokens)
+            found, n = self.index.lookup(budget)
         # confidence: 1 for grammar-forced text, else grows with the matched n-gram's length
         confidence = [1.0] * len(forced) + [n / (drafter.max_ngram + 1)] * len(found)
         return Proposal(forced + found, confidence=confidence) if forced or found else EMPTY

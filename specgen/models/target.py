@@ -64,8 +64,11 @@ class TokenCache:
 
     def sync(self, committed: list[int]) -> None:
         """Crop to the longest common prefix with ``committed``."""
-        keep = 0
         limit = min(len(self.tokens), len(committed))
+        if self.tokens[:limit] == committed[:limit]:  # the usual case, compared in C
+            self.crop(limit)
+            return
+        keep = 0
         while keep < limit and self.tokens[keep] == committed[keep]:
             keep += 1
         self.crop(keep)
