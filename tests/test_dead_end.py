@@ -89,6 +89,27 @@ def test_argmax_or_none_reports_empty_rows_in_one_read():
         argmax_tokens(logits)
 
 
+def test_argmax_codes_agree_on_every_path_with_ties_nans_and_infinities():
+    """The host path (numpy's argmax of float rows) answers what torch's indexed max (the path of
+    other dtypes and devices) does:
+    ties to the lowest id, NaN anywhere, +inf a token, an all -inf row empty; any shape."""
+    from specgen.sampling.probs import argmax_codes
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(12, 50, generator=g)  # [12, 50]
+    rows[1, 5] = rows[1, 7] = 40.0
+    rows[2, 30], rows[2, 3] = float("nan"), 99.0
+    rows[3] = float("-inf")
+    rows[4, 10] = rows[4, 20] = float("inf")
+    rows[5, 0] = rows[5, 49] = float("nan")
+    rows[6, :] = 1.0
+    for logits in (rows, rows.double(), rows[:, :31], rows.reshape(3, 4, 50), rows[2]):
+        values, indices = logits.max(dim=-1)
+        expected = torch.where(torch.isnan(values), -1, torch.where(values == float("-inf"), -2, indices))
+        assert torch.equal(argmax_codes(logits), expected)
+    assert argmax_codes(rows)[[1, 2, 3, 4, 5, 6]].tolist() == [5, -1, -2, 10, -1, 0]
+
+
 def test_one_nan_anywhere_in_a_row_is_caught_and_infinities_are_not_nan():
     """The NaN check reads each row's max (max propagates NaN): a single NaN, before or after
     the row's largest value, is caught; +inf is a token, an all -inf row is empty."""

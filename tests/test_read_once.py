@@ -43,6 +43,12 @@ def test_prefetched_tree_verification_is_exact(mode, q_fn, seed):
     assert tv < 0.08, tv
 
 
+
+@pytest.fixture(autouse=True)
+def device_path(monkeypatch):
+    """These tests count a device's reads on the CPU: argmax takes the device's (torch's) path."""
+    monkeypatch.setattr("specgen.sampling.probs.HOST_NUMPY", False)
+
 def test_prefetched_negative_control_without_residual_is_caught(monkeypatch):
     monkeypatch.setattr(tree_module, "positive_residual", lambda row, q: row)
     p_value, _ = goodness_of_fit(sample_prefetched("iid", draft_row, 34), EXACT)

@@ -23,6 +23,12 @@ CHAIN_LIMIT, TREE_LIMIT = 3, 5
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4]  # repeats, so the n-gram drafter proposes
 
 
+
+@pytest.fixture(autouse=True)
+def device_path(monkeypatch):
+    """These tests count a device's reads on the CPU: argmax takes the device's (torch's) path."""
+    monkeypatch.setattr("specgen.sampling.probs.HOST_NUMPY", False)
+
 def test_the_hook_counts_reads():
     t = torch.tensor([1.0, 2.0])
     with counting_reads() as count:

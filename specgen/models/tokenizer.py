@@ -39,6 +39,10 @@ class TokenizerInfo:
         self.vocab_size = real_vocab_size(tokenizer)
         eos = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
         self.eos_ids = sorted({int(i) for i in [*eos, *extra_eos] if i is not None and int(i) < self.vocab_size})
+        # A fast tokenizer that cleans up no spaces decodes to what its Rust backend does, without
+        # transformers' per-call conversions (decode runs twice per committed token).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None
 
     @property
     def has_chat_template(self) -> bool:
@@ -70,6 +74,8 @@ class TokenizerInfo:
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=True)
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def token_ids(self, word: str) -> list[list[int]]:
