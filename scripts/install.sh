@@ -18,7 +18,8 @@ if [[ -z "${SPECGEN_NO_LLAMA_CPP:-}" ]]; then
   # logits at every decode width (the weights' kernels may still not: the backend measures that at load).
   LLAMA_CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_LLAMAFILE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
   # ggml's AMX kernels are left out of the build (on an AMX VM they stop the process with SIGILL at their
-  # first tile instruction); llama.cpp then runs its AVX-512 kernels there.
+  # first tile load, even with the process's tile-data permission granted first, where a C program's tile
+  # loads run); llama.cpp then runs its AVX-512 kernels there.
   LLAMA_CFLAGS=""
   [[ "$(uname -m)" == x86_64 ]] && LLAMA_CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
   key=$( (grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null || uname -m; echo "$LLAMA_CMAKE_ARGS $LLAMA_CFLAGS") | sha256sum | cut -c1-16)
