@@ -42,7 +42,8 @@ class TokenizerInfo:
         # A fast tokenizer that cleans up no spaces decodes to what its Rust backend does, without
         # transformers' per-call conversions (decode runs twice per committed token).
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._backend = backend if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None
+        cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        self._backend = backend if backend is not None and not cleans_up else None
 
     @property
     def has_chat_template(self) -> bool:

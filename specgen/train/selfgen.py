@@ -96,7 +96,8 @@ def self_corpus(model, tokenizer, *, held_out: bool, limit: int, max_len: int, t
     return Corpus(sequences, description.format(n=len(sequences), tokens=sum(map(len, sequences))))
 
 
-def _answer(model, tokenizer, prompts: list[list[int]], *, max_len: int, temperature: float, seed: int) -> list[list[int]]:
+def _answer(model, tokenizer, prompts: list[list[int]], *, max_len: int, temperature: float,
+            seed: int) -> list[list[int]]:
     """The target's answers (cut after the first EOS) to ``prompts``, left-padded into one batch;
     sampling (T > 0) draws from ``seed``'s stream."""
     eos = set(tokenizer.eos_ids)
