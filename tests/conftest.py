@@ -25,6 +25,13 @@ def _fixed_cost_table(monkeypatch):
                         TEST_BATCH_COSTS)
 
 
+
+@pytest.fixture
+def device_path(monkeypatch):
+    """Argmax takes the device's (torch's) path on CPU tensors too: for tests that count a device's
+    reads on the CPU (specgen.sampling.probs.HOST_NUMPY off)."""
+    monkeypatch.setattr("specgen.sampling.probs.HOST_NUMPY", False)
+
 def tiny_pipeline(*overrides: str, drafter: str = "tiny"):
     """A pipeline on the tiny random models with extra CLI-style overrides."""
     return specgen.pipeline(*TINY, f"drafter={drafter}", *overrides, progress=False)

@@ -44,10 +44,8 @@ def test_prefetched_tree_verification_is_exact(mode, q_fn, seed):
 
 
 
-@pytest.fixture(autouse=True)
-def device_path(monkeypatch):
-    """These tests count a device's reads on the CPU: argmax takes the device's (torch's) path."""
-    monkeypatch.setattr("specgen.sampling.probs.HOST_NUMPY", False)
+#: These tests count a device's reads on the CPU, so argmax takes the device's path (conftest.device_path).
+pytestmark = pytest.mark.usefixtures("device_path")
 
 def test_prefetched_negative_control_without_residual_is_caught(monkeypatch):
     monkeypatch.setattr(tree_module, "positive_residual", lambda row, q: row)

@@ -24,10 +24,8 @@ PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4]  # repeats, so the n-gram drafter proposes
 
 
 
-@pytest.fixture(autouse=True)
-def device_path(monkeypatch):
-    """These tests count a device's reads on the CPU: argmax takes the device's (torch's) path."""
-    monkeypatch.setattr("specgen.sampling.probs.HOST_NUMPY", False)
+#: These tests count a device's reads on the CPU, so argmax takes the device's path (conftest.device_path).
+pytestmark = pytest.mark.usefixtures("device_path")
 
 def test_the_hook_counts_reads():
     t = torch.tensor([1.0, 2.0])

@@ -57,7 +57,7 @@ class NgramIndex:
         for end in range(kept + 1, len(tokens) - 1):  # every end but the last token's (the suffix itself)
             for key in self._keys(tokens, end):
                 self.ends.setdefault(key, []).append(end)
-        self.tokens = list(tokens)
+        old[same:] = tokens[same:]  # the indexed list becomes tokens, copying only what changed
 
     def _keys(self, tokens: list[int], end: int):
         for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):

@@ -184,7 +184,7 @@ def _split_features(job: _Job, loaded, model, fingerprint: dict, layers: list[in
     """-> (corpora, features, extraction info), each keyed by "train" and "eval"."""
     from specgen.models.loading import writable_cache_dir
     from specgen.train.data import data_source, load_corpus
-    from specgen.train.selfgen import self_corpus
+    from specgen.train.selfgen import BATCH, self_corpus
     from specgen.train.shards import cached_features
 
     train = job.train
@@ -197,7 +197,7 @@ def _split_features(job: _Job, loaded, model, fingerprint: dict, layers: list[in
                 model, loaded.tokenizer, held_out=held_out,
                 limit=int(train["eval_conversations" if held_out else "num_conversations"]),
                 max_len=int(train["max_len"]), temperature=float(train.get("self_temperature", 0.7)),
-                batch_size=int(train.get("self_batch") or 32), seed=job.settings.seed, fingerprint=fingerprint,
+                batch_size=int(train.get("self_batch") or BATCH), seed=job.settings.seed, fingerprint=fingerprint,
                 cache_dir=cache_dir, progress=job.progress)
         else:
             corpora[split] = load_corpus(train, job.target, loaded.tokenizer, held_out=held_out)
