@@ -48,7 +48,7 @@ _SAMPLING_RANGES = {
 def check_run_config(cfg: Mapping) -> dict:
     """A copy of the resolved config ``cfg`` with its run values checked and normalised.
 
-    Normalised: ``speculative`` (bool), ``chat`` ("auto" or bool), ``max_new_tokens``,
+    Normalised: ``speculative``, ``observe_costs`` (bools), ``chat`` ("auto" or bool), ``max_new_tokens``,
     ``seed`` (ints), ``stop`` (list of non-empty strings), ``threads`` ("auto" or a
     positive int), the ``sampling`` numbers and ``ui`` switches, and where the config
     has them ``output`` (None or a path) and ``resume`` (bool), whose files are checked
@@ -59,6 +59,7 @@ def check_run_config(cfg: Mapping) -> dict:
     cfg["speculative"] = parse_bool(cfg.get("speculative", True), "speculative")
     cfg["compile"] = parse_bool(cfg.get("compile", False), "compile")
     cfg["packed_weights"] = parse_bool(cfg.get("packed_weights", True), "packed_weights")
+    cfg["observe_costs"] = parse_bool(cfg.get("observe_costs", True), "observe_costs")
     cfg["chat"] = parse_chat(cfg.get("chat", "auto"))
     cfg["max_new_tokens"] = parse_int(cfg.get("max_new_tokens", 128), "max_new_tokens", minimum=1)
     cfg["seed"] = parse_seed(cfg.get("seed", 0))

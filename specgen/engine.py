@@ -25,6 +25,7 @@ from specgen.options import (RequestOptions, check_prompt, check_prompt_ids, che
                              parse_optional_text, parse_seed, parse_stop, request_options, with_overrides)
 from specgen.planning import AUTO, CostTable
 from specgen.planning.measure import Subject
+from specgen.planning.observed import ObservedCosts
 from specgen.processors import ProcessorStack
 from specgen.request_plan import RequestPlan, finish, record
 from specgen.round import RoundContext, plain_step, speculative_round
@@ -56,6 +57,8 @@ class Pipeline:
     read_once: rounds that spend FLOPs to read back once per verification (constant
     host reads per round), the default off the CPU; on the CPU, where a read costs
     nothing, rounds do less arithmetic instead (see :class:`specgen.round.RoundContext`).
+    observed: the verify timings its requests' rounds record and plan through once the
+    cost table is loaded (:mod:`specgen.planning.observed`; None: plans read the table alone).
     """
 
     def __init__(self, *, target: CausalLM, tokenizer: TokenizerInfo, drafter: Drafter | None,
@@ -70,13 +73,16 @@ class Pipeline:
         self.device = target.device
         self.costs: CostTable | None = None
         self.read_once = torch.device(self.device).type != "cpu"
+        self.observed: ObservedCosts | None = None
 
     def cost_table(self, *, refresh: bool = False) -> CostTable:
         """The planner's cost table for this pipeline (measured once, cached on disk; see specgen.planning.store)."""
         if self.costs is None or refresh:
-            from specgen.planning.store import cost_table
+            from specgen.planning.store import cost_table, observer
 
             self.costs = cost_table(self.cost_subject(), refresh=refresh)
+            if self.observed is None or refresh:
+                self.observed = observer(self.config)
         return self.costs
 
     def cost_subject(self) -> Subject:
@@ -219,7 +225,7 @@ class Pipeline:
         stats.prompt_tokens = len(ids)
         clock = Clock(self.device)
         stack = stack.with_timer(GrammarTimer(clock, stats.mask_seconds))
-        ctx = RoundContext(self.target, stack, stats, clock, read_once=self.read_once)
+        ctx = RoundContext(self.target, stack, stats, clock, read_once=self.read_once, observed=self.observed)
         if use_spec and self.speculative:
             ctx.feature_layers = self.drafter.feature_layers
             ctx.max_tokens, ctx.tree_width = self.drafter.max_tokens, self.drafter.tree_width
@@ -238,6 +244,7 @@ class Pipeline:
         request, ctx = self.open_plan(plan)
         if request.draft is not None and plan.gamma == AUTO:
             ctx.costs = self.cost_table()  # measured once per machine and cached; not part of this request's time
+            ctx.observed = self.observed
         start = time.perf_counter()
         while request.finish_reason is None:
             try:

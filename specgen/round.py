@@ -31,6 +31,7 @@ from specgen.planning import (
     truncate_chain,
     truncate_tree,
 )
+from specgen.planning.observed import ObservedCosts
 from specgen.processors import History, PathHistory, ProcessorStack
 from specgen.sampling import (
     TreeVerdict,
@@ -53,7 +54,9 @@ class RoundContext:
     """feature_layers: target features the drafter reads (None: it reads none).
     costs: the pipeline's cost table for num_tokens="auto" (None: ``load_costs()``
     supplies it on the first planned round); history: this request's acceptance
-    estimates; max_tokens / tree_width: the drafter's limits.
+    estimates; max_tokens / tree_width: the drafter's limits. observed: the pipeline's
+    running verify timings (None: plan from the table alone); chain rounds feed it, and
+    :meth:`planning_costs` reads the table through it.
     read_once: spend FLOPs to read back once per verification (what an accelerator,
     where every read stalls the stream, wants): a tree is verified from every node's
     row, computed and read back together, instead of the LM head and processors of
@@ -74,6 +77,13 @@ class RoundContext:
     tree_width: int = 1
     load_costs: Callable[[], CostTable] | None = None
     read_once: bool = False
+    observed: ObservedCosts | None = None
+
+    def planning_costs(self) -> CostTable:
+        """The table this round plans with: ``costs`` (loaded on first use), corrected by ``observed``."""
+        if self.costs is None:
+            self.costs = self.load_costs()
+        return self.costs if self.observed is None else self.observed.table(self.costs)
 
 
 def draft_budget(request: Request, num_tokens: int, context_length: int) -> int:
@@ -105,25 +115,24 @@ def plan_and_draft(request: Request, ctx: RoundContext, num_tokens: int | str) -
     the tokens it drafts. Call inside the round's transaction.
     """
     auto = num_tokens == AUTO
-    if auto and ctx.costs is None:
-        ctx.costs = ctx.load_costs()
+    costs = ctx.planning_costs() if auto else None
     with ctx.clock.stage("draft"):
-        limit = min(ctx.max_tokens, ctx.costs.max_tokens) if auto else num_tokens
+        limit = min(ctx.max_tokens, costs.max_tokens) if auto else num_tokens
         budget = draft_budget(request, limit, ctx.target.context_length)
         session = request.draft
         # A chain drafted token by token stops itself (one host read a token: a CPU's way, not read_once's).
         online = auto and session is not None and session.stops_online and not ctx.read_once
         if auto:
-            budget = plan_budget(ctx.costs, ctx.history, budget, tree_width=ctx.tree_width, online=online)
+            budget = plan_budget(costs, ctx.history, budget, tree_width=ctx.tree_width, online=online)
         if session is None or not budget:
             proposal: Proposal = EMPTY
         elif online:
-            proposal = session.propose(budget, stopper=ChainStopper(ctx.costs, ctx.history, budget))
+            proposal = session.propose(budget, stopper=ChainStopper(costs, ctx.history, budget))
         else:
             proposal = session.propose(budget)
         predicted = 0.0
         if auto and not online and len(proposal):
-            proposal, predicted = _truncate(proposal, ctx, budget)
+            proposal, predicted = _truncate(proposal, ctx, costs, budget)
     return proposal, predicted
 
 
@@ -150,17 +159,17 @@ def round_events(ctx: RoundContext, proposal: Proposal, predicted: float, auto: 
     return events
 
 
-def _truncate(proposal: Proposal, ctx: RoundContext, budget: int) -> tuple[Proposal, float]:
+def _truncate(proposal: Proposal, ctx: RoundContext, costs: CostTable, budget: int) -> tuple[Proposal, float]:
     """The planner's cut of a drafted proposal (see :mod:`specgen.planning.chain` for why it stays exact);
     -> (kept proposal, predicted accepted tokens for a tree)."""
-    sunk = ctx.costs.draft(budget)
+    sunk = costs.draft(budget)
     if proposal.parents is None:
         confidence = proposal.confidence or [None] * len(proposal)
-        keep = truncate_chain(ctx.costs, ctx.history, confidence, sunk)
+        keep = truncate_chain(costs, ctx.history, confidence, sunk)
         return chain_prefix(proposal, keep), 0.0
     if proposal.draft_probs is not None or proposal.confidence is None:
         return proposal, 0.0  # a sampled tree (or one without scores) is verified whole
-    nodes, predicted = truncate_tree(ctx.costs, ctx.history, proposal.confidence, proposal.parents, sunk)
+    nodes, predicted = truncate_tree(costs, ctx.history, proposal.confidence, proposal.parents, sunk)
     index = {old: new for new, old in enumerate(nodes)}
     parents = [-1 if proposal.parents[i] < 0 else index[proposal.parents[i]] for i in nodes]
     return Proposal([proposal.tokens[i] for i in nodes], None, parents,
@@ -180,9 +189,12 @@ def chain_prefix(proposal: Proposal, keep: int) -> Proposal:
 
 def _chain(request: Request, ctx: RoundContext, proposal: Proposal):
     """Verify + process + accept + commit a chain; -> (verdict, kept, depth)."""
-    with ctx.clock.stage("verify"):  # one target forward over the uncached committed tokens + candidates
-        raw = ctx.target.forward(request.target_cache, chain_feed(request, proposal), keep=len(proposal) + 1,
+    feed = chain_feed(request, proposal)
+    with ctx.clock.stage("verify") as lap:  # one target forward over the uncached committed tokens + candidates
+        raw = ctx.target.forward(request.target_cache, feed, keep=len(proposal) + 1,
                                  check=not ctx.read_once)  # [num_draft + 1, vocab]; NaN refused by verification
+    if ctx.observed is not None and len(feed) == len(proposal) + 1:
+        ctx.observed.observe(len(feed), lap.seconds, ctx.costs)
     return accept_chain(request, ctx, proposal, raw)
 
 
@@ -298,9 +310,11 @@ def plain_step(request: Request, ctx: RoundContext) -> list[TokenEvent]:
     clock = ctx.clock
     clock.take_laps()
     with request.transaction():
-        with clock.stage("verify"):
-            raw = ctx.target.forward(request.target_cache, request.target_cache.uncached(request.committed.tokens),
-                                     keep=1)
+        feed = request.target_cache.uncached(request.committed.tokens)
+        with clock.stage("verify") as lap:
+            raw = ctx.target.forward(request.target_cache, feed, keep=1)
+        if ctx.observed is not None and len(feed) == 1:
+            ctx.observed.observe(1, lap.seconds, ctx.costs)
         kept = accept_plain(request, ctx, raw)
     return plain_events(ctx, kept)
 

@@ -12,6 +12,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 
+@dataclass
+class Lap:
+    """The seconds one :meth:`Clock.stage` block charged to its stage (set when the block ends)."""
+
+    seconds: float = 0.0
+
+
 class Clock:
     """perf_counter that first synchronises ``device`` when it is a CUDA device,
     so GPU work is timed where it runs (on that device, not the default one).
@@ -40,18 +47,23 @@ class Clock:
         self._laps[name] = self._laps.get(name, 0.0) + seconds
 
     @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
+    def stage(self, name: str) -> Iterator[Lap]:
+        """Charge the time inside to ``name``; the yielded :class:`Lap` holds, once the block
+        ends, the seconds this block charged to ``name`` (a nested stage's excluded)."""
         outer = self._open
         now = self()
         if outer is not None:
             self._charge(outer[0], now - outer[1])
         self._open = (name, now)
+        before = self._laps.get(name, 0.0)
+        lap = Lap()
         try:
-            yield
+            yield lap
         finally:
             now = self()
             self._charge(name, now - self._open[1])
             self._open = None if outer is None else (outer[0], now)
+            lap.seconds = self._laps[name] - before
 
     def carve(self, name: str, seconds: float) -> None:
         """Charge ``seconds`` to ``name`` instead of the open stage (if any).

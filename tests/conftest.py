@@ -23,6 +23,7 @@ def _fixed_cost_table(monkeypatch):
     monkeypatch.setattr("specgen.planning.store.cost_table", lambda subject, **kwargs: TEST_COSTS)
     monkeypatch.setattr("specgen.planning.store.batch_cost_table", lambda subject, size, new_batch, **kwargs:
                         TEST_BATCH_COSTS)
+    monkeypatch.setattr("specgen.planning.store.observer", lambda config: None)  # plans from the table alone
 
 
 

@@ -31,6 +31,7 @@ from specgen.bench.prompts import BenchPrompt, load_prompt_sets
 from specgen.bench.settings import Settings
 from specgen.drafters import HFAssistant
 from specgen.errors import ConfigError
+from specgen.planning.observed import describe_observed
 from specgen.planning.store import describe
 from specgen.planning import AUTO
 from specgen.options import RequestOptions, parse_bool, parse_int, parse_seed
@@ -222,6 +223,8 @@ def run_matrix(cfg: DictConfig, settings: Settings, *, progress: bool = True) ->
                     run.notes.append(describe(costs).replace("\n", ";"))
             _warm_up(pipe, arms, encoded[0][1], temperature, settings, clock, bar)
             _measure(pipe, arms, encoded, temperature, settings, clock, run.samples, bar)
+            if pipe.observed is not None:
+                run.notes.append(f"T={temperature:g}: {describe_observed(pipe.observed)}")
             del pipe
             gc.collect()
             if torch.cuda.is_available():

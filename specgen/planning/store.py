@@ -6,7 +6,7 @@ from ``<cache_root>/costs/<key>.json``, keyed by :func:`specgen.planning.measure
 format, a torn write) is measured over, never an error. With
 ``$SPECGEN_COST_TABLE`` naming a JSON file in the cache's format, every pipeline
 plans with that fixed table instead (its optional ``"batch"`` entry the batched
-one): nothing is measured or cached. One serialisation serves both kinds:
+one): nothing is measured or cached, and :func:`observer` corrects nothing. One serialisation serves both kinds:
 :func:`to_dict` / :func:`from_dict` (the dataclass fields as JSON values).
 While a table is measured, a progress line goes to stderr (``progress``).
 """
@@ -27,6 +27,7 @@ from specgen.errors import ConfigError
 from specgen.planning.costs import BatchCostTable, CostTable
 from specgen.planning.measure import (BATCH_WIDTHS, BatchCache, Progress, Subject, batch_facts, batch_shape, facts,
                                       measure, measure_batch, table_size)
+from specgen.planning.observed import ObservedCosts
 
 #: Names a JSON cost table that replaces measurement for every pipeline (unset or empty: measure).
 FIXED_TABLE_ENV = "SPECGEN_COST_TABLE"
@@ -75,6 +76,14 @@ def stderr_progress(what: str) -> Progress:
         print(f"specgen: measuring {what} (once for this machine, then cached): {line}", file=sys.stderr, flush=True)
 
     return report
+
+
+def observer(config) -> ObservedCosts | None:
+    """The running verify timings a pipeline plans through (:mod:`specgen.planning.observed`); None
+    where plans come from the table alone: ``observe_costs=false`` in ``config``, or a fixed table."""
+    if os.environ.get(FIXED_TABLE_ENV) or not (config or {}).get("observe_costs", True):
+        return None
+    return ObservedCosts()
 
 
 def cost_table(subject: Subject, *, refresh: bool = False, clock: Callable[[], float] | None = None,
