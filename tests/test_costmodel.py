@@ -105,6 +105,37 @@ def test_a_one_token_forward_read_high_does_not_set_the_unit(monkeypatch):
     assert table.chain[3] == pytest.approx(1.0) and table.chain[2] == pytest.approx(1.6 / 1.36)
 
 
+class HangoverTimer(ShapedTimer):
+    """A CPU where a wide forward slows the forward after it: a 1-token forward costs
+    ``slow`` after a wider one, 1.0 after a 1-token one."""
+
+    def __init__(self, slow: float):
+        super().__init__()
+        self.slow, self.previous = slow, 1
+
+    def __call__(self) -> float:
+        if self.width is not None:
+            cost = self.slow if self.width == 1 and self.previous > 1 else self.COSTS[self.width]
+            self.now, self.previous, self.width = self.now + cost, self.width, None
+        return self.now
+
+
+def test_the_unit_is_a_steady_one_token_forward(monkeypatch):
+    """Every 1-token forward of the sweep follows a wide one and reads 1.8 (the CPU's hangover): the
+    unit comes from 1-token forwards run back to back instead, so v(n) is each width over plain pace."""
+    pipe = tiny_pipeline(drafter="ngram")
+    timer = HangoverTimer(slow=1.8)
+    real_forward = type(pipe.target).forward
+
+    def forward(self, cache, feed, keep=1, **kwargs):
+        timer.width = len(feed) if len(cache) else None
+        return real_forward(self, cache, feed, keep=keep, **kwargs)
+
+    monkeypatch.setattr(type(pipe.target), "forward", forward)
+    table = measuring.measure(pipe.cost_subject(), clock=timer, repeats=1, max_tokens=6)
+    assert table.chain == pytest.approx(tuple(ShapedTimer.COSTS[n] for n in range(1, 7)))
+
+
 def test_measure_shapes():
     pipe = tiny_pipeline(drafter="tiny")
     table = measuring.measure(pipe.cost_subject(), clock=FakeTimer(), repeats=1, max_tokens=6)
