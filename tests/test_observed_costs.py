@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 
 import specgen
+from conftest import TINY
 from specgen.planning import AcceptanceHistory, CostTable, plan_budget
 from specgen.planning.observed import ObservedCosts
 from specgen.planning.store import FIXED_TABLE_ENV, observer
 from specgen.stats import Clock
-from tests.conftest import TINY
 
 TABLE = CostTable(chain=(1.0, 1.4, 1.8, 2.2), tree=())
 

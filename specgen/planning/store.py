@@ -6,9 +6,10 @@ from ``<cache_root>/costs/<key>.json``, keyed by :func:`specgen.planning.measure
 format, a torn write) is measured over, never an error. With
 ``$SPECGEN_COST_TABLE`` naming a JSON file in the cache's format, every pipeline
 plans with that fixed table instead (its optional ``"batch"`` entry the batched
-one): nothing is measured or cached, and :func:`observer` corrects nothing. One serialisation serves both kinds:
-:func:`to_dict` / :func:`from_dict` (the dataclass fields as JSON values).
-While a table is measured, a progress line goes to stderr (``progress``).
+one): nothing is measured or cached, and :func:`observer` corrects nothing. One
+serialisation serves both kinds: :func:`to_dict` / :func:`from_dict` (the dataclass
+fields as JSON values). While a table is measured, a progress line goes to stderr
+(``progress``).
 """
 
 from __future__ import annotations
