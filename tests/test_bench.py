@@ -21,6 +21,7 @@ from specgen.bench.calibrate import from_cost_table, verify_ratio
 from specgen.bench.cli import compose_bench, run_bench
 from specgen.bench.plots import PLOT_FILES
 from specgen.bench.report import markdown
+from specgen.bench.runner import balanced_order
 from specgen.bench.settings import Settings
 from specgen.bench.summary import spread, summarise
 from specgen.errors import ConfigError
@@ -171,6 +172,32 @@ def test_bench_shows_grammar_cost_of_a_constrained_run(tmp_path):
     assert all(len(s["mask_us"]) >= s["new_tokens"] and s["timings"]["grammar"] > 0 for s in samples)
     assert "grammar % of wall" in out.getvalue() and "process·grammar·commit" in out.getvalue()
     assert (result.out_dir / "time_split.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _order_balance(orders: list[list[int]], n: int) -> tuple[set[int], set[int]]:
+    """(distinct counts of arm-at-place, distinct counts of ordered adjacent pairs) over ``orders``."""
+    places = {(place, arm): 0 for place in range(n) for arm in range(n)}
+    pairs = {(a, b): 0 for a in range(n) for b in range(n) if a != b}
+    for order in orders:
+        assert sorted(order) == list(range(n))
+        for place, arm in enumerate(order):
+            places[place, arm] += 1
+        for a, b in zip(order, order[1:]):
+            pairs[a, b] += 1
+    return set(places.values()), set(pairs.values())
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])
+def test_arm_orders_balance_places_and_predecessors(n):
+    cycle = n if n % 2 == 0 else 2 * n
+    places, pairs = _order_balance([balanced_order(n, i) for i in range(cycle)], n)
+    assert len(places) == 1  # every arm at every place equally often
+    assert len(pairs) <= 1  # every arm right after every other equally often (none for one arm)
+    assert balanced_order(n, cycle + 3) == balanced_order(n, 3)
+    if n >= 3:  # negative control: a cyclic rotation balances places but not predecessors
+        rotations = [list(range(n))[i % n:] + list(range(n))[: i % n] for i in range(cycle)]
+        places, pairs = _order_balance(rotations, n)
+        assert len(places) == 1 and len(pairs) > 1
 
 
 def test_verify_ratio_interpolates_and_calibration_comes_from_the_cost_table():

@@ -176,6 +176,29 @@ def test_features_are_cached_and_reused(tmp_path):
     assert torch.equal(first.argmax[:20], logits.argmax(-1))
 
 
+def test_a_final_state_head_reads_a_wider_cache_of_the_same_corpus(tmp_path):
+    from specgen.heads import target_fingerprint
+    from specgen.train.data import random_corpus
+    from specgen.train.shards import cached_features
+
+    model = build_tiny_model(seed=0)
+    corpus = random_corpus(16, held_out=False, limit=3, max_len=20, seed=0)
+    other = random_corpus(16, held_out=False, limit=3, max_len=20, seed=1)
+    fp = target_fingerprint(model)
+    wide, _ = cached_features(model, corpus, [1, 2], 16, fp, cache_dir=tmp_path / "c", progress=False)
+    final, info = cached_features(model, corpus, [], 16, fp, cache_dir=tmp_path / "c", progress=False)
+    assert info["cached"] and final.feature is None and info["path"] == str(next((tmp_path / "c").iterdir()))
+    assert torch.equal(final.hidden, wide.hidden) and torch.equal(final.argmax, wide.argmax)
+    # another corpus is not served from it (negative control): it is extracted into a cache of its own
+    _, info = cached_features(model, other, [], 16, fp, cache_dir=tmp_path / "c", progress=False)
+    assert not info["cached"] and len(list((tmp_path / "c").iterdir())) == 2
+    # an incomplete wider cache is not used: the final state is extracted
+    for shard in (tmp_path / "c").glob("*/shard-*.safetensors"):
+        shard.unlink()
+    _, info = cached_features(model, corpus, [], 16, fp, cache_dir=tmp_path / "c", progress=False)
+    assert not info["cached"] and info["new"] >= 1
+
+
 def test_command_line_entry_point(tmp_path):
     import subprocess
     import sys

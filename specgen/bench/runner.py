@@ -3,8 +3,11 @@
 For each temperature one pipeline is built (the processor stack depends on
 it); every *arm* -- a method and, where it has one, a gamma -- then runs on
 prompt 0, prompt 1, ... in turn, so all arms see the same machine state and
-paired ratios cancel drift. The arm order rotates by one each prompt so no arm
-always runs first. Warm-up runs are not recorded. After the first warm-up the
+paired ratios cancel drift. The arm order changes each prompt as a Williams design
+(:func:`balanced_order`): every arm runs at every place and right after every other
+arm equally often over a cycle of orders, so what one method leaves behind in the
+machine (a CPU runs the next forwards slower after other work) weighs on every method
+alike. Warm-up runs are not recorded. After the first warm-up the
 model costs of the speed model are measured once (calibrate.py). Timings use a
 clock that synchronises CUDA before each reading.
 
@@ -252,13 +255,28 @@ def _warm_up(pipe, arms: list[Arm], ids: list[int], temperature: float, settings
             bar.update()
 
 
+def balanced_order(n: int, index: int) -> list[int]:
+    """The ``index``-th order of ``n`` arms in a Williams design: over ``n`` consecutive indices
+    (``2n`` for odd ``n``) each arm takes each place equally often and each ordered pair of
+    arms is adjacent equally often (once; twice for odd ``n``), which a cyclic rotation
+    (where one arm always follows the same other) is not."""
+    if n < 1:
+        raise ValueError("balanced_order needs at least one arm")
+    first = [0]
+    for k in range(1, n):
+        first.append((k + 1) // 2 if k % 2 else n - k // 2)
+    rows = n if n % 2 == 0 else 2 * n
+    row = index % rows
+    order = [(arm + row) % n for arm in first]
+    return order[::-1] if row >= n else order
+
+
 def _measure(pipe, arms: list[Arm], encoded: list[tuple], temperature: float, settings: Settings, clock,
              samples: list[dict], bar) -> None:
     measured = _hf_kwargs(pipe, temperature, settings, settings.max_new_tokens)
     for index, (prompt, ids) in enumerate(encoded):
-        shift = index % len(arms)
         results = {}
-        for arm in arms[shift:] + arms[:shift]:
+        for arm in [arms[i] for i in balanced_order(len(arms), index)]:
             bar.set_postfix_str(f"T={temperature:g} {prompt.task} #{index} {arm.method}"
                                 + (f" gamma={arm.gamma}" if arm.gamma else ""))
             results[arm] = run_arm(pipe, arm, ids, max_new=settings.max_new_tokens, seed=settings.seed + index,
@@ -272,7 +290,7 @@ def _measure(pipe, arms: list[Arm], encoded: list[tuple], temperature: float, se
 def _measure_batches(pipe, encoded: list[tuple], temperature: float, settings: Settings, clock, run: BenchRun,
                      bar) -> None:
     """The batch section for one temperature: every batch size × method over the whole prompt
-    list, ``bench.batch_repeats`` times with the method order rotating (after ``bench.warmup``
+    list, ``bench.batch_repeats`` times with the methods in a :func:`balanced_order` (after ``bench.warmup``
     untimed passes at the smallest size)."""
     methods, notes = batch_methods(pipe, settings.baselines)
     run.notes += [note for note in notes if note not in run.notes]  # plan_arms may have said it already
@@ -308,9 +326,8 @@ def _measure_batches(pipe, encoded: list[tuple], temperature: float, settings: S
     for repeat in range(settings.batch_repeats):
         single = None
         for size in settings.batch_sizes:
-            shift = (repeat + size) % len(methods)
             results = {}
-            for method in methods[shift:] + methods[:shift]:
+            for method in [methods[i] for i in balanced_order(len(methods), repeat + size)]:
                 results[method] = once(method, size)
                 bar.update()
             if size == 1 and temperature == 0:

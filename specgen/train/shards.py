@@ -159,15 +159,43 @@ def cached_features(model, corpus: Corpus, layers: list[int], vocab_size: int, f
                     batch_tokens: int = 4096, progress: bool = True) -> tuple[Features, dict]:
     """Features for ``corpus`` from the shard cache under ``cache_dir`` (None = no cache), extracting what is missing.
 
-    Returns (features, info) with info["cached"] true when every shard was already complete."""
+    A head that reads the final state only (``layers`` empty) is served from a complete cache of
+    the same corpus, target, dtype and shard size extracted for other layers, if one exists: its
+    shards hold that final state too. Returns (features, info) with info["cached"] true when
+    every shard was already complete."""
     directory = None
     if cache_dir is not None:
         key = cache_key(fingerprint, corpus, layers, store_dtype, shard_tokens)
+        final = cache_key(fingerprint, corpus, [], store_dtype, shard_tokens)
         directory = Path(cache_dir) / key
+        wider = None if layers else _wider_cache(Path(cache_dir), final, exclude=key)
+        if wider is not None:
+            parts, info = extract_shards(model, corpus, layers, vocab_size, wider, store_dtype=store_dtype,
+                                         shard_tokens=shard_tokens, progress=False, max_new_shards=0)
+            if parts is not None:
+                for part in parts:
+                    part.pop("feature", None)
+                return _from_shards(parts), dict(info, path=str(wider), cached=True)
     parts, info = extract_shards(model, corpus, layers, vocab_size, directory, store_dtype=store_dtype,
                                  shard_tokens=shard_tokens, batch_tokens=batch_tokens, progress=progress)
     if directory is not None:
-        (directory / "corpus.json").write_text(json.dumps({"data": corpus.description, "shards": info["shards"]}))
+        (directory / "corpus.json").write_text(json.dumps({"data": corpus.description, "shards": info["shards"],
+                                                           "layers": list(layers), "final_state": final}))
         info["path"] = str(directory)
     info["cached"] = info["new"] == 0
     return _from_shards(parts), info
+
+
+def _wider_cache(cache_dir: Path, final: str, exclude: str) -> Path | None:
+    """A cache directory (other than ``exclude``) whose corpus.json says its shards hold the final
+    state keyed ``final`` beside other layers, or None."""
+    for meta in sorted(cache_dir.glob("*/corpus.json")):
+        if meta.parent.name == exclude:
+            continue
+        try:
+            info = json.loads(meta.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(info, dict) and info.get("final_state") == final and info.get("layers"):
+            return meta.parent
+    return None
