@@ -73,6 +73,24 @@ def test_paired_ratios_from_hand_made_rows():
     assert rows["hf_assisted"]["speedup_vs_hf_spec"] is None
 
 
+def test_ratios_pair_runs_of_the_same_pass():
+    samples = [_sample("plain", 0, 10.0, repeat=0), _sample("plain", 0, 20.0, repeat=1),
+               _sample("specgen", 0, 20.0, gamma=4, repeat=0), _sample("specgen", 0, 40.0, gamma=4, repeat=1)]
+    spec = next(r for r in summarise(samples) if r["method"] == "specgen")
+    assert spec["speedup_vs_plain"]["median"] == pytest.approx(2.0)  # 2.0 in each pass; across passes 1.0 and 4.0
+
+
+def test_bench_repeats_pass_over_the_prompts_again(tmp_path):
+    cfg = compose_bench([*TINY, "drafter=ngram", "bench.gammas=[2]", "bench.temperatures=[0]", "bench.out_dir=null",
+                         "bench.baselines=[plain]", "bench.repeats=2", "bench.prompts=[code]"])
+    result = run_bench(cfg, {"target": "tiny", "drafter": "ngram"}, out=io.StringIO(), err=io.StringIO())
+    runs = sorted((s["method"], s["prompt_index"], s["repeat"]) for s in result.samples)
+    assert runs == [("plain", 0, 0), ("plain", 0, 1), ("specgen", 0, 0), ("specgen", 0, 1)]
+    assert all(s["matches_plain"] for s in result.samples if s["method"] == "specgen")
+    with pytest.raises(ConfigError, match="bench.repeats"):
+        Settings.from_config(dict(compose_bench([*TINY, "bench.repeats=0"])["bench"]))
+
+
 def test_decode_speedup_pairs_time_per_output_token():
     samples = [_sample("plain", 0, 10.0, tpot=0.10), _sample("plain", 1, 10.0, tpot=0.20),
                _sample("specgen", 0, 12.0, gamma=2, tpot=0.05), _sample("specgen", 1, 12.0, gamma=2, tpot=0.05)]

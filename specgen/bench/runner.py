@@ -210,7 +210,7 @@ def run_matrix(cfg: DictConfig, settings: Settings, *, progress: bool = True) ->
                 run.environment = environment(pipe)
                 bar.total = len(settings.temperatures) * (
                     len(settings.batch_sizes) * len(batched) * (settings.batch_repeats + settings.warmup)
-                    if settings.batch_sizes else len(arms) * (settings.warmup + len(encoded)))
+                    if settings.batch_sizes else len(arms) * (settings.warmup + settings.repeats * len(encoded)))
                 bar.refresh()
             clock = Clock(pipe.device)
             if settings.batch_sizes:  # the batch dimension replaces the per-prompt arms
@@ -273,10 +273,12 @@ def balanced_order(n: int, index: int) -> list[int]:
 
 def _measure(pipe, arms: list[Arm], encoded: list[tuple], temperature: float, settings: Settings, clock,
              samples: list[dict], bar) -> None:
+    """Every arm on every prompt, ``bench.repeats`` passes over the prompt list; the arm orders
+    continue one :func:`balanced_order` sequence across prompts and passes."""
     measured = _hf_kwargs(pipe, temperature, settings, settings.max_new_tokens)
-    for index, (prompt, ids) in enumerate(encoded):
+    for repeat, (index, (prompt, ids)) in ((r, p) for r in range(settings.repeats) for p in enumerate(encoded)):
         results = {}
-        for arm in [arms[i] for i in balanced_order(len(arms), index)]:
+        for arm in [arms[i] for i in balanced_order(len(arms), repeat * len(encoded) + index)]:
             bar.set_postfix_str(f"T={temperature:g} {prompt.task} #{index} {arm.method}"
                                 + (f" gamma={arm.gamma}" if arm.gamma else ""))
             results[arm] = run_arm(pipe, arm, ids, max_new=settings.max_new_tokens, seed=settings.seed + index,
@@ -284,7 +286,7 @@ def _measure(pipe, arms: list[Arm], encoded: list[tuple], temperature: float, se
             bar.update()
         plain_ids = results[Arm("plain")]["token_ids"] if Arm("plain") in results and temperature == 0 else None
         for arm, result in results.items():
-            samples.append(_sample(arm, result, prompt, index, ids, temperature, plain_ids))
+            samples.append(dict(_sample(arm, result, prompt, index, ids, temperature, plain_ids), repeat=repeat))
 
 
 def _measure_batches(pipe, encoded: list[tuple], temperature: float, settings: Settings, clock, run: BenchRun,

@@ -32,6 +32,7 @@ class Settings:
     temperatures: list[float]
     baselines: list[str]
     warmup: int = 1
+    repeats: int = 1
     ignore_eos: bool = True
     seed: int = 0
     calibration_repeats: int = 3
@@ -43,7 +44,7 @@ class Settings:
     @classmethod
     def from_config(cls, bench: Mapping) -> Settings:
         names = ("prompts", "num_prompts", "max_prompt_tokens", "max_new_tokens", "gammas", "temperatures",
-                 "baselines", "warmup", "ignore_eos", "seed", "calibration_repeats", "remeasure_costs",
+                 "baselines", "warmup", "repeats", "ignore_eos", "seed", "calibration_repeats", "remeasure_costs",
                  "batch_sizes", "batch_repeats", "hf_kernels")
         settings = cls(**{name: bench[name] for name in names if name in bench})
         settings.batch_sizes = sorted({parse_batch_size(b, "bench.batch_sizes")
@@ -67,6 +68,7 @@ class Settings:
         settings.max_prompt_tokens = parse_int(settings.max_prompt_tokens, "bench.max_prompt_tokens", minimum=1)
         settings.max_new_tokens = parse_int(settings.max_new_tokens, "bench.max_new_tokens", minimum=1)
         settings.warmup = parse_int(settings.warmup, "bench.warmup", minimum=0)
+        settings.repeats = parse_int(settings.repeats, "bench.repeats", minimum=1)
         settings.calibration_repeats = parse_int(settings.calibration_repeats, "bench.calibration_repeats", minimum=0)
         settings.seed = parse_seed(settings.seed, "bench.seed")
         settings.ignore_eos = parse_bool(settings.ignore_eos, "bench.ignore_eos")

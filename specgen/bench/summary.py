@@ -50,11 +50,11 @@ def cell_key(sample: Mapping) -> tuple:
 
 
 def paired_ratios(samples: Sequence[Mapping], reference: Sequence[Mapping], speed=tokens_per_s) -> list[float]:
-    """speed(sample) over speed(reference sample with the same prompt_index), for each sample."""
-    by_prompt = {s["prompt_index"]: speed(s) for s in reference}
+    """speed(sample) over speed(the reference sample of the same prompt_index and repeat), for each sample."""
+    by_prompt = {(s["prompt_index"], s.get("repeat", 0)): speed(s) for s in reference}
     ratios = []
     for sample in samples:
-        ref, mine = by_prompt.get(sample["prompt_index"]), speed(sample)
+        ref, mine = by_prompt.get((sample["prompt_index"], sample.get("repeat", 0))), speed(sample)
         if ref and mine is not None:
             ratios.append(mine / ref)
     return ratios
