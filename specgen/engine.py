@@ -176,8 +176,9 @@ class Pipeline:
         max_new = options.max_new_tokens
         room = self.target.context_length - len(ids)
         if room < 1:
+            more = " or raise llama_cpp.context" if self.target.backend == "llama_cpp" else ""
             raise PromptError(f"the prompt has {len(ids)} tokens but the model's context is "
-                              f"{self.target.context_length}; shorten the prompt")
+                              f"{self.target.context_length}; shorten the prompt{more}")
         use_spec = self.speculative and options.speculative
         guarantee = self.guarantee if use_spec or not self.speculative else Guarantee.off("speculative=false")
         gamma = 0

@@ -130,11 +130,13 @@ def load_model(source: Mapping, *, name: str, dtype: torch.dtype, device: torch.
 
 def load_llama_cpp(source: Mapping, *, name: str, threads: int, extra_eos: tuple[int, ...] = (),
                    progress: bool = True, sequences: int = 64, tiny_type: str = "Q8_0", batch_row_context: int = 4096,
-                   flash_attention: str = "auto", vocab_size: int | None = None, repack: str = "auto") -> LoadedModel:
+                   flash_attention: str = "auto", vocab_size: int | None = None, repack: str = "auto",
+                   context: int | None = None) -> LoadedModel:
     """The model of a GGUF-kind (or ``tiny``) ``source`` on the llama.cpp backend
     (:mod:`specgen.models.llama_cpp`), with specgen's tokenizer for it; a tiny model is
     written as a GGUF in ``tiny_type`` first (:mod:`specgen.models.gguf_write`).
-    ``vocab_size``: as for :func:`load_model`."""
+    ``vocab_size``: as for :func:`load_model`; ``context``: the KV cells of the model's own
+    context, at most its training context (None: that)."""
     from specgen.models.llama_cpp import LlamaCppLM
     from specgen.models.loading import gguf_file, load_tokenizer, writable_cache_dir
 
@@ -149,6 +151,6 @@ def load_llama_cpp(source: Mapping, *, name: str, threads: int, extra_eos: tuple
         tokenizer, eos = load_tokenizer(source, progress=progress, gguf=path)
     info = TokenizerInfo(tokenizer, (*extra_eos, *eos))
     lm = LlamaCppLM(path, vocab_size=vocab_size or info.vocab_size, name=name, threads=threads, sequences=sequences,
-                    batch_row_context=batch_row_context,
+                    batch_row_context=batch_row_context, context_length=context,
                     flash_attention=flash_attention, repack=repack)
     return LoadedModel(lm, info)
