@@ -136,6 +136,38 @@ def test_the_unit_is_a_steady_one_token_forward(monkeypatch):
     assert table.chain == pytest.approx(tuple(ShapedTimer.COSTS[n] for n in range(1, 7)))
 
 
+class SlowStartTimer(HangoverTimer):
+    """:class:`HangoverTimer`'s CPU, at half speed for its first ``spell`` forwards."""
+
+    def __init__(self, slow: float, spell: int):
+        super().__init__(slow)
+        self.spell = spell
+
+    def __call__(self) -> float:
+        if self.width is not None:
+            cost = self.slow if self.width == 1 and self.previous > 1 else self.COSTS[self.width]
+            cost *= 2.0 if self.spell > 0 else 1.0
+            self.now, self.previous, self.width, self.spell = self.now + cost, self.width, None, self.spell - 1
+        return self.now
+
+
+def test_a_slow_spell_at_the_start_does_not_set_the_unit(monkeypatch):
+    """The CPU of the test above also runs slow for its first 17 forwards: the unit comes from the
+    blocks spread over the sweep, so v(n) is still each width over plain pace (from one block before
+    the sweep, the unit would read 1.8, the sweep's own 1-token forwards, and flatten every v(n))."""
+    pipe = tiny_pipeline(drafter="ngram")
+    timer = SlowStartTimer(slow=1.8, spell=2 * measuring.STEADY_FORWARDS + 1)  # one block, one round and a bit
+    real_forward = type(pipe.target).forward
+
+    def forward(self, cache, feed, keep=1, **kwargs):
+        timer.width = len(feed) if len(cache) else None
+        return real_forward(self, cache, feed, keep=keep, **kwargs)
+
+    monkeypatch.setattr(type(pipe.target), "forward", forward)
+    table = measuring.measure(pipe.cost_subject(), clock=timer, repeats=1, max_tokens=6)
+    assert table.chain == pytest.approx(tuple(ShapedTimer.COSTS[n] for n in range(1, 7)))
+
+
 def test_measure_shapes():
     pipe = tiny_pipeline(drafter="tiny")
     table = measuring.measure(pipe.cost_subject(), clock=FakeTimer(), repeats=1, max_tokens=6)

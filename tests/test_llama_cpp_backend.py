@@ -358,6 +358,17 @@ def test_rows_run_one_after_another_where_batches_are_measured_inexact(monkeypat
     assert [r.token_ids for r in rows] == [pipe.generate(prompt_ids=p, max_new_tokens=12).token_ids for p in PROMPTS]
 
 
+def test_the_models_own_context_is_llama_cpp_context_at_most_its_training_one():
+    small = _pipe("llama_cpp.context=256", "target.source.context_length=512", drafter="ngram")
+    assert small.target.context_length == 256
+    with pytest.raises(SpecgenError, match="context is 256; shorten the prompt or raise llama_cpp.context"):
+        small.generate(prompt_ids=[1] * 300, max_new_tokens=4)
+    assert len(small.generate(prompt_ids=[1] * 200, max_new_tokens=4).token_ids) == 4
+    trained = _pipe("llama_cpp.context=null", "target.source.context_length=512", drafter="ngram")
+    assert trained.target.context_length == 512
+    assert _pipe("llama_cpp.context=4096", "target.source.context_length=512", drafter="ngram").target.context_length == 512
+
+
 def test_an_online_row_longer_than_the_batch_row_context_is_refused_alone():
     from specgen.batch import BatchScheduler
 

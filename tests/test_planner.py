@@ -146,6 +146,20 @@ def test_a_catch_up_beyond_the_probe_share_stops_probes():
         assert plan_budget(table, history, 8) == 0
 
 
+@pytest.mark.parametrize("second, probes", [(2.05, False), (1.95, True)])
+def test_no_probe_where_no_draft_could_pay_even_if_always_accepted(second, probes):
+    """v(1 + k) >= 1 + k for every k (a CPU whose wider forwards cost a full step a token): nothing could
+    pay, so a streak of plain steps never probes; the control with v(2) just under 2 still probes."""
+    table = CostTable(chain=(1.0, second, *(1.0 + 1.05 * n for n in range(2, 16))), tree=())
+    assert (table.ceiling(8) > 1.0) is probes and table.ceiling(0) == 0.0
+    history = _history(1.0)  # every past draft accepted
+    budgets = []
+    for _ in range(300):
+        budgets.append(plan_budget(table, history, 8))
+        history.observe([None] * budgets[-1], budgets[-1])
+    assert any(budgets) is probes
+
+
 def test_an_undrafted_position_starts_from_its_predecessor():
     history = AcceptanceHistory()
     for _ in range(50):

@@ -55,7 +55,7 @@ def plan_budget(costs: CostTable, history: AcceptanceHistory, max_tokens: int, *
     """
     if max_tokens <= 0:
         return 0
-    history.price_probes(costs)
+    history.price_probes(costs, pays=costs.ceiling(max_tokens, tree_width > 1) > 1.0)
     cheap = costs.cheap
     gains = expected_tokens(planning_rates(history, max_tokens, cheap))
     best, best_rate = 0, 1.0 / costs.verify(1)

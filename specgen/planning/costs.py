@@ -88,6 +88,14 @@ class CostTable:
     def draft(self, num_tokens: int) -> float:
         return draft_cost(self.draft_fixed, self.draft_per_token, num_tokens)
 
+    def ceiling(self, max_tokens: int, tree: bool = False) -> float:
+        """The best speed over a plain step any round of 1 .. ``max_tokens`` drafts could reach with
+        every draft accepted: max_k (1 + k) v(1) / (draft(k) + v(1 + k)); 0 for no drafts. At most
+        1, no draft can pay whatever the acceptance."""
+        plain = self.verify(1)
+        return max(((1 + k) * plain / (self.draft(k) + self.verify(1 + k, tree)) for k in range(1, max_tokens + 1)),
+                   default=0.0)
+
     @property
     def cheap(self) -> bool:
         return is_cheap(self.draft_per_token)

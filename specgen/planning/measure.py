@@ -19,12 +19,13 @@ batched table a factory of batched caches (:class:`BatchCache`).
   row), which gives ``draft_catch_up`` per token;
 
 all over ``step_s``, each the minimum of ``repeats`` interleaved rounds after a
-warm-up round (noise only adds time). ``step_s`` is the fastest of
-:data:`STEADY_FORWARDS` x ``repeats`` 1-token forwards run back to back before the
+warm-up round (noise only adds time). ``step_s`` is the fastest 1-token forward
+of the blocks of :data:`STEADY_FORWARDS` run back to back before each round of the
 sweep (plain decoding's pace: on a CPU a wide forward can slow the forwards right
 after it, so the sweep's own 1-token forwards, each after a 17-token one, would
-inflate the unit and flatten every v(n)), bounded by the fastest forward of any
-size (no forward costs less). Every n is measured and the
+inflate the unit and flatten every v(n); a block before every round, not one before
+the sweep, keeps a slow spell at the start from setting the unit), bounded by the
+fastest forward of any size (no forward costs less). Every n is measured and the
 tables are kept as measured, not made non-decreasing: where a longer forward is
 cheaper (matrix kernels work on blocks of rows) the planner sees it.
 
@@ -66,11 +67,12 @@ WIDE_WIDTHS = (1, 3)
 MAX_MEASURED_ROWS = 8
 #: Part of a batched table's cache key: how it was measured (bumped when that changes).
 BATCH_METHOD = 6
-#: Part of every table's cache key: how a table is measured (its unit is a steady 1-token forward,
-#: bounded by the fastest forward of any size; a draft model's catch-up is timed).
-UNIT_METHOD = 4
-#: 1-token forwards per repeat that set the unit, run back to back before the sweep (after as many untimed).
-STEADY_FORWARDS = 4
+#: Part of every table's cache key: how a table is measured (its unit is a steady 1-token forward
+#: from blocks spread over the sweep, bounded by the fastest forward of any size; a draft model's
+#: catch-up is timed).
+UNIT_METHOD = 5
+#: 1-token forwards run back to back before each round of the sweep; the fastest of all sets the unit.
+STEADY_FORWARDS = 8
 
 #: Progress reports: called with one short line while a table is measured.
 Progress = Callable[[str], None]
@@ -161,14 +163,13 @@ def measure(subject: Subject, *, clock: Callable[[], float] | None = None, repea
     tree: dict[int, list[float]] = {n: [] for n in sizes} if subject.trees else {}
     draft = _DraftTimer(subject, context, max_tokens, clock)
     catch_up = _CatchUpTimer(subject.draft_model, context, clock)
-    steady = []  # 1-token forwards after 1-token forwards only: plain decoding's own pace
-    for i in range(STEADY_FORWARDS * (repeats + 1)):
-        start = clock()
-        lm.forward(cache, context[-1:], keep=1)
-        if i >= STEADY_FORWARDS:
-            steady.append(clock() - start)
-        cache.crop(base)
+    steady = []  # 1-token forwards run back to back: plain decoding's own pace
     for _ in range(repeats + 1):
+        for _ in range(STEADY_FORWARDS):
+            start = clock()
+            lm.forward(cache, context[-1:], keep=1)
+            steady.append(clock() - start)
+            cache.crop(base)
         for n in sizes:
             feed = [context[-1]] + context[: n - 1]
             start = clock()
