@@ -1,8 +1,8 @@
 """The bench's batch dimension (``bench.batch_sizes=[1,4,8]``): many prompts at once.
 
 For each temperature and batch size B the same prompt list runs through three
-methods, in an order balanced over repeats (runner.balanced_order: each runs first, and after each
-other, equally often):
+methods, each repeat and batch size in another order of runner.balanced_order's design (so no
+method always runs first, or right after the same other):
 
 ``plain``        specgen's ``generate_batch(..., speculative=False)`` (continuous batching);
 ``specgen``      ``generate_batch`` with the pipeline's drafter and γ (``batchable`` drafters only);
