@@ -87,11 +87,10 @@ def test_measure_keeps_every_width_as_measured(monkeypatch):
     assert table.chain[3] < table.chain[2]
 
 
-def test_a_one_token_forward_read_high_does_not_set_the_unit(monkeypatch):
-    """Every 1-token timing read high (a busy machine) must not price longer verifies below a
-    plain step: the unit is the fastest forward of any size, and v(n) >= v(1) = 1."""
+def _measure_chain(monkeypatch, timer: ShapedTimer):
+    """The cost table of a chain drafter's pipeline, its target forwards (after the untimed
+    context prefill) timed by ``timer`` from their widths."""
     pipe = tiny_pipeline(drafter="ngram")
-    timer = ShapedTimer()
     real_forward = type(pipe.target).forward
 
     def forward(self, cache, feed, keep=1, **kwargs):
@@ -99,8 +98,14 @@ def test_a_one_token_forward_read_high_does_not_set_the_unit(monkeypatch):
         return real_forward(self, cache, feed, keep=keep, **kwargs)
 
     monkeypatch.setattr(type(pipe.target), "forward", forward)
+    return measuring.measure(pipe.cost_subject(), clock=timer, repeats=1, max_tokens=6)
+
+
+def test_a_one_token_forward_read_high_does_not_set_the_unit(monkeypatch):
+    """Every 1-token timing read high (a busy machine) must not price longer verifies below a
+    plain step: the unit is the fastest forward of any size, and v(n) >= v(1) = 1."""
     monkeypatch.setitem(ShapedTimer.COSTS, 1, 1.5)  # above 2-6 tokens' 1.36-1.6
-    table = measuring.measure(pipe.cost_subject(), clock=timer, repeats=1, max_tokens=6)
+    table = _measure_chain(monkeypatch, ShapedTimer())
     assert table.chain[0] == 1.0 and min(table.chain) == 1.0
     assert table.chain[3] == pytest.approx(1.0) and table.chain[2] == pytest.approx(1.6 / 1.36)
 
@@ -113,26 +118,19 @@ class HangoverTimer(ShapedTimer):
         super().__init__()
         self.slow, self.previous = slow, 1
 
+    def cost(self, width: int) -> float:
+        return self.slow if width == 1 and self.previous > 1 else self.COSTS[width]
+
     def __call__(self) -> float:
         if self.width is not None:
-            cost = self.slow if self.width == 1 and self.previous > 1 else self.COSTS[self.width]
-            self.now, self.previous, self.width = self.now + cost, self.width, None
+            self.now, self.previous, self.width = self.now + self.cost(self.width), self.width, None
         return self.now
 
 
 def test_the_unit_is_a_steady_one_token_forward(monkeypatch):
     """Every 1-token forward of the sweep follows a wide one and reads 1.8 (the CPU's hangover): the
     unit comes from 1-token forwards run back to back instead, so v(n) is each width over plain pace."""
-    pipe = tiny_pipeline(drafter="ngram")
-    timer = HangoverTimer(slow=1.8)
-    real_forward = type(pipe.target).forward
-
-    def forward(self, cache, feed, keep=1, **kwargs):
-        timer.width = len(feed) if len(cache) else None
-        return real_forward(self, cache, feed, keep=keep, **kwargs)
-
-    monkeypatch.setattr(type(pipe.target), "forward", forward)
-    table = measuring.measure(pipe.cost_subject(), clock=timer, repeats=1, max_tokens=6)
+    table = _measure_chain(monkeypatch, HangoverTimer(slow=1.8))
     assert table.chain == pytest.approx(tuple(ShapedTimer.COSTS[n] for n in range(1, 7)))
 
 
@@ -143,28 +141,17 @@ class SlowStartTimer(HangoverTimer):
         super().__init__(slow)
         self.spell = spell
 
-    def __call__(self) -> float:
-        if self.width is not None:
-            cost = self.slow if self.width == 1 and self.previous > 1 else self.COSTS[self.width]
-            cost *= 2.0 if self.spell > 0 else 1.0
-            self.now, self.previous, self.width, self.spell = self.now + cost, self.width, None, self.spell - 1
-        return self.now
+    def cost(self, width: int) -> float:
+        self.spell -= 1
+        return super().cost(width) * (2.0 if self.spell >= 0 else 1.0)
 
 
 def test_a_slow_spell_at_the_start_does_not_set_the_unit(monkeypatch):
     """The CPU of the test above also runs slow for its first 17 forwards: the unit comes from the
     blocks spread over the sweep, so v(n) is still each width over plain pace (from one block before
     the sweep, the unit would read 1.8, the sweep's own 1-token forwards, and flatten every v(n))."""
-    pipe = tiny_pipeline(drafter="ngram")
     timer = SlowStartTimer(slow=1.8, spell=2 * measuring.STEADY_FORWARDS + 1)  # one block, one round and a bit
-    real_forward = type(pipe.target).forward
-
-    def forward(self, cache, feed, keep=1, **kwargs):
-        timer.width = len(feed) if len(cache) else None
-        return real_forward(self, cache, feed, keep=keep, **kwargs)
-
-    monkeypatch.setattr(type(pipe.target), "forward", forward)
-    table = measuring.measure(pipe.cost_subject(), clock=timer, repeats=1, max_tokens=6)
+    table = _measure_chain(monkeypatch, timer)
     assert table.chain == pytest.approx(tuple(ShapedTimer.COSTS[n] for n in range(1, 7)))
 
 

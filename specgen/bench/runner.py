@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -276,7 +277,7 @@ def _measure(pipe, arms: list[Arm], encoded: list[tuple], temperature: float, se
     """Every arm on every prompt, ``bench.repeats`` passes over the prompt list; the arm orders
     continue one :func:`balanced_order` sequence across prompts and passes."""
     measured = _hf_kwargs(pipe, temperature, settings, settings.max_new_tokens)
-    for repeat, (index, (prompt, ids)) in ((r, p) for r in range(settings.repeats) for p in enumerate(encoded)):
+    for repeat, (index, (prompt, ids)) in itertools.product(range(settings.repeats), enumerate(encoded)):
         results = {}
         for arm in [arms[i] for i in balanced_order(len(arms), repeat * len(encoded) + index)]:
             bar.set_postfix_str(f"T={temperature:g} {prompt.task} #{index} {arm.method}"

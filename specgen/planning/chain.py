@@ -55,7 +55,7 @@ def plan_budget(costs: CostTable, history: AcceptanceHistory, max_tokens: int, *
     """
     if max_tokens <= 0:
         return 0
-    history.price_probes(costs, pays=costs.ceiling(max_tokens, tree_width > 1) > 1.0)
+    history.price_probes(costs)
     cheap = costs.cheap
     gains = expected_tokens(planning_rates(history, max_tokens, cheap))
     best, best_rate = 0, 1.0 / costs.verify(1)
@@ -63,8 +63,8 @@ def plan_budget(costs: CostTable, history: AcceptanceHistory, max_tokens: int, *
         rate = gains[k] / (costs.draft(k) + costs.verify(1 + k, tree=tree_width > 1))
         if rate > best_rate:
             best, best_rate = k, rate
-    if best == 0 and history.probe_due:
-        return 1
+    if best == 0 and history.probe_due and costs.ceiling(max_tokens, tree_width > 1) > 1.0:
+        return 1  # a probe, unless no draft could pay even if always accepted (then it could only lose)
     if best and online and tree_width == 1:  # the stopper judges each token as it is drafted
         return max_tokens
     if best and cheap and tree_width == 1 and history.by_bin:  # truncation judges each drafted token

@@ -139,19 +139,15 @@ class AcceptanceHistory:
     def probe_due(self) -> bool:
         return self.plain_streak >= max(self.probe_every, self.probe_gap)
 
-    def price_probes(self, costs: CostTable, pays: bool = True) -> None:
+    def price_probes(self, costs: CostTable) -> None:
         """Space probes so a rejected one costs at most ``probe_share`` of the plain steps before it.
 
         A probe after g plain steps costs draft(1) + v(2) - v(1) plus g times the drafter's
         catch-up per committed token (``costs.draft_catch_up``), so g >= extra / (share - catch-up);
-        where the catch-up alone reaches the share, no gap prices a probe and none is made.
-        ``pays`` False (no draft could pay even if always accepted, :meth:`CostTable.ceiling`):
-        a probe could only lose, and none is made."""
+        where the catch-up alone reaches the share, no gap prices a probe and none is made."""
         extra = max(0.0, costs.draft(1) + costs.verify(2) - costs.verify(1))
         room = self.probe_share - costs.draft_catch_up
-        if not pays:
-            self.probe_gap = NO_PROBES
-        elif self.probe_share <= 0:
+        if self.probe_share <= 0:
             self.probe_gap = 0
         elif room <= 0:
             self.probe_gap = NO_PROBES

@@ -166,7 +166,7 @@ def cached_features(model, corpus: Corpus, layers: list[int], vocab_size: int, f
     directory = None
     if cache_dir is not None:
         key = cache_key(fingerprint, corpus, layers, store_dtype, shard_tokens)
-        final = cache_key(fingerprint, corpus, [], store_dtype, shard_tokens)
+        final = cache_key(fingerprint, corpus, [], store_dtype, shard_tokens) if layers else key
         directory = Path(cache_dir) / key
         wider = None if layers else _wider_cache(Path(cache_dir), final, exclude=key)
         if wider is not None:
