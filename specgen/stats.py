@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 import time
 from array import array
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -46,24 +45,10 @@ class Clock:
     def _charge(self, name: str, seconds: float) -> None:
         self._laps[name] = self._laps.get(name, 0.0) + seconds
 
-    @contextmanager
-    def stage(self, name: str) -> Iterator[Lap]:
-        """Charge the time inside to ``name``; the yielded :class:`Lap` holds, once the block
-        ends, the seconds this block charged to ``name`` (a nested stage's excluded)."""
-        outer = self._open
-        now = self()
-        if outer is not None:
-            self._charge(outer[0], now - outer[1])
-        self._open = (name, now)
-        before = self._laps.get(name, 0.0)
-        lap = Lap()
-        try:
-            yield lap
-        finally:
-            now = self()
-            self._charge(name, now - self._open[1])
-            self._open = None if outer is None else (outer[0], now)
-            lap.seconds = self._laps[name] - before
+    def stage(self, name: str) -> _Stage:
+        """Charge the time inside to ``name``; the :class:`Lap` the block enters with holds, once
+        the block ends, the seconds this block charged to ``name`` (a nested stage's excluded)."""
+        return _Stage(self, name)
 
     def carve(self, name: str, seconds: float) -> None:
         """Charge ``seconds`` to ``name`` instead of the open stage (if any).
@@ -79,6 +64,33 @@ class Clock:
     def take_laps(self) -> dict[str, float]:
         laps, self._laps = self._laps, {}
         return laps
+
+
+class _Stage:
+    """One ``with clock.stage(name)`` block (a plain class: it runs several times a token)."""
+
+    __slots__ = ("clock", "name", "outer", "before", "lap")
+
+    def __init__(self, clock: Clock, name: str):
+        self.clock, self.name = clock, name
+
+    def __enter__(self) -> Lap:
+        clock = self.clock
+        self.outer = outer = clock._open
+        now = clock()
+        if outer is not None:
+            clock._charge(outer[0], now - outer[1])
+        clock._open = (self.name, now)
+        self.before = clock._laps.get(self.name, 0.0)
+        self.lap = Lap()
+        return self.lap
+
+    def __exit__(self, *exc) -> None:
+        clock, name, outer = self.clock, self.name, self.outer
+        now = clock()
+        clock._charge(name, now - clock._open[1])
+        clock._open = None if outer is None else (outer[0], now)
+        self.lap.seconds = clock._laps[name] - self.before
 
 
 class GrammarTimer:

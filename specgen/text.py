@@ -20,6 +20,9 @@ REPLACEMENT = "\ufffd"
 
 @dataclass
 class TextState:
+    """ids: the committed ids a next push still decodes (the last released piece's on), so the
+    window, and a snapshot of it, stay a few tokens long however long the text grows."""
+
     ids: list[int] = field(default_factory=list)
     prefix_offset: int = 0
     read_offset: int = 0
@@ -62,7 +65,8 @@ class TextStream:
         if after.endswith(REPLACEMENT) or len(after) < len(before):
             return ""
         delta = after[len(before) :]
-        st.prefix_offset, st.read_offset = st.read_offset, len(st.ids)
+        del st.ids[: st.read_offset]  # decoded for good: the window restarts at the last released token
+        st.prefix_offset, st.read_offset = 0, len(st.ids)
         return self._release(delta)
 
     def flush(self) -> str:
@@ -74,7 +78,8 @@ class TextStream:
         tail = tail.rstrip(REPLACEMENT)
         out = st.held + tail
         st.held = ""
-        st.read_offset = st.prefix_offset = len(st.ids)
+        st.ids.clear()
+        st.read_offset = st.prefix_offset = 0
         st.emitted += out
         return out
 

@@ -64,6 +64,7 @@ def test_feeds_are_split_at_the_widest_decode_width_measured_batch_invariant(mon
         return {w: 0.25 if w > 16 else 0.0 for w in widths}
 
     monkeypatch.setattr(llama_cpp.LlamaCppLM, "_gaps_after", gaps)
+    monkeypatch.setattr(llama_context, "PREFILL_TOKENS", 128)  # below the tiny model's 512-token context
     lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm
     assert lm.decode_width == 16 and asked == [32, 16, 24, 20, 18, 17]  # bisection
     assert lm.verify_gap([2, 4]) == (0.0, 2) and lm.verify_gap([2, 20]) == (0.25, 20)
@@ -78,7 +79,7 @@ def test_feeds_are_split_at_the_widest_decode_width_measured_batch_invariant(mon
     sizes.clear()  # the tokens before the kept rows: one handle a decode, split only at PREFILL_TOKENS
     lm.forward(lm.new_cache(), list(range(1, 16)) * 10, keep=2)
     batch.forward([[1, 2, 3] * 7, [4, 5] * 7], [1, 3])
-    assert sizes == [llama_context.PREFILL_TOKENS, 148 - llama_context.PREFILL_TOKENS, 2, 20, 11, 4]
+    assert sizes == [128, 148 - 128, 2, 20, 11, 4]
 
 
 def test_the_chosen_decode_width_is_batch_invariant_or_the_widest():

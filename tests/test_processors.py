@@ -146,3 +146,24 @@ def test_hf_processor_is_impure_unless_declared():
     assert declared.impure == []
     out = declared.logits(_logits(), _history([1]))
     assert int(torch.isfinite(out).sum()) == 3
+
+
+def test_committed_counts_follow_commits_and_rollbacks_whenever_they_are_read():
+    """The count vectors are brought up to date on read; any interleaving of commits, rollbacks
+    (also past the last read) and reads gives the counts of the tokens held."""
+    rng = __import__("random").Random(0)
+    prompt = [1, 2, 2, 5]
+    counts = CommittedCounts.start(prompt, VOCAB, torch.device("cpu"))
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.5:
+            counts.commit([rng.randrange(VOCAB) for _ in range(rng.randint(1, 4))])
+        elif op < 0.75:
+            counts.truncate(rng.randint(len(prompt), len(counts.tokens)))
+        else:
+            seen = torch.bincount(torch.tensor(counts.tokens), minlength=VOCAB).float()
+            generated = torch.bincount(torch.tensor(counts.tokens[len(prompt):], dtype=torch.long),
+                                       minlength=VOCAB).float()
+            assert torch.equal(counts.seen, seen) and torch.equal(counts.generated, generated)
+    with pytest.raises(ValueError, match="prompt"):
+        counts.truncate(len(prompt) - 1)

@@ -62,3 +62,18 @@ def test_snapshot_restore():
     stream.restore(snap)
     assert not stream.stopped
     assert stream.push(ord("q")) == "zq"
+
+
+def test_the_decode_window_stays_short_over_a_long_stream():
+    """Only ids not yet decoded for good are kept, so a step's work and snapshot do not grow with the text."""
+    stream = TextStream(byte_decode)
+    text = ("héllo 世界 " * 300).encode("utf-8")
+    longest = 0
+    pieces = []
+    for b in text:
+        pieces.append(stream.push(b))
+        longest = max(longest, len(stream.state.ids))
+    pieces.append(stream.flush())
+    assert "".join(pieces) == text.decode("utf-8")
+    assert longest <= 8  # the last released piece and the character being completed, 4 bytes at most each
+    assert len(stream.snapshot().ids) <= 8

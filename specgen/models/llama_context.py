@@ -30,7 +30,7 @@ BATCH_TOKENS = 32
 #: The most tokens of one sequence fed per decode where no logits are asked for (a prompt's context,
 #: the tokens before the first kept row). Such a span is decoded alone, split from its own first
 #: position, so every path that feeds it (plain, speculative, a batched row) splits it alike.
-PREFILL_TOKENS = 128
+PREFILL_TOKENS = 512
 #: llama.cpp's flash-attention switch by name (its enum: 0 off, 1 on; llama.cpp's own -1 "auto" is
 #: not used: LlamaCppLM chooses by measurement).
 FLASH = {"off": 0, "on": 1}
@@ -140,7 +140,6 @@ class LlamaContext:
         if self._closer.alive:
             self._lib.llama_memory_seq_rm(self._memory, seq, start, -1)
 
-    @torch.inference_mode()
     def forward_rows(self, caches: list[LlamaKV], feeds: list[list[int]], keeps: list[int],
                      check: bool = True) -> list[torch.Tensor | None]:
         """Feed each handle's ``feeds[i]`` after its cached tokens: sequence ids keep the handles
@@ -183,10 +182,11 @@ class LlamaContext:
         for cache, feed in zip(caches, feeds, strict=True):
             cache.tokens.extend(int(t) for t in feed)
         flat = np.concatenate(rows) if len(rows) > 1 else rows[0] if rows else np.zeros((0, self.n_vocab), np.float32)
-        logits = torch.from_numpy(flat)[:, : self.vocab_size]  # [kept rows of every handle, vocab]
-        if check and logits.numel() and torch.isnan(logits.max()):
+        flat = flat[:, : self.vocab_size]  # [kept rows of every handle, vocab]
+        if check and flat.size and np.isnan(flat.max()):
             raise NumericalError(f"{self.name} produced NaN logits at position {starts[0] + len(feeds[0]) - 1}"
                                  if len(caches) == 1 else f"{self.name} produced NaN logits")
+        logits = torch.from_numpy(flat)
         out: list[torch.Tensor | None] = []
         used = 0
         for feed, keep in zip(feeds, keeps, strict=True):

@@ -8,59 +8,79 @@ no history-dependent processor pays nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 
 
-@dataclass
 class CommittedCounts:
     """Running token statistics of the committed sequence of one request.
 
+    tokens:    prompt + generated ids (append with :meth:`commit`, roll back with :meth:`truncate`)
     seen:      [vocab] how often each id occurs in prompt + generated tokens
     generated: [vocab] how often each id occurs in generated tokens only
+
+    The count vectors are brought up to date when read, so a request whose processors
+    never read them (greedy or plain sampling) pays one list append per committed token.
     """
 
-    seen: torch.Tensor
-    generated: torch.Tensor
-    tokens: list[int] = field(default_factory=list)
-    num_prompt: int = 0
+    def __init__(self, tokens: list[int], num_prompt: int, vocab_size: int, device: torch.device):
+        self.tokens = tokens
+        self.num_prompt = num_prompt
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._seen: torch.Tensor | None = None  # [vocab], counts of tokens[:_counted]
+        self._generated: torch.Tensor | None = None  # [vocab]
+        self._counted = 0
 
     @classmethod
     def start(cls, prompt_ids: list[int], vocab_size: int, device: torch.device) -> CommittedCounts:
-        seen = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-        if prompt_ids:
-            ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
-            seen.index_add_(0, ids, torch.ones(len(prompt_ids), device=device))
-        generated = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-        return cls(seen, generated, list(prompt_ids), len(prompt_ids))
+        return cls(list(prompt_ids), len(prompt_ids), vocab_size, device)
 
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - self.num_prompt
 
+    @property
+    def seen(self) -> torch.Tensor:
+        self._sync()
+        return self._seen
+
+    @property
+    def generated(self) -> torch.Tensor:
+        self._sync()
+        return self._generated
+
+    def _sync(self) -> None:
+        """Count the tokens committed since the last read."""
+        if self._seen is None:
+            self._seen = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
+            self._generated = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
+            self._counted = 0
+        if self._counted < len(self.tokens):
+            self._add(self._counted, len(self.tokens), 1.0)
+            self._counted = len(self.tokens)
+
+    def _add(self, begin: int, end: int, sign: float) -> None:
+        """Add ``sign`` times the counts of ``tokens[begin:end]``."""
+        ids = torch.tensor(self.tokens[begin:end], dtype=torch.long, device=self.device)
+        self._seen.index_add_(0, ids, torch.full((end - begin,), sign, device=self.device))
+        first = max(begin, self.num_prompt)
+        if first < end:
+            ids = ids[first - begin:]
+            self._generated.index_add_(0, ids, torch.full((end - first,), sign, device=self.device))
+
     def commit(self, new_tokens: list[int]) -> None:
-        """Append committed tokens and update the counts."""
-        if not new_tokens:
-            return
-        ids = torch.tensor(new_tokens, dtype=torch.long, device=self.seen.device)
-        ones = torch.ones(len(new_tokens), device=self.seen.device)
-        self.seen.index_add_(0, ids, ones)
-        self.generated.index_add_(0, ids, ones)
+        """Append committed tokens (the counts follow when next read)."""
         self.tokens.extend(new_tokens)
 
     def truncate(self, length: int) -> None:
         """Roll the committed sequence back to ``length`` tokens (never into the prompt)."""
         if length < self.num_prompt:
             raise ValueError("cannot roll back into the prompt")
-        dropped = self.tokens[length:]
-        if not dropped:
-            return
-        ids = torch.tensor(dropped, dtype=torch.long, device=self.seen.device)
-        ones = torch.ones(len(dropped), device=self.seen.device)
-        self.seen.index_add_(0, ids, -ones)
-        self.generated.index_add_(0, ids, -ones)
+        if self._seen is not None and self._counted > length:
+            self._add(length, self._counted, -1.0)
+            self._counted = length
         del self.tokens[length:]
 
 
@@ -81,8 +101,8 @@ class History:
 
     def _candidate_prefix_counts(self) -> torch.Tensor:
         """[num_positions, vocab]: counts of candidates strictly before each row's position."""
-        vocab = self.committed.seen.shape[0]
-        counts = torch.zeros(self.num_positions, vocab, device=self.committed.seen.device)
+        vocab = self.committed.vocab_size
+        counts = torch.zeros(self.num_positions, vocab, device=self.committed.device)
         for j, token in enumerate(self.candidates):
             first_row = max(j + 1 - self.start, 0)
             if first_row < self.num_positions:
@@ -107,7 +127,7 @@ class History:
     def num_generated(self) -> torch.Tensor:
         """[num_positions] number of generated tokens each row's position has seen."""
         base = self.committed.num_generated + self.start
-        return torch.arange(base, base + self.num_positions, device=self.committed.seen.device)
+        return torch.arange(base, base + self.num_positions, device=self.committed.device)
 
     def tail(self, row: int, length: int) -> list[int]:
         """The last ``length`` tokens of the history at ``row`` (fewer if shorter)."""
@@ -145,8 +165,8 @@ class PathHistory(History):
 
     def _candidate_prefix_counts(self) -> torch.Tensor:
         """[num_positions, vocab]: counts of each row's path tokens."""
-        device = self.committed.seen.device
-        vocab = self.committed.seen.shape[0]
+        device = self.committed.device
+        vocab = self.committed.vocab_size
         rows = [r for r, path in enumerate(self.paths) for _ in path]
         tokens = [t for path in self.paths for t in path]
         counts = torch.zeros(self.num_positions, vocab, device=device)  # [N, vocab]
@@ -159,7 +179,7 @@ class PathHistory(History):
     def num_generated(self) -> torch.Tensor:
         """[num_positions] number of generated tokens each row's position has seen."""
         base = self.committed.num_generated
-        return torch.tensor([base + len(path) for path in self.paths]).to(self.committed.seen.device)
+        return torch.tensor([base + len(path) for path in self.paths]).to(self.committed.device)
 
     def tail(self, row: int, length: int) -> list[int]:
         if length <= 0:
@@ -193,8 +213,8 @@ class DeviceHistory(History):
         self.start = int(candidates.shape[0])  # a shape, not a read
 
     def _candidate_prefix_counts(self) -> torch.Tensor:
-        vocab = self.committed.seen.shape[0]
-        counts = torch.zeros(1, vocab, device=self.committed.seen.device)  # [1, vocab]
+        vocab = self.committed.vocab_size
+        counts = torch.zeros(1, vocab, device=self.committed.device)  # [1, vocab]
         if self.start:
             ones = torch.ones(self.start, device=counts.device)
             counts[0].index_add_(0, self.device_candidates.to(counts.device), ones)

@@ -126,11 +126,11 @@ def argmax_codes(logits: torch.Tensor) -> torch.Tensor:
             and not logits.requires_grad:
         # on the host, numpy: its argmax reads a row in one vectorised pass (torch's indexed max walks
         # it element by element) with the same answer, the first maximum or the first NaN of a row
-        rows = logits.numpy()
+        rows = logits.numpy().reshape(-1, logits.shape[-1])  # [N, vocab]
         indices = rows.argmax(axis=-1)  # [N]
-        values = np.take_along_axis(rows, indices[..., None], axis=-1)[..., 0]  # [N]
+        values = rows[np.arange(len(indices)), indices]  # [N]
         codes = np.where(np.isnan(values), NAN_CODE, np.where(values == -np.inf, NONE_ALLOWED_CODE, indices))
-        return torch.from_numpy(np.asarray(codes, dtype=np.int64))
+        return torch.from_numpy(codes.astype(np.int64, copy=False)).reshape(logits.shape[:-1])
     values, indices = logits.max(dim=-1)  # [N], [N]
     nan = torch.isnan(values)  # [N]: the maximum is NaN iff the row holds one, so one value per row is read
     return torch.where(nan, NAN_CODE, torch.where(values == float("-inf"), NONE_ALLOWED_CODE, indices))
