@@ -79,7 +79,9 @@ def test_feeds_are_split_at_the_widest_decode_width_measured_batch_invariant(mon
     sizes.clear()  # the tokens before the kept rows: one handle a decode, split only at PREFILL_TOKENS
     lm.forward(lm.new_cache(), list(range(1, 16)) * 10, keep=2)
     batch.forward([[1, 2, 3] * 7, [4, 5] * 7], [1, 3])
-    assert sizes == [128, 148 - 128, 2, 20, 11, 4]
+    # the first kept row goes in its span's last decode: 149 = 128 + 21, then 1; the batch rows' spans
+    # 20 + 1 and 11 + 1, then the second row's other 2 kept rows
+    assert sizes == [128, 21, 1, 21, 12, 2]
 
 
 def test_the_chosen_decode_width_is_batch_invariant_or_the_widest():
@@ -279,6 +281,52 @@ def test_batched_rows_equal_their_requests_run_alone(drafter, overrides, monkeyp
                                            for i, p in enumerate(prompts)]
     assert "speculative=false" in str(rows[0].guarantee) or sum(r.stats.drafted for r in rows) > 0
 
+
+
+def _decodes(monkeypatch) -> list[list[tuple[int, int, int, bool]]]:
+    """Every llama_decode's entries (sequence, token, position, logits wanted), recorded as they happen."""
+    calls: list[list[tuple[int, int, int, bool]]] = []
+    real = llama_context.LlamaContext._decode
+
+    def recorded(self, entries):
+        calls.append(list(entries))
+        return real(self, entries)
+
+    monkeypatch.setattr(llama_context.LlamaContext, "_decode", recorded)
+    return calls
+
+
+def _first_row_decode(calls, prompt: list[int]) -> list[tuple[int, int]]:
+    """(token, position) of the prompt's sequence in the decode that gave its last row's logits."""
+    for entries in calls:
+        for seq, token, position, wanted in entries:
+            if wanted and position == len(prompt) - 1 and token == prompt[-1]:
+                return [(t, p) for s, t, p, _ in entries if s == seq]
+    raise AssertionError("no decode gave the prompt's last row")
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_a_prompts_last_token_is_decoded_with_its_prompt_on_every_path(apart, monkeypatch):
+    """Plain, speculative and batched runs read a prompt's first logits from one decode of the same
+    tokens, the whole prompt. Control (apart): a batch that prefilled the prompt before its first
+    step would read them from a decode of its own."""
+    from specgen.models.llama_batch import LlamaBatch
+
+    pipe = _pipe(drafter="ngram")
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # prompt lookup drafts in the first round
+    monkeypatch.setattr(LlamaBatch, "prefills_apart", apart)
+    calls = _decodes(monkeypatch)
+    seen = []
+    for run in (lambda: pipe.generate(prompt_ids=prompt, max_new_tokens=3, speculative=False),
+                lambda: pipe.generate(prompt_ids=prompt, max_new_tokens=3, num_tokens=2),
+                lambda: pipe.generate_batch([{"prompt_ids": prompt}, {"prompt_ids": [3, 3]}], batch_size=2,
+                                            max_new_tokens=3)):
+        calls.clear()
+        run()
+        seen.append(_first_row_decode(calls, prompt))
+    whole = [(t, i) for i, t in enumerate(prompt)]
+    assert seen[:2] == [whole, whole]
+    assert (seen[2] == whole) is not apart
 
 def test_batched_rows_follow_the_backends_distribution():
     pipe = _pipe("target.source.vocab_size=8", "drafter.source.vocab_size=8", "sampling.temperature=1.0")

@@ -18,7 +18,8 @@ The shared torch cache: each forward appends the same number w of slots to every
 linear layers skip them where they can, :func:`specgen.models.packed_linear.real_tokens`).
 A fresh row's prompt is prefilled in a forward of its own and stored in its batch
 entry's dead slots (a refill takes over the finished row's), appending only what
-does not fit.
+does not fit (on llama.cpp, whose rows keep cells of their own, it goes in the row's
+first step instead: ``LlamaBatch.prefills_apart``).
 A row lists the slots holding its tokens (``RowCache.slots``); the 4D additive
 mask lets each new token see its row's listed slots and its own feed causally;
 positions are per row (token i of a row sits at position i). Rolling a row back

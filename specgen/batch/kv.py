@@ -42,6 +42,8 @@ class BatchKV:
 
     #: Rows share the cache's width: a forward spans every row's slots up to the widest.
     shares_width = True
+    #: A fresh row's prompt goes in a forward of its own (:meth:`prefill`) before its first step.
+    prefills_apart = True
 
     def __init__(self, lm: CausalLM, size: int):
         self.lm = lm

@@ -5,7 +5,9 @@ cells stay in position order whatever the other rows do, as a request's do alone
 (in one shared cell pool, a row's later tokens can land in cells another row freed,
 before its earlier ones, and attention then sums in another order). A step's feeds,
 every row's uncached tokens plus its candidates, go to llama.cpp in one decode
-(:meth:`~specgen.models.llama_context.LlamaContext.forward_rows`). Nothing is padded
+(:meth:`~specgen.models.llama_context.LlamaContext.forward_rows`); a fresh row's prompt
+goes in that step too, in decodes of its own that end with its first kept row, as a
+request's prompt does alone. Nothing is padded
 and rows never share cells, so there is nothing to compact or cut back: a rolled-back
 row frees its own cells.
 """
@@ -30,6 +32,10 @@ class LlamaBatch:
 
     #: Each row attends only to its own cells (see :meth:`compact`).
     shares_width = False
+    #: A fresh row's prompt goes in its first step's forward, where its span is decoded on its own
+    #: and gives the row's first logits (:meth:`LlamaContext.forward_rows`), as a request's does
+    #: alone; :meth:`prefill` is for the cost model's timings.
+    prefills_apart = False
 
     def __init__(self, lm, size: int, row_context: int):
         self.lm = lm
@@ -80,23 +86,21 @@ class LlamaBatch:
 
 def batch_gap(lm, rows: int = 4) -> float:
     """Batch invariance across rows: the largest |logit| difference between ``rows`` rows of a
-    :class:`LlamaBatch` (prefixes of different lengths, ragged feeds of 1..4 tokens, one decode)
-    and the same tokens fed to one handle of ``lm``'s own context, one at a time. 0.0:
-    batched rows see a request's own logits."""
+    :class:`LlamaBatch` (prefixes of different lengths fed with ragged feeds of 1..4 tokens in
+    one step) and the same tokens fed to one handle of ``lm``'s own context, the prefix and then
+    one token at a time; the prefix's last row included. 0.0: batched rows see a request's own logits."""
     vocab = lm.vocab_size
     prefixes = [[(7919 * i + 104729 * r + 11) % vocab for i in range(5 + 4 * r)] for r in range(rows)]
     feeds = [[(31 * i + 17 * r + 3) % vocab for i in range(1 + r % 4)] for r in range(rows)]
     batch = LlamaBatch(lm, rows, ROW_ALIGN)
-    for r, prefix in enumerate(prefixes):  # as a row is fed: its prompt but the last token, then steps
-        batch.prefill(r, prefix[:-1])
-    together = batch.forward([[prefix[-1], *feed] for prefix, feed in zip(prefixes, feeds, strict=True)],
-                             [1 + len(f) for f in feeds])
+    together = batch.forward([[*prefix, *feed] for prefix, feed in zip(prefixes, feeds, strict=True)],
+                             [1 + len(f) for f in feeds])  # as a fresh row is fed: its prompt with its first step
     worst = 0.0
     alone_cache = lm.new_cache()
     for r, (prefix, feed) in enumerate(zip(prefixes, feeds, strict=True)):
         alone_cache.crop(0)
-        lm.forward(alone_cache, prefix, keep=1)  # as a request is fed: its prompt, then one token a step
-        alone = torch.cat([lm.forward(alone_cache, [t], keep=1) for t in feed])  # [len(feed), vocab]
-        worst = max(worst, float((together[r][1:] - alone).abs().max()))
+        first = lm.forward(alone_cache, prefix, keep=1)  # as a request is fed: its prompt, then one token a step
+        alone = torch.cat([first, *(lm.forward(alone_cache, [t], keep=1) for t in feed)])  # [1 + len(feed), vocab]
+        worst = max(worst, float((together[r] - alone).abs().max()))
     batch.context.close()
     return worst

@@ -27,9 +27,10 @@ from specgen.models.target import TokenCache
 #: context actually uses (:attr:`LlamaContext.batch_tokens`) is the widest that LlamaCppLM measures
 #: equal to single-token decodes, at most this.
 BATCH_TOKENS = 32
-#: The most tokens of one sequence fed per decode where no logits are asked for (a prompt's context,
-#: the tokens before the first kept row). Such a span is decoded alone, split from its own first
-#: position, so every path that feeds it (plain, speculative, a batched row) splits it alike.
+#: The most tokens of one sequence fed per decode before its kept rows (a prompt's context, the tokens
+#: before the first kept row, with that row in the last decode). Such a span is decoded alone, split
+#: from its own first position, so every path that feeds it (plain, speculative, a batched row) splits
+#: it alike and reads the first kept row from the same decode.
 PREFILL_TOKENS = 512
 #: llama.cpp's flash-attention switch by name (its enum: 0 off, 1 on; llama.cpp's own -1 "auto" is
 #: not used: LlamaCppLM chooses by measurement).
@@ -144,11 +145,13 @@ class LlamaContext:
                      check: bool = True) -> list[torch.Tensor | None]:
         """Feed each handle's ``feeds[i]`` after its cached tokens: sequence ids keep the handles
         apart, positions are each handle's own. Each handle's tokens before its last ``keeps[i]``
-        go first, in decodes of their own (:attr:`prefill_tokens` each); the kept rows of every
-        handle then share decodes of :attr:`batch_tokens`. -> per handle the raw logits of its
-        last ``keeps[i]`` fed positions [keeps[i], vocab_size] float32 (None where keeps[i] or
-        the feed is 0). Every feed is appended, or on a failed decode none is."""
-        spans: list[list[tuple[int, int, int, bool]]] = []  # per handle, its entries before the kept rows
+        go first, in decodes of their own (:attr:`prefill_tokens` each, split from the span's
+        first token), and take the handle's first kept row with them (a prompt's last token is
+        decoded with the prompt, on every path alike); the other kept rows of every handle then
+        share decodes of :attr:`batch_tokens`. -> per handle the raw logits of its last
+        ``keeps[i]`` fed positions [keeps[i], vocab_size] float32 (None where keeps[i] or the
+        feed is 0). Every feed is appended, or on a failed decode none is."""
+        spans: list[list[tuple[int, int, int, bool]]] = []  # per handle, the entries decoded on their own
         entries: list[tuple[int, int, int, bool]] = []  # (sequence, token, position, logits wanted)
         starts = []
         for cache, feed, keep in zip(caches, feeds, keeps, strict=True):
@@ -159,16 +162,23 @@ class LlamaContext:
                 raise SpecgenError(f"{self.name}: {start + n} tokens do not fit its {self.length}-token context")
             starts.append(start)
             split = n - min(keep, n)  # the first kept row
+            alone = split + 1 if 0 < split < n else split  # a span takes the first kept row with it
             fed = [(cache.seq, int(t), start + i, i >= split) for i, t in enumerate(feed)]
-            spans.append(fed[:split])
-            entries.extend(fed[split:])
+            spans.append(fed[:alone])
+            entries.extend(fed[alone:])
         if not entries and not any(spans):
             raise ValueError("forward needs at least one new token")
+        heads: list[np.ndarray | None] = []  # per handle, the kept row its span's last decode gave
         rows = []
         try:
             for span in spans:
+                head = None
                 for offset in range(0, len(span), self.prefill_tokens):
-                    self._decode(span[offset: offset + self.prefill_tokens])
+                    chunk = span[offset: offset + self.prefill_tokens]
+                    self._decode(chunk)
+                    if chunk[-1][3]:
+                        head = self._logits(1)[:, : self.vocab_size]  # [1, vocab]
+                heads.append(head)
             for offset in range(0, len(entries), self.batch_tokens):
                 chunk = entries[offset: offset + self.batch_tokens]
                 self._decode(chunk)
@@ -182,17 +192,20 @@ class LlamaContext:
         for cache, feed in zip(caches, feeds, strict=True):
             cache.tokens.extend(int(t) for t in feed)
         flat = np.concatenate(rows) if len(rows) > 1 else rows[0] if rows else np.zeros((0, self.n_vocab), np.float32)
-        flat = flat[:, : self.vocab_size]  # [kept rows of every handle, vocab]
-        if check and flat.size and np.isnan(flat.max()):
+        flat = flat[:, : self.vocab_size]  # [shared kept rows of every handle, vocab]
+        if check and any(np.isnan(part.max()) for part in (flat, *heads) if part is not None and part.size):
             raise NumericalError(f"{self.name} produced NaN logits at position {starts[0] + len(feeds[0]) - 1}"
                                  if len(caches) == 1 else f"{self.name} produced NaN logits")
-        logits = torch.from_numpy(flat)
         out: list[torch.Tensor | None] = []
         used = 0
-        for feed, keep in zip(feeds, keeps, strict=True):
+        for feed, keep, head in zip(feeds, keeps, heads, strict=True):
             kept = min(keep, len(feed))
-            out.append(logits[used: used + kept] if kept else None)
-            used += kept
+            shared = kept - (head is not None)
+            part = flat[used: used + shared]  # [shared, vocab]
+            used += shared
+            if head is not None:
+                part = np.concatenate([head, part]) if shared else head
+            out.append(torch.from_numpy(part) if kept else None)
         return out
 
     def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
