@@ -195,7 +195,7 @@ def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None 
         for r, row in live:
             transaction.enter_context(row.request.transaction())
             row.ctx.clock.take_laps()
-            if not len(row.request.target_cache) and kv.prefills_apart:  # a fresh row: its prompt in a forward of its own
+            if not len(row.request.target_cache) and kv.prefills_apart:  # a fresh row: its prompt apart
                 kv.prefill(r, row.request.committed.tokens[:-1])
         drafted = plan_rows(None if costs is None else costs.at(kv.width), live, draining)  # lengths chosen together
         for r, row in live:

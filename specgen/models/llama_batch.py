@@ -48,7 +48,8 @@ class LlamaBatch:
         return max((len(row) for row in self.rows), default=0)
 
     def prefill(self, r: int, tokens: list[int], reuse: bool = True) -> bool:
-        """Feed a fresh row's ``tokens`` (its prompt but the last token) in a decode of its own;
+        """Feed a fresh row's ``tokens`` in decodes of their own, no logits read (the cost model's
+        prefilled rows; a batch step feeds a fresh prompt itself, see :attr:`prefills_apart`);
         -> False, doing nothing, when the row already holds tokens or ``tokens`` is empty.
         ``reuse`` has no effect (rows never share cells)."""
         row = self.rows[r]
