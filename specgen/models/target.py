@@ -65,7 +65,10 @@ class TokenCache:
     def sync(self, committed: list[int]) -> None:
         """Crop to the longest common prefix with ``committed``."""
         limit = min(len(self.tokens), len(committed))
-        if self.tokens[:limit] == committed[:limit]:  # the usual case, compared in C
+        if limit == len(self.tokens):  # the usual case, compared in C: one slice copied, not two
+            if committed[:limit] == self.tokens:
+                return
+        elif self.tokens[:limit] == committed:
             self.crop(limit)
             return
         keep = 0
