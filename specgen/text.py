@@ -20,11 +20,11 @@ REPLACEMENT = "\ufffd"
 
 @dataclass
 class TextState:
-    """ids: the committed ids a next push still decodes (the last released piece's on), so the
-    window, and a snapshot of it, stay a few tokens long however long the text grows."""
+    """ids: the committed ids a next push still decodes: the last released piece's (``ids[:read_offset]``,
+    context for the decoder) and those not released yet, so the window, and a snapshot of it, stay
+    a few tokens long however long the text grows."""
 
     ids: list[int] = field(default_factory=list)
-    prefix_offset: int = 0
     read_offset: int = 0
     held: str = ""
     emitted: str = ""
@@ -60,13 +60,13 @@ class TextStream:
         if st.stopped:
             return ""
         st.ids.append(token)
-        before = self.decode(st.ids[st.prefix_offset : st.read_offset])
-        after = self.decode(st.ids[st.prefix_offset :])
+        before = self.decode(st.ids[: st.read_offset])
+        after = self.decode(st.ids)
         if after.endswith(REPLACEMENT) or len(after) < len(before):
             return ""
         delta = after[len(before) :]
         del st.ids[: st.read_offset]  # decoded for good: the window restarts at the last released token
-        st.prefix_offset, st.read_offset = 0, len(st.ids)
+        st.read_offset = len(st.ids)
         return self._release(delta)
 
     def flush(self) -> str:
@@ -74,12 +74,12 @@ class TextStream:
         st = self.state
         if st.stopped:
             return ""
-        tail = self.decode(st.ids[st.prefix_offset :])[len(self.decode(st.ids[st.prefix_offset : st.read_offset])) :]
+        tail = self.decode(st.ids)[len(self.decode(st.ids[: st.read_offset])) :]
         tail = tail.rstrip(REPLACEMENT)
         out = st.held + tail
         st.held = ""
         st.ids.clear()
-        st.read_offset = st.prefix_offset = 0
+        st.read_offset = 0
         st.emitted += out
         return out
 

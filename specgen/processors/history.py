@@ -56,7 +56,6 @@ class CommittedCounts:
         if self._seen is None:
             self._seen = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
             self._generated = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
-            self._counted = 0
         if self._counted < len(self.tokens):
             self._add(self._counted, len(self.tokens), 1.0)
             self._counted = len(self.tokens)
