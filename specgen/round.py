@@ -126,14 +126,27 @@ def plan_and_draft(request: Request, ctx: RoundContext, num_tokens: int | str) -
             budget = plan_budget(costs, ctx.history, budget, tree_width=ctx.tree_width, online=online)
         if session is None or not budget:
             proposal: Proposal = EMPTY
+            if auto:
+                shadow(session, ctx.history)
         elif online:
             proposal = session.propose(budget, stopper=ChainStopper(costs, ctx.history, budget))
         else:
             proposal = session.propose(budget)
         predicted = 0.0
         if auto and not online and len(proposal):
+            drafted = proposal
             proposal, predicted = _truncate(proposal, ctx, costs, budget)
+            if not len(proposal) and session.shadows:  # cut whole: its first token still shadows the plain step
+                ctx.history.expect(int(drafted.tokens[0]), drafted.confidence[0] if drafted.confidence else None)
     return proposal, predicted
+
+
+def shadow(session, history: AcceptanceHistory) -> None:
+    """Before a planned round that drafts nothing: what a shadowing session would have drafted
+    first (:meth:`AcceptanceHistory.expect`; nothing for other sessions)."""
+    proposal = session.propose(1) if session is not None and session.shadows else EMPTY
+    confidence = proposal.confidence[0] if len(proposal) and proposal.confidence else None
+    history.expect(int(proposal.tokens[0]) if len(proposal) else None, confidence)
 
 
 def round_events(ctx: RoundContext, proposal: Proposal, predicted: float, auto: bool, verdict: Verdict,
@@ -146,6 +159,7 @@ def round_events(ctx: RoundContext, proposal: Proposal, predicted: float, auto: 
             ctx.history.observe(proposal.confidence or [None] * len(proposal), verdict.num_accepted)
         else:
             ctx.history.observe_tree(predicted, verdict.num_accepted, depth)
+        ctx.history.settle(kept[0][0] if kept and not len(proposal) else None)
     # emit
     round_index = ctx.stats.rounds
     events = []

@@ -309,3 +309,82 @@ def test_a_stopper_decision_reads_only_the_confidences_given_so_far():
         longer = _drafted(ChainStopper(DRAFT_MODEL, history, 8), prefix + tail)
         if first[1] < len(prefix):  # stopped inside the prefix: nothing later can change that
             assert longer == first
+
+
+def _shadowed_round(history: AcceptanceHistory, table: CostTable, rng: random.Random, rate: float,
+                    shadows: bool = True) -> int:
+    """One planned round of a cheap drafter whose drafts (confidence 0.5) are each accepted with
+    probability ``rate``, as :func:`specgen.round.plan_and_draft` runs it: plan, draft, truncate,
+    and where nothing is verified the first draft shadows the plain step. -> drafts verified."""
+    budget = plan_budget(table, history, 8)
+    keep = truncate_chain(table, history, [0.5] * budget) if budget else 0
+    if keep:
+        accepted = 0
+        while accepted < keep and rng.random() < rate:
+            accepted += 1
+        history.observe([0.5] * keep, accepted)
+        return keep
+    if shadows:
+        history.expect(7, 0.5)
+    history.observe([], 0)
+    history.settle(7 if rng.random() < rate else 8)
+    return 0
+
+
+def test_a_shadow_is_a_position_0_observation_and_makes_probes_unnecessary():
+    history = AcceptanceHistory()
+    history.expect(5, 0.9)
+    history.observe([], 0)
+    history.settle(5)
+    assert history.shadowed == 1 and history.pending is None and history.plain_streak == 0
+    assert history.positions[0].accepted == 1.0 and history.by_bin[9].seen == 1.0
+    history.expect(5, None)
+    history.settle(6)  # rejected: counted, no bin
+    assert history.positions[0].seen == 1.0 * history.decay + 1.0 and history.positions[0].accepted == history.decay
+    history.expect(None)
+    history.settle(5)  # nothing was expected: nothing learnt
+    history.expect(5)
+    history.settle(None)  # the step committed nothing
+    assert history.shadowed == 2 and history.pending is None
+
+
+@pytest.mark.parametrize("table", [GENTLE, STEEP])
+def test_a_never_right_shadowing_drafter_never_probes(table):
+    """Shadows tell the planner what probes would, at no verify cost: once the prior has given way
+    (a few rounds where drafting pays at the prior's 0.5), no draft is verified again in 2000 rounds.
+    Control: the same drafter without shadows keeps probing."""
+    rng = random.Random(0)
+    shadowed = AcceptanceHistory()
+    verified = [_shadowed_round(shadowed, table, rng, 0.0) for _ in range(2000)]
+    assert not any(verified[10:]) and shadowed.shadowed > 1900
+    blind = AcceptanceHistory()
+    assert sum(_shadowed_round(blind, table, rng, 0.0, shadows=False) > 0 for _ in range(2000)) > 10
+
+
+def test_a_shadowing_drafter_starts_drafting_once_its_shadows_are_accepted():
+    rng, history = random.Random(1), AcceptanceHistory(prior=0.05)
+    verified = [_shadowed_round(history, STEEP, rng, 0.95) for _ in range(60)]
+    assert verified[0] == 0 and history.shadowed >= 1 and sum(v > 0 for v in verified[-10:]) >= 8
+
+
+def test_optimistic_all_is_the_best_bin_estimate():
+    rng = random.Random(2)
+    for trial in range(50):
+        history = AcceptanceHistory()
+        for _ in range(rng.randrange(0, 60)):
+            depth = rng.randrange(0, 5)
+            history.observe([rng.random() if rng.random() < 0.8 else None for _ in range(depth)],
+                            rng.randrange(0, depth + 1))
+        bases = history.bases(6)
+        reference = [max([base] + [history.estimate(i, (b + 0.5) / history.bins, base) if history.by_bin else base
+                                   for b in range(history.bins)]) for i, base in enumerate(bases)]
+        assert history.optimistic_all(bases) == pytest.approx(reference, abs=1e-12), trial
+
+
+def test_cached_verify_costs_equal_the_interpolation_rule():
+    table = CostTable(chain=(1.0, 1.3, 1.9, 2.2), tree=(1.0, 1.1), overhead=0.01)
+    for n in range(0, 12):
+        for tree in (False, True):
+            knots = table.tree if tree else table.chain
+            expected = interpolate(range(1, len(knots) + 1), knots, max(1, n), rising_tail=True) + 0.01 * max(1, n)
+            assert table.verify(n, tree) == pytest.approx(expected, abs=1e-12)

@@ -22,7 +22,7 @@ from specgen.planning import (AUTO, BatchCostTable, DraftedRow, RowPlan, auto_ro
                               token_values, truncate_batch)
 from specgen.planning import store
 from specgen.planning.measure import BATCH_CONTEXT_TOKENS, BATCH_WIDTHS
-from specgen.round import chain_prefix, draft_budget, plan_and_draft
+from specgen.round import chain_prefix, draft_budget, plan_and_draft, shadow
 
 
 #: Tokens a row of a measured batch holds at most: its calibration context and the widest feed.
@@ -66,12 +66,17 @@ def plan_rows(costs: BatchCostTable | None, live: list, draining: bool = False) 
         if r in budgets:
             with row.ctx.clock.stage("draft"):
                 drafted[r] = (row.request.draft.propose(length) if length else EMPTY), 0.0
+                if not length:
+                    shadow(row.request.draft, row.ctx.history)
             sunk += plan.draft(length)
     cut = truncate_batch(costs, [_drafted(row, plan, drafted.get(r), r in budgets)
                                  for (r, row), plan in zip(live, plans, strict=True)], sunk)
-    for (r, _), keep in zip(live, cut, strict=True):
+    for (r, row), keep in zip(live, cut, strict=True):
         if r in budgets:
-            drafted[r] = chain_prefix(drafted[r][0], keep), 0.0
+            proposal = drafted[r][0]
+            drafted[r] = chain_prefix(proposal, keep), 0.0
+            if not keep and len(proposal) and row.request.draft.shadows:  # its first token shadows the plain step
+                row.ctx.history.expect(int(proposal.tokens[0]), proposal.confidence[0] if proposal.confidence else None)
     return drafted
 
 

@@ -70,9 +70,15 @@ class DraftSession(ABC):
     in :meth:`propose` (the planner's :class:`~specgen.planning.chain.ChainStopper`), asked
     with each token's confidence before it is drawn; the round then passes one and
     does not truncate afterwards. Sessions without it are never handed a stopper.
+
+    shadows: ``propose(1)`` is cheap and a deterministic function of the committed
+    tokens, so a planned round that drafts nothing still asks for it, and the planner
+    learns the first position's acceptance from every plain step instead of from
+    probes (:meth:`~specgen.planning.history.AcceptanceHistory.expect`).
     """
 
     stops_online = False
+    shadows = False
 
     @abstractmethod
     def propose(self, budget: int) -> Proposal:

@@ -77,6 +77,8 @@ class NgramIndex:
 
 
 class NgramSession(DraftSession):
+    shadows = True
+
     def __init__(self, drafter: NgramDrafter, ctx: DraftContext):
         self.drafter = drafter
         self.ctx = ctx

@@ -10,6 +10,7 @@ linearly past the measured range) and price drafting with :func:`draft_cost`;
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -81,9 +82,22 @@ class CostTable:
 
     def verify(self, num_tokens: int, tree: bool = False) -> float:
         """Cost of verifying ``num_tokens`` tokens; past the table linear, never falling."""
-        table = self.tree if tree and self.tree else self.chain
+        tree = bool(tree and self.tree)
         n = max(1, int(num_tokens))
+        known = self._tree_costs if tree else self._chain_costs
+        if n <= len(known):
+            return known[n - 1]
+        table = self.tree if tree else self.chain
         return interpolate(_counts(table), table, n, rising_tail=True) + self.overhead * n
+
+    @functools.cached_property
+    def _chain_costs(self) -> tuple[float, ...]:
+        """verify(n) for n = 1 .. len(chain) (planning reads these every round)."""
+        return tuple(v + self.overhead * n for n, v in enumerate(self.chain, start=1))
+
+    @functools.cached_property
+    def _tree_costs(self) -> tuple[float, ...]:
+        return tuple(v + self.overhead * n for n, v in enumerate(self.tree, start=1))
 
     def draft(self, num_tokens: int) -> float:
         return draft_cost(self.draft_fixed, self.draft_per_token, num_tokens)

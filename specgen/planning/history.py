@@ -53,6 +53,13 @@ class AcceptanceHistory:
     from the cost table) keeps a rejected probe's extra cost under ``probe_share``
     of the plain steps between probes, so probing alone can never slow a request
     down by more than that share.
+
+    A shadowing drafter (a deterministic one that proposes cheaply) needs no probes:
+    before a plain step the round records the token it would have drafted
+    (:meth:`expect`), and after it :meth:`settle` counts that draft as accepted iff it
+    equals the committed token. For a one-hot draft q = δ_d exact verification accepts
+    d with probability p(d) = P(committed token = d), so this is an unbiased acceptance
+    sample at any temperature, learned from the step just committed (a past round).
     """
 
     prior: float = 0.5
@@ -69,6 +76,8 @@ class AcceptanceHistory:
     tree_accepted: float = 0.0
     plain_streak: int = 0
     rounds: int = 0
+    pending: tuple[int, float | None] | None = None
+    shadowed: int = 0
 
     def _position(self, i: int) -> _Rate:
         while len(self.positions) <= i:
@@ -115,6 +124,24 @@ class AcceptanceHistory:
             if confidence is not None:
                 self.by_bin.setdefault(self._bin(confidence), _Rate()).add(accepted, self.decay)
 
+    def expect(self, token: int | None, confidence: float | None = None) -> None:
+        """The first token a shadowing drafter would draft before this plain step (None: no draft)."""
+        self.pending = None if token is None else (int(token), confidence)
+
+    def settle(self, committed: int | None) -> None:
+        """After the plain step: its committed token (None: it committed none) settles :meth:`expect`'s
+        draft as a position-0 observation, which also counts as the probe it makes unnecessary."""
+        pending, self.pending = self.pending, None
+        if pending is None or committed is None:
+            return
+        token, confidence = pending
+        accepted = token == int(committed)
+        self._position(0).add(accepted, self.decay)
+        if confidence is not None:
+            self.by_bin.setdefault(self._bin(confidence), _Rate()).add(accepted, self.decay)
+        self.plain_streak = 0
+        self.shadowed += 1
+
     def observe_tree(self, predicted: float, num_accepted: int, depth: int) -> None:
         """A verified tree: ``predicted`` accepted tokens (sum of its kept path estimates), and what came."""
         self.observe([None] * depth, num_accepted)
@@ -131,9 +158,26 @@ class AcceptanceHistory:
         confidences, every bin counts (an unseen one at its centre), so a cheap drafter keeps
         drafting and truncation judges each draft by its own confidence."""
         base = self.bases(position + 1)[position] if base is None else base
+        return self.optimistic_all([base])[0]
+
+    def optimistic_all(self, bases: Sequence[float]) -> list[float]:
+        """:meth:`optimistic` of each position whose confidence-free estimate is ``bases[i]``, in one pass:
+        a bin's estimate grows with its centre, so among unseen bins only the highest can be the best."""
         if not self.by_bin:
-            return base
-        return max([base] + [self.estimate(position, (b + 0.5) / self.bins, base) for b in range(self.bins)])
+            return list(bases)
+        bins, weight = self.bins, self.weight
+        seen = [((b + 0.5) / bins, rate.accepted, rate.seen + weight) for b, rate in self.by_bin.items()]
+        unseen = [b for b in range(bins) if b not in self.by_bin]
+        top = (unseen[-1] + 0.5) / bins if unseen else None
+        out = []
+        for base in bases:
+            best = base if top is None else max(base, (base + top) / 2)
+            for centre, accepted, total in seen:
+                estimate = (accepted + weight * (base + centre) / 2) / total
+                if estimate > best:
+                    best = estimate
+            out.append(best)
+        return out
 
     @property
     def probe_due(self) -> bool:
@@ -173,4 +217,4 @@ def planning_rates(history: AcceptanceHistory, count: int, cheap: bool) -> list[
     cuts what does not pay. Otherwise the confidence-free estimates (:meth:`AcceptanceHistory.bases`).
     """
     bases = history.bases(count)
-    return [history.optimistic(i, base) for i, base in enumerate(bases)] if cheap else bases
+    return history.optimistic_all(bases) if cheap else bases
