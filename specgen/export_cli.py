@@ -50,6 +50,7 @@ def run_export(args: Sequence[str], out=None) -> Path:
     import torch
 
     from specgen.config import compose, to_container
+    from specgen.drafters.base import MAX_NUM_TOKENS
     from specgen.heads.export import check_export_dir, export_eagle3
     from specgen.heads.store import load_head
     from specgen.models import load_model, resolve_device
@@ -61,8 +62,8 @@ def run_export(args: Sequence[str], out=None) -> Path:
     if dtype is None:
         raise ConfigError(f"dtype={settings['dtype']} is not one of {', '.join(dtypes)}")
     steps = settings.get("num_speculative_tokens", "3")
-    if not steps.isdigit() or int(steps) < 1:
-        raise ConfigError(f"num_speculative_tokens={steps} must be a positive integer")
+    if not (steps.isascii() and steps.isdigit()) or not 1 <= int(steps) <= MAX_NUM_TOKENS:
+        raise ConfigError(f"num_speculative_tokens={steps} must be an integer from 1 to {MAX_NUM_TOKENS}")
     head_path = Path(settings["head"])
     if not head_path.is_file():
         raise ConfigError(f"head={head_path} is not a file; give the .safetensors head specgen-train wrote")

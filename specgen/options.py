@@ -9,6 +9,7 @@ strings).
 from __future__ import annotations
 
 import difflib
+import itertools
 import operator
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field, fields, replace
@@ -107,21 +108,37 @@ def check_temperature(value: float, name: str = "temperature") -> float:
     return value
 
 
+#: The most stop strings a request may give, and the longest one: every committed token's text is
+#: checked against each (:mod:`specgen.text`), so they bound that work per token.
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 1024
+
+
 def parse_stop(value: object, name: str = "stop") -> tuple[str, ...]:
-    """Stop strings: one string is one stop string; otherwise a sequence of non-empty strings."""
+    """Stop strings: one string is one stop string; otherwise a sequence of non-empty strings,
+    at most MAX_STOP_STRINGS of at most MAX_STOP_CHARS characters each."""
     if value is None:
         return ()
     if isinstance(value, str):
         value = (value,)
     elif isinstance(value, bytes) or not isinstance(value, Iterable):
-        raise ConfigError(f"{name} must be a string or a list of strings, got {value!r}")
-    stops = tuple(value)
+        raise ConfigError(f"{name} must be a string or a list of strings, got {_short(value)}")
+    stops = tuple(itertools.islice(value, MAX_STOP_STRINGS + 1))
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ConfigError(f"{name} takes at most {MAX_STOP_STRINGS} strings")
     for stop in stops:
         if not isinstance(stop, str):
-            raise ConfigError(f"{name} must be a string or a list of strings, got an item {stop!r}")
+            raise ConfigError(f"{name} must be a string or a list of strings, got an item {_short(stop)}")
         if not stop:
             raise ConfigError(f"{name} strings must not be empty")
+        if len(stop) > MAX_STOP_CHARS:
+            raise ConfigError(f"{name} strings take at most {MAX_STOP_CHARS} characters, got one of {len(stop)}")
     return stops
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def parse_num_tokens(value: object, name: str = "num_tokens") -> int | Literal["auto"]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 import specgen
@@ -25,6 +27,23 @@ def _fixed_cost_table(monkeypatch):
                         TEST_BATCH_COSTS)
     monkeypatch.setattr("specgen.planning.store.observer", lambda config: None)  # plans from the table alone
 
+
+
+def _specgen_loggers() -> dict[str, logging.Logger]:
+    return {name: logger for name, logger in logging.Logger.manager.loggerDict.items()
+            if isinstance(logger, logging.Logger) and (name == "specgen" or name.startswith("specgen."))}
+
+
+@pytest.fixture(autouse=True)
+def _specgen_logging_restored():
+    """A CLI run in-process reconfigures logging (Hydra's job logging disables the loggers that exist,
+    specgen-serve's ``show_log`` stops specgen's from propagating): each test leaves specgen's loggers
+    as it found them, and a logger it created as Python makes one, so no test depends on another's order."""
+    before = {name: (lg.disabled, lg.propagate, lg.level, list(lg.handlers)) for name, lg in _specgen_loggers().items()}
+    yield
+    for name, logger in _specgen_loggers().items():
+        logger.disabled, logger.propagate, logger.level, handlers = before.get(name, (False, True, logging.NOTSET, []))
+        logger.handlers[:] = handlers
 
 
 @pytest.fixture

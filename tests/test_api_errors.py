@@ -80,6 +80,8 @@ BAD_CALLS = [
     (("hi",), {"stop": [5]}, ConfigError, "stop"),
     (("hi",), {"stop": [""]}, ConfigError, "stop"),
     (("hi",), {"stop": 5}, ConfigError, "stop"),
+    (("hi",), {"stop": ["x"] * 129}, ConfigError, "stop takes at most 128 strings"),
+    (("hi",), {"stop": "x" * 1025}, ConfigError, "stop strings take at most 1024 characters"),
     (("hi",), {"speculative": "maybe"}, ConfigError, "speculative"),
     (("hi",), {"chat": "maybe"}, ConfigError, "chat"),
     (("hi",), {"system": 5}, ConfigError, "system"),

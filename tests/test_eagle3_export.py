@@ -240,6 +240,10 @@ def test_specgen_export_writes_the_layout_and_the_serving_commands(tmp_path, mon
     (("head=missing.safetensors", "out=x"), "is not a file"),
     (("out=x",), "needs head="),
     (("head=a", "out=x", "prompt=hi"), "does not take prompt="),
+    (("head=a", "out=x", "num_speculative_tokens=0"), "from 1 to 64"),
+    (("head=a", "out=x", "num_speculative_tokens=65"), "from 1 to 64"),
+    (("head=a", "out=x", "num_speculative_tokens=" + "9" * 400), "from 1 to 64"),
+    (("head=a", "out=x", "num_speculative_tokens=\u00b2"), "from 1 to 64"),
 ])
 def test_specgen_export_bad_input_exits_2_with_one_line(tmp_path, monkeypatch, capsys, args, message):
     monkeypatch.chdir(tmp_path)

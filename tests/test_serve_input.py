@@ -97,6 +97,9 @@ def test_a_body_nested_too_deeply_is_400_not_500(app):
      "/v1/chat/completions", "messages[1].content is not valid Unicode text: a lone surrogate U+DCFF"),
     # logits / 1e-40 overflow float32: the NaN distribution was a 500 after the request was queued
     ({"prompt": "hi", "temperature": 1e-40}, "/v1/completions", "temperature must be 0 (greedy) or at least 1e-06"),
+    # every token's text is checked against each stop string: a request cannot ask for unbounded work per token
+    ({"prompt": "hi", "stop": [str(i) for i in range(200)]}, "/v1/completions", "stop takes at most 128 strings"),
+    ({"prompt": "hi", "stop": "ab" * 600}, "/v1/completions", "stop strings take at most 1024 characters"),
 ])
 def test_unknown_roles_and_empty_prompts_are_400(app, payload, path, message):
     status, body, _ = call(app, [json.dumps({"model": "tiny", "max_tokens": 2, **payload}).encode()], path=path)
