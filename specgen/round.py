@@ -112,7 +112,9 @@ def plan_and_draft(request: Request, ctx: RoundContext, num_tokens: int | str) -
     """The plan + draft stages -> (proposal, predicted accepted tokens of a planned tree).
 
     Looks only at the drafter's output and past rounds, never at the target's p for
-    the tokens it drafts. Call inside the round's transaction.
+    the tokens it drafts. A planned round that verifies no draft records the first token
+    a shadowing session drafts (:func:`shadow`), which :func:`round_events` settles against
+    the committed token. Call inside the round's transaction.
     """
     auto = num_tokens == AUTO
     costs = ctx.planning_costs() if auto else None
