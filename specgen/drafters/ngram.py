@@ -40,12 +40,17 @@ class NgramIndex:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.tokens: list[int] = []  # the indexed list; the n-grams ending before its last token are in ends
         self.ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> the positions of its last token, ascending
+        self._truncations: int | None = None  # the list's truncation count at the last update
 
-    def update(self, tokens: list[int]) -> None:
-        """Index ``tokens`` (the list as it is now)."""
+    def update(self, tokens: list[int], truncations: int | None = None) -> None:
+        """Index ``tokens`` (the list as it is now). ``truncations``: how often the list was cut so far
+        (:attr:`specgen.processors.CommittedCounts.truncations`); where it is the last update's and the
+        list is no shorter, the list only grew and the indexed part is not compared again."""
         old = self.tokens
         same = min(len(old), len(tokens))
-        if old[:same] != tokens[:same]:
+        grew = truncations is not None and truncations == self._truncations and len(tokens) >= len(old)
+        self._truncations = truncations
+        if not grew and old[:same] != tokens[:same]:
             same = next(i for i, (a, b) in enumerate(zip(old, tokens)) if a != b)
         kept = min(same - 1, len(tokens) - 2, len(old) - 2)  # the last end whose n-grams are unchanged
         for end in range(len(old) - 2, kept, -1):  # latest first: each is the last of its n-grams' positions
@@ -91,7 +96,8 @@ class NgramSession(DraftSession):
             found, n = lookup(self.ctx.committed.tokens + forced, budget - len(forced), drafter.max_ngram,
                               drafter.min_ngram)
         else:
-            self.index.update(self.ctx.committed.tokens)
+            committed = self.ctx.committed
+            self.index.update(committed.tokens, committed.truncations)
             found, n = self.index.lookup(budget)
         # confidence: 1 for grammar-forced text, else grows with the matched n-gram's length
         confidence = [1.0] * len(forced) + [n / (drafter.max_ngram + 1)] * len(found)

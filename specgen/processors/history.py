@@ -19,6 +19,8 @@ class CommittedCounts:
     tokens:    prompt + generated ids (append with :meth:`commit`, roll back with :meth:`truncate`)
     seen:      [vocab] how often each id occurs in prompt + generated tokens
     generated: [vocab] how often each id occurs in generated tokens only
+    truncations: how many times :meth:`truncate` ran; while it stays the same, ``tokens`` only
+               grew, so a reader that saw its first n tokens knows they are unchanged
 
     The count vectors are brought up to date when read, so a request whose processors
     never read them (greedy or plain sampling) pays one list append per committed token.
@@ -32,6 +34,7 @@ class CommittedCounts:
         self._seen: torch.Tensor | None = None  # [vocab], counts of tokens[:_counted]
         self._generated: torch.Tensor | None = None  # [vocab]
         self._counted = 0
+        self.truncations = 0
 
     @classmethod
     def start(cls, prompt_ids: list[int], vocab_size: int, device: torch.device) -> CommittedCounts:
@@ -77,6 +80,7 @@ class CommittedCounts:
         """Roll the committed sequence back to ``length`` tokens (never into the prompt)."""
         if length < self.num_prompt:
             raise ValueError("cannot roll back into the prompt")
+        self.truncations += 1
         if self._seen is not None and self._counted > length:
             self._add(length, self._counted, -1.0)
             self._counted = length
