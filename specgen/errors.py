@@ -11,6 +11,12 @@ def first_line(exc: BaseException, default: str | None = None) -> str:
     return text.splitlines()[0] if text else (default or type(exc).__name__)
 
 
+def shorten(text: object, limit: int = 60) -> str:
+    """``text`` (str() of it) on one line, whitespace runs as one space, cut to ``limit`` characters with "..."."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def not_utf8(what: str, exc: UnicodeDecodeError, offset: int = 0) -> str:
     """``'<what> is not UTF-8 text (byte 0xe9 at offset 3)'``: where decoding bytes that start at byte
     ``offset`` of ``what`` failed with ``exc``."""

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Literal
 
-from specgen.errors import ConfigError, PromptError, SpecgenError
+from specgen.errors import ConfigError, PromptError, SpecgenError, shorten
 
 if TYPE_CHECKING:
     from specgen.stats import Stats
@@ -122,23 +122,18 @@ def parse_stop(value: object, name: str = "stop") -> tuple[str, ...]:
     if isinstance(value, str):
         value = (value,)
     elif isinstance(value, bytes) or not isinstance(value, Iterable):
-        raise ConfigError(f"{name} must be a string or a list of strings, got {_short(value)}")
+        raise ConfigError(f"{name} must be a string or a list of strings, got {shorten(repr(value))}")
     stops = tuple(itertools.islice(value, MAX_STOP_STRINGS + 1))
     if len(stops) > MAX_STOP_STRINGS:
         raise ConfigError(f"{name} takes at most {MAX_STOP_STRINGS} strings")
     for stop in stops:
         if not isinstance(stop, str):
-            raise ConfigError(f"{name} must be a string or a list of strings, got an item {_short(stop)}")
+            raise ConfigError(f"{name} must be a string or a list of strings, got an item {shorten(repr(stop))}")
         if not stop:
             raise ConfigError(f"{name} strings must not be empty")
         if len(stop) > MAX_STOP_CHARS:
             raise ConfigError(f"{name} strings take at most {MAX_STOP_CHARS} characters, got one of {len(stop)}")
     return stops
-
-
-def _short(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def parse_num_tokens(value: object, name: str = "num_tokens") -> int | Literal["auto"]:

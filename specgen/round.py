@@ -128,25 +128,26 @@ def plan_and_draft(request: Request, ctx: RoundContext, num_tokens: int | str) -
             budget = plan_budget(costs, ctx.history, budget, tree_width=ctx.tree_width, online=online)
         if session is None or not budget:
             proposal: Proposal = EMPTY
-            if auto:
-                shadow(session, ctx.history)
         elif online:
             proposal = session.propose(budget, stopper=ChainStopper(costs, ctx.history, budget))
         else:
             proposal = session.propose(budget)
-        predicted = 0.0
+        predicted, drafted = 0.0, proposal
         if auto and not online and len(proposal):
-            drafted = proposal
             proposal, predicted = _truncate(proposal, ctx, costs, budget)
-            if not len(proposal) and session.shadows:  # cut whole: its first token still shadows the plain step
-                ctx.history.expect(int(drafted.tokens[0]), drafted.confidence[0] if drafted.confidence else None)
+        if auto and not len(proposal):
+            shadow(session, ctx.history, drafted)
     return proposal, predicted
 
 
-def shadow(session, history: AcceptanceHistory) -> None:
-    """Before a planned round that drafts nothing: what a shadowing session would have drafted
-    first (:meth:`AcceptanceHistory.expect`; nothing for other sessions)."""
-    proposal = session.propose(1) if session is not None and session.shadows else EMPTY
+def shadow(session, history: AcceptanceHistory, drafted: Proposal = EMPTY) -> None:
+    """Before a planned round that verifies no draft: the first token a shadowing session drafts
+    (:meth:`AcceptanceHistory.expect`; nothing for other sessions). That is ``drafted``'s first,
+    where the round drafted and the planner cut all of it, else a one-token proposal's."""
+    if session is None or not session.shadows:
+        proposal = EMPTY
+    else:
+        proposal = drafted if len(drafted) else session.propose(1)
     confidence = proposal.confidence[0] if len(proposal) and proposal.confidence else None
     history.expect(int(proposal.tokens[0]) if len(proposal) else None, confidence)
 

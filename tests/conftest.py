@@ -47,6 +47,23 @@ def _specgen_logging_restored():
 
 
 @pytest.fixture
+def settled_shadows(monkeypatch) -> list[bool]:
+    """Every :meth:`AcceptanceHistory.settle` call of the test, in order: True where it settled a shadow
+    (a draft was expected and the plain step committed a token)."""
+    from specgen.planning import AcceptanceHistory
+
+    settled: list[bool] = []
+    settle = AcceptanceHistory.settle
+
+    def counting(self, committed):
+        settled.append(self.pending is not None and committed is not None)
+        settle(self, committed)
+
+    monkeypatch.setattr(AcceptanceHistory, "settle", counting)
+    return settled
+
+
+@pytest.fixture
 def device_path(monkeypatch):
     """Argmax takes the device's (torch's) path on CPU tensors too: for tests that count a device's
     reads on the CPU (specgen.sampling.probs.HOST_NUMPY off)."""

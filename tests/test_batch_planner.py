@@ -247,29 +247,20 @@ def test_expensive_batch_runs_plain_but_for_probes(monkeypatch):
 
 
 @pytest.mark.parametrize("shadows", [True, False])
-def test_batched_lookup_rows_learn_from_shadows_not_probes(shadows, monkeypatch):
+def test_batched_lookup_rows_learn_from_shadows_not_probes(shadows, monkeypatch, settled_shadows):
     """Rows of a shadowing drafter that is never right (it always drafts a banned token) learn that
     from their plain steps' shadows and stop drafting after a cold start of a few rounds; the control
     without shadows keeps probing. Either way greedy rows equal their requests alone."""
     from specgen.drafters.ngram import NgramSession
-    from specgen.planning import AcceptanceHistory
 
     monkeypatch.setattr("specgen.planning.store.batch_cost_table", lambda *args, **kwargs: MEASURED)
     monkeypatch.setattr(NgramSession, "shadows", shadows)
     monkeypatch.setattr(NgramSession, "propose", lambda self, budget: Proposal([6] * budget, None, None,
                                                                                [0.5] * budget))
-    settled = []
-    settle = AcceptanceHistory.settle
-
-    def counting(self, committed):
-        settled.append(self.pending is not None and committed is not None)
-        settle(self, committed)
-
-    monkeypatch.setattr(AcceptanceHistory, "settle", counting)
     pipe = tiny_pipeline(VOCAB8[0], "target.source.init_scale=3", "sampling.bad_words=[[6]]", drafter="ngram")
     prompts = [dict(prompt_ids=[1 + s % 5, 2, 3], max_new_tokens=80) for s in range(8)]
     gens = pipe.generate_batch(prompts, batch_size=8)
-    shadowed, drafted = sum(settled), sum(g.stats.drafted for g in gens)
+    shadowed, drafted = sum(settled_shadows), sum(g.stats.drafted for g in gens)
     assert [g.token_ids for g in gens] == [pipe.generate(**p, speculative=False).token_ids for p in prompts]
     assert sum(g.stats.accepted for g in gens) == 0
     if shadows:

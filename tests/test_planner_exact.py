@@ -164,26 +164,17 @@ def test_an_online_stop_that_peeks_at_the_target_is_caught(costly, monkeypatch):
 SHADOW_TABLE = CostTable(chain=tuple(1.0 + 0.4 * n for n in range(8)), tree=(), step_s=1e-3)
 
 
-def test_auto_prompt_lookup_learning_from_shadows_is_exact(monkeypatch):
+def test_auto_prompt_lookup_learning_from_shadows_is_exact(monkeypatch, settled_shadows):
     """Prompt lookup at γ = auto learns from the plain steps' shadows (past rounds only), so the
     draft lengths it then chooses keep the target's law: chi-square against the enumeration."""
     from specgen.drafters.ngram import NgramSession
-    from specgen.planning import AcceptanceHistory
 
     monkeypatch.setattr("specgen.planning.store.cost_table", lambda subject, **kwargs: SHADOW_TABLE)
-    settled = []
-    settle = AcceptanceHistory.settle
-
-    def counting(self, committed):
-        settled.append(self.pending is not None and committed is not None)
-        settle(self, committed)
-
-    monkeypatch.setattr(AcceptanceHistory, "settle", counting)
     pipe = tiny_pipeline(VOCAB8[0], "sampling.temperature=1.0", drafter="ngram")
     assert str(pipe.guarantee) == "exact" and pipe.drafter.num_tokens == "auto" and NgramSession.shadows
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     stats = [pipe.generate(prompt_ids=prompt, max_new_tokens=LENGTH, seed=s).stats for s in range(40)]
-    assert sum(settled) > 10 and sum(s.drafted for s in stats) > 5 and sum(s.planned_plain for s in stats) > 10
+    assert sum(settled_shadows) > 10 and sum(s.drafted for s in stats) > 5 and sum(s.planned_plain for s in stats) > 10
     expected = exact_distribution(pipe, prompt, LENGTH)
     counts = sample_counts(pipe, prompt, LENGTH, NUM_SAMPLES)
     assert goodness_of_fit(counts, expected)[0] > MIN_P_VALUE

@@ -66,8 +66,6 @@ def plan_rows(costs: BatchCostTable | None, live: list, draining: bool = False) 
         if r in budgets:
             with row.ctx.clock.stage("draft"):
                 drafted[r] = (row.request.draft.propose(length) if length else EMPTY), 0.0
-                if not length:
-                    shadow(row.request.draft, row.ctx.history)
             sunk += plan.draft(length)
     cut = truncate_batch(costs, [_drafted(row, plan, drafted.get(r), r in budgets)
                                  for (r, row), plan in zip(live, plans, strict=True)], sunk)
@@ -75,8 +73,9 @@ def plan_rows(costs: BatchCostTable | None, live: list, draining: bool = False) 
         if r in budgets:
             proposal = drafted[r][0]
             drafted[r] = chain_prefix(proposal, keep), 0.0
-            if not keep and len(proposal) and row.request.draft.shadows:  # its first token shadows the plain step
-                row.ctx.history.expect(int(proposal.tokens[0]), proposal.confidence[0] if proposal.confidence else None)
+            if not keep and row.request.draft.shadows:
+                with row.ctx.clock.stage("draft"):
+                    shadow(row.request.draft, row.ctx.history, proposal)
     return drafted
 
 

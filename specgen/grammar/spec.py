@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from specgen.errors import ConfigError, first_line, not_utf8
+from specgen.errors import ConfigError, first_line, not_utf8, shorten
 
 #: Whitespace allowed between JSON tokens: at most one space keeps small models on track
 #: ("" gives compact JSON, whose longer forced runs suit speculation).
@@ -77,7 +77,7 @@ def parse_spec(spec: Mapping | None) -> GrammarSpec | None:
     timeout = _timeout(spec.get("compile_timeout_s"))
     if kind == "regex":
         pattern = _pattern(spec.get("pattern"), spec.get("pattern_file"))
-        return GrammarSpec("regex", check_regex(pattern), f"regex {_short(pattern)}", backend,
+        return GrammarSpec("regex", check_regex(pattern), f"regex {shorten(pattern)}", backend,
                            compile_timeout_s=timeout)
     schema, source = load_schema(spec.get("schema"))
     whitespace = spec.get("whitespace")
@@ -110,14 +110,14 @@ def _check_whitespace(whitespace: str) -> None:
 def check_regex(pattern: str) -> str:
     """``pattern`` with ASCII classes, after a syntax check that names the problem."""
     if re.search(r"\(\?<?[=!]", pattern):
-        raise ConfigError(f"lookaround ((?=, (?!, (?<=, (?<!) is not supported in grammar regexes: {_short(pattern)!r}")
+        raise ConfigError(f"lookaround ((?=, (?!, (?<=, (?<!) is not supported in grammar regexes: {shorten(pattern)!r}")
     if re.search(r"(?<!\\)(?:\\\\)*\\[1-9]|\(\?P=", pattern):
-        raise ConfigError(f"backreferences are not supported in grammar regexes: {_short(pattern)!r}")
+        raise ConfigError(f"backreferences are not supported in grammar regexes: {shorten(pattern)!r}")
     try:
         re.compile(pattern)
     except re.error as exc:
         if "bad escape" not in str(exc):  # \p{L}, \x{41}: valid for the backends' Rust syntax
-            raise ConfigError(f"invalid regex ({exc}): {_short(pattern)!r}") from None
+            raise ConfigError(f"invalid regex ({exc}): {shorten(pattern)!r}") from None
     return ascii_classes(pattern)
 
 
@@ -184,7 +184,7 @@ def load_schema(value) -> tuple[dict, str]:
         return dump(), value.__name__
     if isinstance(value, Mapping):
         schema = _shallow(value, "grammar.schema")
-        return schema, _short(json.dumps(schema, sort_keys=True))
+        return schema, shorten(json.dumps(schema, sort_keys=True))
     if isinstance(value, bool):
         raise ConfigError("boolean schemas (true/false) are not supported; give an object schema")
     if not isinstance(value, (str, pathlib.Path)):
@@ -200,7 +200,7 @@ def load_schema(value) -> tuple[dict, str]:
             raise _too_deep("grammar.schema") from None
         if not isinstance(parsed, Mapping):
             raise ConfigError(f"grammar.schema must be a JSON object (a JSON schema), not {type(parsed).__name__}")
-        return _shallow(parsed, "grammar.schema"), _short(text)
+        return _shallow(parsed, "grammar.schema"), shorten(text)
     try:
         parsed = json.loads(_read_file(text, "schema file", " (give a path to a .json file or inline JSON)"))
     except json.JSONDecodeError as exc:
@@ -282,6 +282,6 @@ def _is_list(value) -> bool:
     return isinstance(value, (list, tuple)) or (hasattr(value, "__iter__") and type(value).__name__ == "ListConfig")
 
 
-def _short(text: str, limit: int = 60) -> str:
+def shorten(text: str, limit: int = 60) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."

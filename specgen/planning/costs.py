@@ -93,11 +93,14 @@ class CostTable:
     @functools.cached_property
     def _chain_costs(self) -> tuple[float, ...]:
         """verify(n) for n = 1 .. len(chain) (planning reads these every round)."""
-        return tuple(v + self.overhead * n for n, v in enumerate(self.chain, start=1))
+        return self._with_overhead(self.chain)
 
     @functools.cached_property
     def _tree_costs(self) -> tuple[float, ...]:
-        return tuple(v + self.overhead * n for n, v in enumerate(self.tree, start=1))
+        return self._with_overhead(self.tree)
+
+    def _with_overhead(self, table: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(v + self.overhead * n for n, v in enumerate(table, start=1))
 
     def draft(self, num_tokens: int) -> float:
         return draft_cost(self.draft_fixed, self.draft_per_token, num_tokens)
