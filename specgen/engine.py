@@ -10,6 +10,7 @@ never half-committed, and the pipeline stays ready for the next request.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from specgen.errors import ConfigError, DeadEndError, PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.guarantee import Guarantee
 from specgen.models import CausalLM, TokenizerInfo
+from specgen.models.target import TokenCache
 from specgen.options import (RequestOptions, check_prompt, check_prompt_ids, check_prompt_size, parse_chat,
                              parse_optional_text, parse_seed, parse_stop, request_options, with_overrides)
 from specgen.planning import AUTO, CostTable
@@ -74,16 +76,18 @@ class Pipeline:
         self.costs: CostTable | None = None
         self.read_once = torch.device(self.device).type != "cpu"
         self.observed: ObservedCosts | None = None
+        self._costs_lock = threading.RLock()
 
     def cost_table(self, *, refresh: bool = False) -> CostTable:
         """The planner's cost table for this pipeline (measured once, cached on disk; see specgen.planning.store)."""
-        if self.costs is None or refresh:
-            from specgen.planning.store import cost_table, observer
+        with self._costs_lock:  # requests on other threads wait for one measurement
+            if self.costs is None or refresh:
+                from specgen.planning.store import cost_table, observer
 
-            self.costs = cost_table(self.cost_subject(), refresh=refresh)
-            if self.observed is None or refresh:
-                self.observed = observer(self.config)
-        return self.costs
+                self.costs = cost_table(self.cost_subject(), refresh=refresh)
+                if self.observed is None or refresh:
+                    self.observed = observer(self.config)
+            return self.costs
 
     def cost_subject(self) -> Subject:
         """What this pipeline's cost tables are measured on: its target, and a draft session opened
@@ -210,8 +214,10 @@ class Pipeline:
 
     def open_request(self, ids: list[int], *, max_new_tokens: int, seed: int | None = None,
                      stop: Sequence[str] | None = None, use_spec: bool = True,
-                     stack: ProcessorStack | None = None, stats: Stats | None = None) -> tuple[Request, RoundContext]:
+                     stack: ProcessorStack | None = None, stats: Stats | None = None,
+                     target_cache: TokenCache | None = None) -> tuple[Request, RoundContext]:
         """Fresh request state and round context (the engine loop's setup; tests drive rounds with it).
+        target_cache: the request's KV handle (None: a new one of the target's).
 
         The round context and the draft session share one stack: ``stack`` (default the
         pipeline's) with its grammar metered by this request's clock and stats
@@ -220,7 +226,7 @@ class Pipeline:
         stop = parse_stop(self.defaults.stop if stop is None else stop)
         stack = self.stack if stack is None else stack
         request = Request(prompt_ids=ids, vocab_size=self.tokenizer.vocab_size, device=self.device,
-                          target_cache=self.target.new_cache(), text=TextStream(self.tokenizer.decode, stop),
+                          target_cache=self.target.new_cache() if target_cache is None else target_cache, text=TextStream(self.tokenizer.decode, stop),
                           eos_ids=self.tokenizer.eos_ids, max_new_tokens=max_new_tokens, seed=seed)
         stats = Stats() if stats is None else stats
         stats.prompt_tokens = len(ids)
@@ -235,11 +241,12 @@ class Pipeline:
             stats.drafter_memory_bytes = self.drafter.extra_memory_bytes
         return request, ctx
 
-    def open_plan(self, plan: RequestPlan) -> tuple[Request, RoundContext]:
+    def open_plan(self, plan: RequestPlan, target_cache: TokenCache | None = None) -> tuple[Request, RoundContext]:
         """:meth:`open_request` for a checked request (shared by the engine loop and batch rows)."""
         options = plan.options
         return self.open_request(plan.ids, max_new_tokens=plan.max_new, seed=options.seed, stop=options.stop,
-                                 use_spec=plan.use_spec, stack=plan.stack, stats=options.stats)
+                                 use_spec=plan.use_spec, stack=plan.stack, stats=options.stats,
+                                 target_cache=target_cache)
 
     def _run(self, plan: RequestPlan) -> Iterator[TokenEvent | FinishEvent]:
         request, ctx = self.open_plan(plan)
@@ -247,15 +254,19 @@ class Pipeline:
             ctx.costs = self.cost_table()  # measured once per machine and cached; not part of this request's time
             ctx.observed = self.observed
         start = time.perf_counter()
-        while request.finish_reason is None:
-            try:
-                if request.draft is not None:
-                    events = speculative_round(request, ctx, plan.gamma)
-                else:
-                    events = plain_step(request, ctx)
-            except DeadEndError:
-                request.finish_reason = "dead_end"
-                break
-            record(ctx.stats, events, start)
-            yield from events
-        yield finish(request, plan, ctx.stats, start)
+        try:
+            while request.finish_reason is None:
+                try:
+                    if request.draft is not None:
+                        events = speculative_round(request, ctx, plan.gamma)
+                    else:
+                        events = plain_step(request, ctx)
+                except DeadEndError:
+                    request.finish_reason = "dead_end"
+                    break
+                record(ctx.stats, events, start)
+                yield from events
+            done = finish(request, plan, ctx.stats, start)
+        finally:
+            request.release()  # also when the stream is closed early or a round fails
+        yield done

@@ -83,6 +83,13 @@ class Request:
         self.text.restore(snap.text)
         self.finish_reason = snap.finish_reason
 
+    def release(self) -> None:
+        """The request is over (finished, failed or closed): its KV handles go back to their
+        models (:meth:`~specgen.models.target.TokenCache.release`); nothing is read after."""
+        self.target_cache.release()
+        if self.draft is not None:
+            self.draft.close()
+
     def commit(self, tokens: list[int], num_accepted: int) -> list[tuple[int, str]]:
         """Commit a round's tokens (accepted prefix + one); return (token, text) pairs.
 

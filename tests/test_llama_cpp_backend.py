@@ -3,12 +3,12 @@ batch invariance as the guarantee's measured basis, greedy identity, distributio
 
 from __future__ import annotations
 
-import gc
 import random
 from collections import Counter
 
 import pytest
 import torch
+from concurrent_requests import shared_cell_pool
 from conftest import TINY
 from exact import exact_distribution, goodness_of_fit, sample_counts
 
@@ -70,7 +70,8 @@ def test_feeds_are_split_at_the_widest_decode_width_measured_batch_invariant(mon
     assert lm.verify_gap([2, 4]) == (0.0, 2) and lm.verify_gap([2, 20]) == (0.25, 20)
     batch = lm.new_batch(2, row_context=256)
     sizes = []
-    for context in (lm._main, batch.context):
+    assert lm.pool.size == 1  # every handle below is alone, on the pool's one context
+    for context in (*lm.pool.contexts(), batch.context):
         original = context._decode
         monkeypatch.setattr(context, "_decode", lambda entries, o=original: (sizes.append(len(entries)), o(entries)))
     lm.forward(lm.new_cache(), list(range(1, 16)) * 3, keep=45)
@@ -167,19 +168,6 @@ def test_crop_rolls_back_and_refeeding_gives_the_same_rows():
     again = lm.forward(cache, torch.tensor(ids[5:]), keep=5)  # device-tensor feeds are read back
     assert torch.equal(first, again) and not torch.equal(other, again[:2])
     assert cache.tokens == ids
-
-
-def test_sequences_are_a_pool_released_with_their_handles():
-    lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1, sequences=2).lm
-    a, b = lm.new_cache(), lm.new_cache()
-    lm.forward(a, [1, 2, 3], keep=1)
-    with pytest.raises(SpecgenError, match="every llama.cpp sequence"):
-        lm.new_cache()
-    del a
-    gc.collect()
-    c = lm.new_cache()  # a's sequence, emptied
-    assert len(c) == 0
-    assert torch.equal(lm.forward(c, [1, 2, 3], keep=1), lm.forward(b, [1, 2, 3], keep=1))
 
 
 def test_bad_tokens_and_overlong_feeds_are_refused_and_leave_the_cache_as_it_was():
@@ -379,21 +367,29 @@ def _replay_gap(lm, rows_of, steps: int = 30, seed: int = 0) -> float:
     return worst
 
 
-def test_batched_rows_see_solo_logits_and_a_shared_cell_pool_would_not():
-    """The reason a batch has one KV stream per row: through ragged feeds, rollbacks and refills
-    its rows' logits equal a solo replay bit for bit, while the same rows as sequences of one
-    shared (unified) pool drift (the negative control)."""
+def test_batched_rows_and_concurrent_handles_see_solo_logits_and_a_shared_cell_pool_would_not():
+    """The reason a batch has one KV stream per row and a model a context per handle: through
+    ragged feeds, rollbacks and refills, rows' and concurrent handles' logits equal a solo replay
+    bit for bit, while the same rows as sequences of one shared (unified) pool drift (the
+    negative control)."""
     lm = load_llama_cpp(TINY_SOURCE | {"hidden_size": 64, "num_layers": 3}, name="t", threads=1).lm
 
     def streams(n):
         batch = lm.new_batch(n, 256)
         return (lambda feeds: batch.forward(feeds, [len(f) for f in feeds])), batch.rows
 
-    def shared_pool(n):
+    def shared_pool(n):  # every handle, the solo replay's too, a sequence of one context
+        shared_cell_pool(lm, n + 1)
         handles = [lm.new_cache() for _ in range(n)]
-        return (lambda feeds: lm._main.forward_rows(handles, feeds, [len(f) for f in feeds])), handles
+        context = handles[0].context
+        return (lambda feeds: context.forward_rows(handles, feeds, [len(f) for f in feeds])), handles
+
+    def own_contexts(n):  # what requests on one model get: a context per handle, fed one after another
+        handles = [lm.new_cache() for _ in range(n)]
+        return (lambda feeds: [lm.forward(h, f, keep=len(f)) for h, f in zip(handles, feeds, strict=True)]), handles
 
     assert _replay_gap(lm, streams) == 0.0
+    assert max(_replay_gap(lm, own_contexts, seed=s) for s in range(3)) == 0.0  # seed 1 drifts in a shared pool
     assert max(_replay_gap(lm, shared_pool, seed=s) for s in range(3)) > 0.0
 
 

@@ -174,8 +174,7 @@ def generate_batch(pipe, prompts: Sequence, *, batch_size: int = 8, options: Req
 
 
 def admit(pipe, kv: BatchKV, r: int, spec: RowSpec) -> Row:
-    request, ctx = pipe.open_plan(spec)
-    request.target_cache = kv.clear_row(r)
+    request, ctx = pipe.open_plan(spec, target_cache=kv.clear_row(r))
     if request.draft is not None and spec.gamma == AUTO:
         ctx.costs = pipe.cost_table()
     return Row(spec, request, ctx, time.perf_counter())

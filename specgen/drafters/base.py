@@ -100,6 +100,9 @@ class DraftSession(ABC):
         """Return to the state of ``mark`` (the committed tokens are already restored)."""
         self.sync()
 
+    def close(self) -> None:  # noqa: B027 (sessions without a KV handle hold nothing to give back)
+        """The request is over: give back what the session holds (a draft model's KV handle)."""
+
     def observe_features(self, position: int, features: torch.Tensor) -> None:  # noqa: B027 (most drafters read no features)
         """After a commit, drafters with ``feature_layers`` get the target features
         [m, F] of the committed positions ``position - m + 1 .. position``: every

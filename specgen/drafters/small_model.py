@@ -50,6 +50,9 @@ class SmallModelSession(DraftSession):
     def sync(self) -> None:
         self.cache.sync(self.ctx.committed.tokens)
 
+    def close(self) -> None:
+        self.cache.release()
+
     def mark(self) -> int:
         return len(self.cache)
 

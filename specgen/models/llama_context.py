@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 import weakref
 
 import numpy as np
@@ -79,7 +80,11 @@ class LlamaKV(TokenCache):
         self.context = context
         self.seq = seq
         self.tokens: list[int] = []
-        weakref.finalize(self, context.release, seq)
+        self._release = weakref.finalize(self, context.release, seq)
+
+    def release(self) -> None:
+        """Empty the sequence and give its id back to the context now (once; the handle is not used after)."""
+        self._release()
 
     def _truncate(self, length: int) -> None:
         self.context.remove(self.seq, length)
@@ -90,8 +95,12 @@ class LlamaContext:
 
     n_ctx: KV cells in all; sequences: handles live at once; unified: one shared cell
     pool (else one stream of n_ctx / sequences cells per sequence); vocab_size: logits
-    are cut to it; name: for messages.
+    are cut to it; name: for messages. Native calls on one context are serialised by
+    its lock (a llama.cpp context is not thread safe). on_idle: called with the context
+    when its last live handle is released (None: nothing is).
     """
+
+    on_idle = None
 
     def __init__(self, lib, model, owner, *, name: str, n_ctx: int, sequences: int, unified: bool, threads: int,
                  flash_attention: str, vocab_size: int):
@@ -118,28 +127,38 @@ class LlamaContext:
         #: Tokens per llama_decode of a sequence's span before its first kept row.
         self.prefill_tokens = min(PREFILL_TOKENS, int(cparams.n_batch))
         self._batch = lib.llama_batch_init(self.prefill_tokens, 0, 1)
-        self._free = list(range(int(sequences)))
+        self._sequences = int(sequences)
+        self._free = list(range(self._sequences))
+        self._lock = threading.RLock()
         self._closer = weakref.finalize(self, _free_context, lib, self._ctx, self._batch)
 
     def close(self) -> None:
         """Free the context now (its handles must not be used after)."""
-        self._closer()
+        with self._lock:
+            self._closer()
 
     def new_handle(self) -> LlamaKV:
-        if not self._free:
-            raise SpecgenError(f"{self.name}: every llama.cpp sequence of this context is in use "
-                               f"({self._lib.llama_n_seq_max(self._ctx)}); finish a request first")
-        return LlamaKV(self, self._free.pop(0))  # a pooled sequence is empty: release clears it
+        with self._lock:
+            if not self._free:
+                raise SpecgenError(f"{self.name}: every llama.cpp sequence of this context is in use "
+                                   f"({self._sequences}); finish a request first")
+            return LlamaKV(self, self._free.pop(0))  # a pooled sequence is empty: release clears it
 
     def release(self, seq: int) -> None:
-        if self._closer.alive:
+        with self._lock:
+            if not self._closer.alive:
+                return
             self.remove(seq, 0)
             self._free.append(seq)
+            idle = len(self._free) == self._sequences
+        if idle and self.on_idle is not None:
+            self.on_idle(self)
 
     def remove(self, seq: int, start: int) -> None:
         """Drop ``seq``'s entries from position ``start`` on."""
-        if self._closer.alive:
-            self._lib.llama_memory_seq_rm(self._memory, seq, start, -1)
+        with self._lock:
+            if self._closer.alive:
+                self._lib.llama_memory_seq_rm(self._memory, seq, start, -1)
 
     def forward_rows(self, caches: list[LlamaKV], feeds: list[list[int]], keeps: list[int],
                      check: bool = True) -> list[torch.Tensor | None]:
@@ -150,7 +169,15 @@ class LlamaContext:
         decoded with the prompt, on every path alike); the other kept rows of every handle then
         share decodes of :attr:`batch_tokens`. -> per handle the raw logits of its last
         ``keeps[i]`` fed positions [keeps[i], vocab_size] float32 (None where keeps[i] or the
-        feed is 0). Every feed is appended, or on a failed decode none is."""
+        feed is 0). Every feed is appended, or on a failed decode none is. Holds the context's
+        lock throughout."""
+        with self._lock:
+            if not self._closer.alive:
+                raise SpecgenError(f"{self.name}: this llama.cpp context is closed")
+            return self._forward_rows(caches, feeds, keeps, check)
+
+    def _forward_rows(self, caches: list[LlamaKV], feeds: list[list[int]], keeps: list[int],
+                      check: bool) -> list[torch.Tensor | None]:
         spans: list[list[tuple[int, int, int, bool]]] = []  # per handle, the entries decoded on their own
         entries: list[tuple[int, int, int, bool]] = []  # (sequence, token, position, logits wanted)
         starts = []

@@ -1,8 +1,9 @@
 """The llama.cpp target backend: a GGUF file on a CPU through llama-cpp-python's low-level API.
 
-A :class:`LlamaCppLM` holds the model and one unified context
-(:class:`~specgen.models.llama_context.LlamaContext`) whose sequences are the KV
-handles of requests, draft sessions and cost measurement. Forwards feed a chain at
+A :class:`LlamaCppLM` holds the model and a pool of contexts
+(:class:`~specgen.models.llama_pool.ContextPool`): each KV handle (a request's, a
+draft session's, cost measurement's) gets a context of its own, so concurrent
+requests and threads never share KV cells or a native call. Forwards feed a chain at
 consecutive positions and return the logits of the last ``keep`` positions, so this
 backend serves chain drafters; trees and target features are declared unsupported
 (:class:`~specgen.models.target.Capabilities`) and refused before loading. Batched
@@ -26,6 +27,7 @@ import torch
 from specgen.errors import ConfigError, ModelLoadError
 from specgen.models.llama_batch import LlamaBatch, batch_gap
 from specgen.models.llama_context import BATCH_TOKENS, FLASH, LlamaContext, LlamaKV, available, library
+from specgen.models.llama_pool import ContextPool
 from specgen.models.target import Capabilities
 
 __all__ = ["LlamaBatch", "LlamaCppLM", "LlamaKV", "available"]
@@ -48,8 +50,9 @@ class LlamaCppLM:
     """A GGUF model on llama.cpp, implementing :class:`specgen.models.target.Target` for chains.
 
     vocab_size: the tokenizer's size (logits are cut to it); threads: llama.cpp's threads;
-    context_length: the KV cache's size in tokens, shared by every live handle (None: the
-    model's training context); sequences: how many KV handles may be live at once;
+    context_length: the KV cache of each handle's context, in tokens (None: the model's
+    training context); sequences: how many KV handles may be live at once, each on a context
+    of its own (:class:`~specgen.models.llama_pool.ContextPool`; :attr:`context_kv_bytes` each);
     batch_row_context: the tokens a row of :meth:`new_batch` holds unless the caller sizes it;
     flash_attention: one of FLASH_MODES: llama.cpp's flash attention ``on`` or ``off``, or ``auto``:
     off (the cheaper path per token) unless no decode width is batch invariant with it off, then on.
@@ -88,7 +91,7 @@ class LlamaCppLM:
             if widest is not None or tried == len(attention):
                 break
             self._close_now()  # no width is batch invariant on this attention path: try the other
-        weakref.finalize(self, _close, self._main.close, self._lib, self._model)
+        weakref.finalize(self, _close, self._pool.close, self._lib, self._model)
 
     def _open(self, repacked: bool, vocab_size: int, context_length: int | None, sequences: int) -> int | None:
         """Load the model (its weights repacked for llama.cpp's CPU kernels or as stored) with its
@@ -102,14 +105,14 @@ class LlamaCppLM:
             raise ModelLoadError(f"llama.cpp cannot load {self.path} (not a GGUF it supports)")
         trained = int(lib.llama_model_n_ctx_train(self._model))
         self._context = min(trained, int(context_length)) if context_length else trained
+        self.vocab_size, self.decode_width = vocab_size, BATCH_TOKENS
         try:
-            self._main = LlamaContext(lib, self._model, None, name=self.name, n_ctx=self._context,
-                                      sequences=sequences, unified=True, threads=self.threads,
-                                      flash_attention=self.flash_attention, vocab_size=vocab_size)
+            first = self._open_own()
         except ModelLoadError:
             lib.llama_model_free(self._model)
             raise ModelLoadError(f"llama.cpp cannot make a context for {self.path} with {self._context} tokens")
-        self.n_vocab, self.vocab_size = self._main.n_vocab, self._main.vocab_size
+        self.n_vocab, self.vocab_size = first.n_vocab, first.vocab_size
+        self._pool = ContextPool(self._open_own, sequences, first, name=self.name)
         #: Whether the weights sit in llama.cpp's repacked buffers.
         self.repacked = repacked
         self._description = (self._describe_model() + (", repacked" if repacked else "")
@@ -118,7 +121,8 @@ class LlamaCppLM:
         widest = self._widest_invariant()
         #: Tokens per llama.cpp decode: the widest measured batch invariant (BATCH_TOKENS where none is).
         self.decode_width = widest or BATCH_TOKENS
-        self._main.batch_tokens = min(self._main.batch_tokens, self.decode_width)
+        for context in self._pool.contexts():
+            context.batch_tokens = min(context.batch_tokens, self.decode_width)
         self._gaps = {w: g for w, g in self._gaps.items() if w <= self.decode_width}  # wider feeds now split
         return widest
 
@@ -138,8 +142,31 @@ class LlamaCppLM:
             good, bad = (middle, bad) if invariant(middle) else (good, middle)
         return good if good >= 2 else None
 
+    def _open_own(self) -> LlamaContext:
+        """A context for one KV handle; every one is opened alike, so the logits measured on one
+        are every handle's."""
+        context = LlamaContext(self._lib, self._model, None, name=self.name, n_ctx=self._context, sequences=1,
+                               unified=True, threads=self.threads, flash_attention=self.flash_attention,
+                               vocab_size=self.vocab_size)
+        context.batch_tokens = min(context.batch_tokens, self.decode_width)
+        return context
+
     def _close_now(self) -> None:
-        _close(self._main.close, self._lib, self._model)
+        _close(self._pool.close, self._lib, self._model)
+
+    @property
+    def pool(self) -> ContextPool:
+        """The contexts of this model's KV handles (see :mod:`specgen.models.llama_pool`)."""
+        return self._pool
+
+    @property
+    def context_kv_bytes(self) -> int:
+        """The KV cache of one handle's context in bytes: every layer's keys and values of
+        :attr:`context_length` tokens, in llama.cpp's default f16 cache type."""
+        lib, model = self._lib, self._model
+        head = int(lib.llama_model_n_embd(model)) // int(lib.llama_model_n_head(model))
+        per_token = 2 * int(lib.llama_model_n_layer(model)) * int(lib.llama_model_n_head_kv(model)) * head
+        return 2 * per_token * self._context
 
     def _describe_model(self) -> str:
         buffer = ctypes.create_string_buffer(256)
@@ -176,7 +203,8 @@ class LlamaCppLM:
         return self._capabilities
 
     def new_cache(self) -> LlamaKV:
-        return self._main.new_handle()
+        """An empty KV handle on a context of its own; PoolExhausted beyond ``sequences`` live ones."""
+        return self._pool.handle()
 
     def new_batch(self, size: int, row_context: int | None = None) -> LlamaBatch:
         """A batch of ``size`` rows of ``row_context`` tokens each (None: ``batch_row_context``),
@@ -198,9 +226,9 @@ class LlamaCppLM:
         ids = new_tokens.tolist() if isinstance(new_tokens, torch.Tensor) else [int(t) for t in new_tokens]
         if not ids:
             raise ValueError("forward needs at least one new token")
-        if cache.context is not self._main:
+        if not self._pool.owns(cache.context):
             raise ValueError(f"that KV handle belongs to another model than {self.name}")
-        return self._main.forward_rows([cache], [ids], [keep], check=check)[0]
+        return cache.context.forward_rows([cache], [ids], [keep], check=check)[0]
 
     def verify_gap(self, widths, prefix: int = GAP_PREFIX) -> tuple[float, int]:
         """Batch invariance: the largest |logit| difference between positions fed ``width`` at a time
@@ -244,6 +272,6 @@ def _has_amx_kernels(lib) -> bool:
     return b"AMX_INT8 = 1" in lib.llama_print_system_info()
 
 
-def _close(close_main, lib, model) -> None:
-    close_main()
+def _close(close_contexts, lib, model) -> None:
+    close_contexts()
     lib.llama_model_free(model)

@@ -92,6 +92,10 @@ class TokenCache:
         self._truncate(length)
         del self.tokens[length:]
 
+    def release(self) -> None:
+        """Give the handle's entries back now (a pooled backend reuses them for another request);
+        the handle is not used after. Collecting the handle does the same, later."""
+
     def _truncate(self, length: int) -> None:
         raise NotImplementedError
 
