@@ -93,14 +93,14 @@ def check_run_config(cfg: Mapping) -> dict:
 LLAMA_FLASH_MODES = ("auto", "off", "on")
 LLAMA_TINY_TYPES = ("Q8_0", "F32")
 LLAMA_REPACK_MODES = ("auto", "on", "off")
-#: KV handles a run holds at once on one llama.cpp context: a request's, the cost measurement's and
-#: the batch-invariance probe's.
+#: KV handles a run holds at once on a llama.cpp model (a context each): a request's, the cost
+#: measurement's and the batch-invariance probe's.
 LLAMA_MIN_SEQUENCES = 3
 #: Tokens a batched llama.cpp row holds by default, and at least.
 LLAMA_ROW_CONTEXT, LLAMA_MIN_ROW_CONTEXT = 4096, 256
-#: llama_cpp.context: the KV cells of a model's own llama.cpp context (llama.cpp's own default size).
+#: llama_cpp.context: the KV cells of each of a model's own llama.cpp contexts (llama.cpp's own default size).
 LLAMA_CONTEXT = 4096
-#: llama.cpp's own limit on sequences per context (LLAMA_MAX_SEQ).
+#: The most KV handles (contexts) a model may hold at once: llama.cpp's own limit on sequences per context.
 LLAMA_MAX_SEQUENCES = 256
 
 

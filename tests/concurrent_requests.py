@@ -110,7 +110,9 @@ def llama_report(overrides: list[str]) -> dict:
                         "interleaved": interleaved(pipe, PROMPTS, **options),
                         "solo": solo(pipe, PROMPTS, **options)}
     pool = greedy.target.pool
-    report["closed"] = {"streams": closed_midway(greedy, PROMPTS), "size": pool.size, "idle": pool.idle}
+    before = pool.size
+    report["closed"] = {"streams": closed_midway(greedy, PROMPTS), "before": before, "size": pool.size,
+                        "idle": pool.idle}
     shared_cell_pool(greedy.target)
     report["shared_pool"] = {"interleaved": interleaved(greedy, PROMPTS, max_new_tokens=24),
                              "solo": report["greedy"]["solo"]}

@@ -135,8 +135,8 @@ def load_llama_cpp(source: Mapping, *, name: str, threads: int, extra_eos: tuple
     """The model of a GGUF-kind (or ``tiny``) ``source`` on the llama.cpp backend
     (:mod:`specgen.models.llama_cpp`), with specgen's tokenizer for it; a tiny model is
     written as a GGUF in ``tiny_type`` first (:mod:`specgen.models.gguf_write`).
-    ``vocab_size``: as for :func:`load_model`; ``context``: the KV cells of the model's own
-    context, at most its training context (None: that)."""
+    ``vocab_size``: as for :func:`load_model`; ``context``: the KV cells of each of the model's
+    contexts (one per live KV handle), at most its training context (None: that)."""
     from specgen.models.llama_cpp import LlamaCppLM
     from specgen.models.loading import gguf_file, load_tokenizer, writable_cache_dir
 

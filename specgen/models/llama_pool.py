@@ -35,7 +35,7 @@ class ContextPool:
 
     def __init__(self, open_context: Callable[[], LlamaContext], bound: int, first: LlamaContext, *, name: str):
         self._open, self.bound, self.name = open_context, int(bound), name
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a handle collected while it is held gives its context back on this thread
         self._contexts: list[LlamaContext] = []
         self._idle: list[LlamaContext] = []
         self._opening = 0
