@@ -225,8 +225,9 @@ class Pipeline:
         seed = parse_seed(self.defaults.seed if seed is None else seed)
         stop = parse_stop(self.defaults.stop if stop is None else stop)
         stack = self.stack if stack is None else stack
+        cache = self.target.new_cache() if target_cache is None else target_cache
         request = Request(prompt_ids=ids, vocab_size=self.tokenizer.vocab_size, device=self.device,
-                          target_cache=self.target.new_cache() if target_cache is None else target_cache, text=TextStream(self.tokenizer.decode, stop),
+                          target_cache=cache, text=TextStream(self.tokenizer.decode, stop),
                           eos_ids=self.tokenizer.eos_ids, max_new_tokens=max_new_tokens, seed=seed)
         stats = Stats() if stats is None else stats
         stats.prompt_tokens = len(ids)
