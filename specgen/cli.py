@@ -30,6 +30,7 @@ from specgen.errors import PromptError, not_utf8
 from specgen.events import FinishEvent, Generation
 from specgen.jsonl import Summary
 from specgen.options import MAX_CONTEXT_TOKENS, check_prompt, check_prompt_size, prompt_size_bound, size_error
+from specgen.outputs import TolerantStream, require_stdout, write_stdout
 
 _COLOURS = {"accepted": "\033[32m", "resampled": "\033[33m", "bonus": "\033[36m", "plain": ""}
 _RESET = "\033[0m"
@@ -153,11 +154,12 @@ def run(cfg: dict, out=None, err=None) -> Generation | Summary | None:
     """Check the resolved config's values, build the pipeline and stream one generation
     (or, with ``output=``, run the JSONL file: :func:`run_jsonl`)."""
     out = sys.stdout if out is None else out
-    err = sys.stderr if err is None else err
+    err = TolerantStream(sys.stderr if err is None else err)
     cfg = check_run_config(cfg)
     if cfg.get("output") is not None:
         return run_jsonl(cfg, err)
     check_prompt_source(cfg)
+    require_stdout(out)
     from specgen.build import build_pipeline  # after the checks: it imports the models
 
     pipe = build_pipeline(cfg)
@@ -172,14 +174,15 @@ def run(cfg: dict, out=None, err=None) -> Generation | Summary | None:
                 generation = event.generation
             if ui.get("stream", True) or isinstance(event, FinishEvent):
                 start = _COLOURS.get(event.kind, "") if colour else ""
-                out.write(f"{start}{event.text}{_RESET if start else ''}")
-                out.flush()
+                write_stdout(out, f"{start}{event.text}{_RESET if start else ''}")
     except KeyboardInterrupt:
         stream.close()
-        out.write("\n")
+        write_stdout(out, "\n")
         err.write("specgen: cancelled\n")
         raise SystemExit(130) from None
-    out.write("\n")
+    finally:
+        stream.close()  # a failed write (StdoutClosed, OutputError) ends the generation too
+    write_stdout(out, "\n")
     if ui.get("summary", True) and generation is not None:
         err.write(summary_line(generation) + "\n")
     return generation
@@ -225,7 +228,9 @@ def main() -> None:
     ``specgen export ...`` (first argument) writes a head for vLLM/SGLang instead: :mod:`specgen.export_cli`."""
     if sys.argv[1:2] == ["export"]:
         from specgen.export_cli import main as export_main
+        from specgen.outputs import tolerate_stderr
 
+        tolerate_stderr()
         export_main(sys.argv[2:])
         return
     run_console(_hydra_main, "specgen", "config")
