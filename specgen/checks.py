@@ -53,7 +53,9 @@ def check_run_config(cfg: Mapping) -> dict:
     positive int), the ``sampling`` numbers and ``ui`` switches, and where the config
     has them ``output`` (None or a path) and ``resume`` (bool), whose files are checked
     by :func:`check_jsonl_paths`, and ``batch_size`` (a positive int, checked against the
-    drafter and ``compile`` by :func:`check_batch_size`). Raises :class:`ConfigError` naming the first bad key.
+    drafter and ``compile`` by :func:`check_batch_size`, above 1 only with ``output``). The grammar and
+    ``drafter.num_tokens`` are checked by :func:`check_components`. Raises :class:`ConfigError` naming
+    the first bad key.
     """
     cfg = dict(cfg)
     cfg["speculative"] = parse_bool(cfg.get("speculative", True), "speculative")
@@ -84,9 +86,28 @@ def check_run_config(cfg: Mapping) -> dict:
         check_jsonl_paths(cfg)
     if "batch_size" in cfg:
         cfg["batch_size"] = check_batch_size(cfg)
+        if cfg["batch_size"] > 1 and "output" in cfg and cfg["output"] is None:
+            raise ConfigError(f"batch_size={cfg['batch_size']} runs the rows of a JSONL prompt_file together; "
+                              "add output=PATH.jsonl (a single prompt runs alone)")
+    check_components(cfg)
     if "llama_cpp" in cfg:
         cfg["llama_cpp"] = check_llama_cpp(cfg["llama_cpp"] or {})
     return cfg
+
+
+def check_components(cfg: Mapping) -> None:
+    """ConfigError for a grammar or drafter setting that no model could run: ``grammar=json_schema``
+    without a schema, ``grammar=regex`` without a pattern (or any grammar spec the grammar module
+    refuses), a ``drafter.num_tokens`` that is neither auto nor 1..MAX_NUM_TOKENS."""
+    if isinstance(cfg.get("grammar"), Mapping):
+        from specgen.grammar.spec import parse_spec
+
+        parse_spec(cfg["grammar"])
+    drafter = cfg.get("drafter")
+    if isinstance(drafter, Mapping) and drafter.get("kind", "none") != "none" and "num_tokens" in drafter:
+        from specgen.drafters.base import check_num_tokens
+
+        check_num_tokens(drafter["num_tokens"])
 
 
 #: The llama.cpp group's choices (specgen.models.llama_cpp, specgen.models.gguf_write).
@@ -167,6 +188,10 @@ def check_jsonl_paths(cfg: Mapping) -> None:
     if output is None:
         if resume:
             raise ConfigError("resume=true continues an output file; add output=PATH.jsonl")
+        prompt_file = cfg.get("prompt_file")
+        if prompt_file and Path(prompt_file).suffix.lower() in JSONL_SUFFIXES:
+            raise ConfigError(f"prompt_file {prompt_file} is a JSONL file: add output=PATH.jsonl for one result per "
+                              f"row (to send the whole file as one prompt, pipe it: prompt=- < {prompt_file})")
         return
     if not output:
         raise ConfigError("output is empty; give the path of a .jsonl file for the results")

@@ -93,6 +93,59 @@ def read_prompt(cfg: dict, stdin=None, *, context_length: int | None = None) -> 
     return check_prompt(text, name)
 
 
+def _reads_stdin(cfg: dict) -> bool:
+    prompt, prompt_file = cfg.get("prompt"), cfg.get("prompt_file")
+    return prompt == "-" or prompt_file == "-" or (prompt is None and prompt_file is None)
+
+
+class _Peeked:
+    """A stream whose first bytes (or characters) were read ahead: ``read`` gives them first."""
+
+    def __init__(self, head, rest):
+        self._head, self._rest = head, rest
+
+    def read(self, size: int = -1):
+        if size is None or size < 0:
+            head, self._head = self._head, self._head[:0]
+            return head + self._rest.read()
+        head, self._head = self._head[:size], self._head[size:]
+        return head + self._rest.read(size - len(head)) if len(head) < size else head
+
+
+class _PeekedStdin:
+    """stdin with its first non-blank piece read ahead (:func:`peek_stdin`)."""
+
+    def __init__(self, stdin, head):
+        raw = getattr(stdin, "buffer", None)
+        self.buffer = _Peeked(head, raw) if raw is not None else None
+        self._text = None if raw is not None else _Peeked(head, stdin)
+        self._stdin = stdin
+
+    def read(self, size: int = -1):
+        return self._text.read(size)
+
+    def isatty(self) -> bool:
+        return self._stdin.isatty()
+
+
+def peek_stdin(stdin, piece: int = 1 << 16):
+    """``stdin`` read ahead to its first non-whitespace piece (a pipe's first write, at most ``piece``
+    bytes at a time), so an empty or blank stdin is refused (PromptError) before the model loads;
+    returns a stream that gives what was read first. Stops at :data:`MAX_CONTEXT_TOKENS`' bound."""
+    raw = getattr(stdin, "buffer", None)
+    source = raw if raw is not None else stdin
+    read = getattr(source, "read1", None) or source.read
+    head = source.read(0)
+    while len(head) <= prompt_size_bound(MAX_CONTEXT_TOKENS):
+        more = read(piece)
+        head += more
+        if not more or more.strip():
+            break
+    if not head.strip():
+        check_prompt("", "stdin")
+    return _PeekedStdin(stdin, head)
+
+
 def _read_file(path: Path, limit: int | None, context_length: int | None) -> str:
     """The UTF-8 text of ``path``; refused by its size (over ``limit`` bytes) before it is read, and
     read to one byte past ``limit`` at most (a file that reports no size, as in /proc, too)."""
@@ -160,10 +213,11 @@ def run(cfg: dict, out=None, err=None) -> Generation | Summary | None:
         return run_jsonl(cfg, err)
     check_prompt_source(cfg)
     require_stdout(out)
+    stdin = peek_stdin(sys.stdin) if _reads_stdin(cfg) else None
     from specgen.build import build_pipeline  # after the checks: it imports the models
 
     pipe = build_pipeline(cfg)
-    prompt = read_prompt(cfg, context_length=pipe.target.context_length)
+    prompt = read_prompt(cfg, stdin, context_length=pipe.target.context_length)
     ui = cfg.get("ui") or {}
     colour = _use_colour(ui.get("color", "auto"), out)
     stream = pipe.stream(prompt)
