@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specgen.errors import ConfigError
-from specgen.outputs import write_failure
+from specgen.outputs import replace_atomically, write_failure
 
 _ABSENT, _OK, _ERROR, _UNCHECKED = 0, 1, 2, 3  # _UNCHECKED: a record without a fingerprint
 
@@ -182,16 +182,17 @@ def sort_records(path: Path, position: Callable[[dict], object]) -> None:
 
 
 def _replace(path: Path, write: Callable, left: str) -> None:
-    """``write(source, target)`` a new ``path`` into a temporary file next to it, then rename it over
-    ``path``; on OSError the temporary file is removed and OutputError says the old file is whole."""
-    partial = path.with_name(f".{path.name}.rewrite")
-    try:
-        with open(path, "rb") as source, open(partial, "wb") as target:
+    """``write(source, target)`` a new ``path`` from the old one (:func:`replace_atomically`, mode kept,
+    synced); OutputError when it cannot be written, saying the old file is whole."""
+
+    def rewrite(tmp: Path) -> None:
+        with open(path, "rb") as source, open(tmp, "wb") as target:
             write(source, target)
             target.flush()
             os.fsync(target.fileno())
-        shutil.copymode(path, partial)
-        os.replace(partial, path)
+        shutil.copymode(path, tmp)
+
+    try:
+        replace_atomically(path, rewrite)
     except OSError as exc:
-        partial.unlink(missing_ok=True)
         raise write_failure(path, exc, f"the file is unchanged and every record in it is kept, but {left}") from None

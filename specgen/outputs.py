@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from specgen.errors import OutputError
@@ -111,3 +112,15 @@ def tolerate_stderr() -> None:
 def write_failure(path: Path | str, exc: OSError, kept: str) -> OutputError:
     """The one line for a file that could not be written: ``cannot write PATH: REASON (ENOSPC); KEPT``."""
     return OutputError(f"cannot write {path}: {describe(exc)}; {kept}")
+
+
+def replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` a new ``path`` into ``tmp`` (``path`` + ``.tmp``, next to it), then rename it over
+    ``path`` in one step: a failure (a full disk, Ctrl-C) removes ``tmp`` and leaves ``path`` as it was."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
