@@ -53,7 +53,7 @@ def check_run_config(cfg: Mapping) -> dict:
     positive int), the ``sampling`` numbers and ``ui`` switches, and where the config
     has them ``output`` (None or a path) and ``resume`` (bool), whose files are checked
     by :func:`check_jsonl_paths`, and ``batch_size`` (a positive int, checked against the
-    drafter and ``compile`` by :func:`check_batch_size`, above 1 only with ``output``). The grammar and
+    drafter and ``compile`` by :func:`check_batch_size`). The grammar and
     ``drafter.num_tokens`` are checked by :func:`check_components`. Raises :class:`ConfigError` naming
     the first bad key.
     """
@@ -86,9 +86,6 @@ def check_run_config(cfg: Mapping) -> dict:
         check_jsonl_paths(cfg)
     if "batch_size" in cfg:
         cfg["batch_size"] = check_batch_size(cfg)
-        if cfg["batch_size"] > 1 and "output" in cfg and cfg["output"] is None:
-            raise ConfigError(f"batch_size={cfg['batch_size']} runs the rows of a JSONL prompt_file together; "
-                              "add output=PATH.jsonl (a single prompt runs alone)")
     check_components(cfg)
     if "llama_cpp" in cfg:
         cfg["llama_cpp"] = check_llama_cpp(cfg["llama_cpp"] or {})
@@ -188,10 +185,6 @@ def check_jsonl_paths(cfg: Mapping) -> None:
     if output is None:
         if resume:
             raise ConfigError("resume=true continues an output file; add output=PATH.jsonl")
-        prompt_file = cfg.get("prompt_file")
-        if prompt_file and Path(prompt_file).suffix.lower() in JSONL_SUFFIXES:
-            raise ConfigError(f"prompt_file {prompt_file} is a JSONL file: add output=PATH.jsonl for one result per "
-                              f"row (to send the whole file as one prompt, pipe it: prompt=- < {prompt_file})")
         return
     if not output:
         raise ConfigError("output is empty; give the path of a .jsonl file for the results")

@@ -24,9 +24,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from specgen.checks import check_run_config
+from specgen.checks import JSONL_SUFFIXES, check_run_config
 from specgen.config import conf_dir, exits_on_error, run_console, to_container
-from specgen.errors import PromptError, not_utf8
+from specgen.errors import ConfigError, PromptError, not_utf8
 from specgen.events import FinishEvent, Generation
 from specgen.jsonl import Summary
 from specgen.options import MAX_CONTEXT_TOKENS, check_prompt, check_prompt_size, prompt_size_bound, size_error
@@ -68,6 +68,18 @@ def check_prompt_source(cfg: dict, stdin=None) -> None:
         check_prompt(prompt)
     elif stdin is None or stdin.isatty():
         raise PromptError('no prompt: use prompt="...", prompt_file=PATH, or pipe text on stdin')
+
+
+def check_single_prompt(cfg: dict) -> None:
+    """ConfigError for settings of the JSONL mode given without ``output=``: a ``.jsonl`` prompt_file
+    (one prompt per row), ``batch_size`` above 1 (rows run together)."""
+    prompt_file, batch_size = cfg.get("prompt_file"), cfg.get("batch_size", 1)
+    if prompt_file and Path(prompt_file).suffix.lower() in JSONL_SUFFIXES:
+        raise ConfigError(f"prompt_file {prompt_file} is a JSONL file: add output=PATH.jsonl for one result per row "
+                          f"(to send the whole file as one prompt, pipe it: prompt=- < {prompt_file})")
+    if batch_size > 1:
+        raise ConfigError(f"batch_size={batch_size} runs the rows of a JSONL prompt_file together; "
+                          "add output=PATH.jsonl (a single prompt runs alone)")
 
 
 def read_prompt(cfg: dict, stdin=None, *, context_length: int | None = None) -> str:
@@ -211,6 +223,7 @@ def run(cfg: dict, out=None, err=None) -> Generation | Summary | None:
     cfg = check_run_config(cfg)
     if cfg.get("output") is not None:
         return run_jsonl(cfg, err)
+    check_single_prompt(cfg)
     check_prompt_source(cfg)
     require_stdout(out)
     stdin = peek_stdin(sys.stdin) if _reads_stdin(cfg) else None

@@ -16,7 +16,7 @@ import os
 import shutil
 from array import array
 from collections.abc import Callable, Container
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specgen.errors import ConfigError
@@ -27,43 +27,39 @@ _ABSENT, _OK, _ERROR, _UNCHECKED = 0, 1, 2, 3  # _UNCHECKED: a record without a 
 
 @dataclass
 class Resumed:
-    """What an output file holds for a run over ``rows`` input rows: per row index, whether its last
-    record is a result or an error (``state``) and that record's fingerprint; ``kept``: the byte length
-    of the file's valid part; ``records``: records in it; ``tidy``: whether they are rows 0..k-1, once
-    each, in order. Memory: 9 bytes per input row, not the file."""
+    """What an output file holds, per row index up to its largest: whether the index's last record is
+    a result or an error (``state``) and that record's fingerprint; ``kept``: the byte length of the
+    file's valid part; ``records``: records in it; ``tidy``: whether they are rows 0..k-1, once each,
+    in order. Memory: 9 bytes per row the file holds, nothing for a new output."""
 
-    state: bytearray
-    fingerprints: array
+    state: bytearray = field(default_factory=bytearray)
+    fingerprints: array = field(default_factory=lambda: array("Q"))
     kept: int = 0
     records: int = 0
     tidy: bool = True
 
-    @classmethod
-    def empty(cls, rows: int) -> Resumed:
-        return cls(bytearray(rows), array("Q", bytes(8 * rows)))
-
     def matches(self, index: int, fingerprint: str) -> bool:
         """Whether row ``index``'s record was made from a row with ``fingerprint``."""
-        return self.state[index] in (_OK, _ERROR) and self.fingerprints[index] == int(fingerprint, 16)
+        return index < len(self.state) and self.state[index] in (_OK, _ERROR) \
+            and self.fingerprints[index] == int(fingerprint, 16)
 
     def is_error(self, index: int) -> bool:
         return self.state[index] == _ERROR
 
     def holds(self, index: int) -> bool:
         """Whether the file has a record for row ``index`` (matching or not)."""
-        return self.state[index] != _ABSENT
+        return index < len(self.state) and self.state[index] != _ABSENT
 
 
-def scan_output(path: Path, rows: int) -> Resumed:
-    """The records already in ``path`` for an input of ``rows`` rows, read one line at a time.
+def scan_output(path: Path) -> Resumed:
+    """The records already in ``path``, read one line at a time.
 
     A last line without its newline (a crash mid-write) and trailing blank lines are left out of the
-    kept part. A record past the input's rows, or without a fingerprint, counts for no row (the file
-    is then not tidy, and the rewrite at the end drops it); a record without a fingerprint (or with a
-    malformed one) is rerun. ConfigError for a complete line that is
-    not a record (the last one too: the file may be the user's own, not a torn output).
+    kept part; a record without a fingerprint (or with a malformed one) matches no row, so its row
+    is rerun. ConfigError for a complete line that is not a record (the last one too: the file may
+    be the user's own, not a torn output).
     """
-    resumed = Resumed.empty(rows)
+    resumed = Resumed()
     if not path.is_file():
         return resumed
     with open(path, "rb") as file:
@@ -84,10 +80,12 @@ def scan_output(path: Path, rows: int) -> Resumed:
 
 def _note(resumed: Resumed, record: dict) -> None:
     index, fingerprint = record["index"], record.get("fingerprint")
-    resumed.tidy = resumed.tidy and index == resumed.records and index < len(resumed.state)
+    resumed.tidy = resumed.tidy and index == resumed.records
     resumed.records += 1
     if index >= len(resumed.state):
-        return
+        grow = index + 1 - len(resumed.state)
+        resumed.state.extend(bytes(grow))
+        resumed.fingerprints.extend(array("Q", bytes(8 * grow)))
     if isinstance(fingerprint, str) and len(fingerprint) == 16 and all(c in "0123456789abcdef" for c in fingerprint):
         resumed.state[index] = _ERROR if "error" in record else _OK
         resumed.fingerprints[index] = int(fingerprint, 16)

@@ -98,7 +98,7 @@ def test_a_full_disk_during_the_resume_rewrite_leaves_the_file_whole(tmp_path, m
 
     def filling_open(path, mode="r", *args, **kwargs):
         file = real_open(path, mode, *args, **kwargs)
-        return FillingFile(file, 100) if str(path).endswith(".rewrite") else file
+        return FillingFile(file, 100) if str(path).endswith(".jsonl.tmp") else file
 
     monkeypatch.setattr(specgen.jsonl_output, "open", filling_open, raising=False)
     code, _ = _cli_status(tmp_path, "resume=true")
