@@ -282,11 +282,11 @@ def check_room(path: Path, head, checkpoints: bool) -> None:
     file needs (2 bytes a parameter, bfloat16) and, with ``checkpoints``, a checkpoint (float32
     weights and two AdamW moments: 12 bytes a parameter)."""
     params = sum(p.numel() for p in head.parameters() if p.requires_grad)
-    need = 2 * params + (12 * params if checkpoints else 0) + (1 << 20)  # + 1 MiB for metadata and buffers
+    need = 2 * params + (12 * params if checkpoints else 0) + (1 << 16)  # + 64 KiB for the metadata
     free = shutil.disk_usage(path.parent).free
     if free < need:
         raise OutputError(f"train.out={path}: its disk has {free / 2**20:,.1f} MiB free; the head"
-                          f"{' and its checkpoints' if checkpoints else ''} need about {need / 2**20:,.1f} MiB; "
+                          f"{' and its checkpoints need' if checkpoints else ' needs'} about {need / 2**20:,.1f} MiB; "
                           "free space or choose another train.out (nothing was trained)")
 
 
