@@ -3,7 +3,10 @@
 stdout gets only the generated text, streamed token by token; the summary line
 (guarantee, tokens/s, tokens per target call, acceptance by draft position) and
 every error go to stderr. Errors a user can cause exit with status 2 and one
-line; Ctrl-C stops the stream cleanly (status 130).
+line, before the model loads where no model is needed to find them; Ctrl-C stops the
+stream cleanly (status 130). A stdout that cannot be written (on /dev/full, closed)
+exits with status 74 and one line; a closed pipe (``| head``) quietly with status 141
+(:mod:`specgen.outputs`).
 
 With ``output=out.jsonl`` the command runs every row of ``prompt_file=PATH.jsonl``
 instead (see :mod:`specgen.jsonl`): stdout stays empty, a progress bar (on a
@@ -11,6 +14,7 @@ terminal) and one summary line go to stderr; ``batch_size=N`` runs N rows at a t
 the batched engine (same records, in the same order). Status 0: every row ran; 1: the
 output is complete but some rows hold error records; 2: nothing ran (bad config,
 unreadable input, an output that already holds results without ``resume=true``);
+74: the output could not be written (a full disk), valid up to its last whole record;
 130: Ctrl-C, with the output valid up to the last finished row.
 
 ``specgen export head=... out=DIR`` writes an eagle3 head for vLLM / SGLang (:mod:`specgen.export_cli`).
