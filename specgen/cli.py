@@ -266,7 +266,9 @@ def run_jsonl(cfg: dict, err) -> Summary:
 
     from specgen.build import build_pipeline
     from specgen.jsonl import job_from_config
+    from specgen.jsonl_input import check_has_rows
 
+    check_has_rows(Path(cfg["prompt_file"]))  # before the model loads
     pipe = build_pipeline(cfg)
     job = job_from_config(cfg, pipe.target.context_length)
     ui = cfg.get("ui") or {}
@@ -279,7 +281,8 @@ def run_jsonl(cfg: dict, err) -> Summary:
         s = job.summary
         err.write(f"specgen: cancelled; {s.finished} of {s.rows} rows are in {s.output} (resume=true continues)\n")
         raise SystemExit(130) from None
-    bar.close()
+    finally:
+        bar.close()  # before an error line (a full disk), too
     if ui.get("summary", True):
         err.write(summary.line() + "\n")
     if summary.errors:

@@ -125,17 +125,21 @@ def read_rows(path: Path, defaults, *, context_length: int | None = None, digest
         raise PromptError(f"cannot read prompt_file {path}: {exc.strerror or exc}") from None
 
 
-def has_rows(path: Path) -> bool:
-    """Whether ``path`` has a non-blank line (reads until the first one, in 1 MiB pieces); OSError if unreadable."""
-    with open(path, "rb") as file:
-        first = True
-        while piece := file.read(1 << 20):
-            if first and piece.startswith(_BOM):
-                piece = piece[len(_BOM):]
-            first = False
-            if piece.strip():
-                return True
-    return False
+def check_has_rows(path: Path) -> None:
+    """PromptError when ``path`` cannot be read or has no non-blank line (read until the first one,
+    1 MiB at a time): found before any model loads."""
+    try:
+        with open(path, "rb") as file:
+            first = True
+            while piece := file.read(1 << 20):
+                if first and piece.startswith(_BOM):
+                    piece = piece[len(_BOM):]
+                first = False
+                if piece.strip():
+                    return
+    except OSError as exc:
+        raise PromptError(f"cannot read prompt_file {path}: {exc.strerror or exc}") from None
+    raise PromptError(f"prompt_file {path} has no rows; give one JSON prompt per line")
 
 
 def parse_row(text: str, index: int, line: int, defaults, *, context_length: int | None = None,

@@ -57,3 +57,12 @@ def test_peeked_stdin_gives_every_byte(monkeypatch, capsys):
     ok = [*TINY_ARGS, "prompt=hi", "batch_size=1", "drafter.num_tokens=3"]
     code, out, _ = run_command(monkeypatch, capsys, cli.main, "specgen", *ok)
     assert code == 0 and out.strip()
+
+
+def test_a_jsonl_file_without_rows_is_refused_before_the_model_loads(monkeypatch, capsys, tmp_path, no_loading):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b"\xef\xbb\xbf\n  \n")
+    code, _, err = run_command(monkeypatch, capsys, cli.main, "specgen", *TINY_ARGS, f"prompt_file={rows}",
+                               f"output={tmp_path / 'out.jsonl'}")
+    assert_one_error_line(code, err, "specgen", f"prompt_file {rows} has no rows; give one JSON prompt per line")
+    assert not no_loading and not (tmp_path / "out.jsonl").exists()
