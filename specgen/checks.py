@@ -53,7 +53,9 @@ def check_run_config(cfg: Mapping) -> dict:
     positive int), the ``sampling`` numbers and ``ui`` switches, and where the config
     has them ``output`` (None or a path) and ``resume`` (bool), whose files are checked
     by :func:`check_jsonl_paths`, and ``batch_size`` (a positive int, checked against the
-    drafter and ``compile`` by :func:`check_batch_size`). Raises :class:`ConfigError` naming the first bad key.
+    drafter and ``compile`` by :func:`check_batch_size`). The grammar and
+    ``drafter.num_tokens`` are checked by :func:`check_components`. Raises :class:`ConfigError` naming
+    the first bad key.
     """
     cfg = dict(cfg)
     cfg["speculative"] = parse_bool(cfg.get("speculative", True), "speculative")
@@ -84,9 +86,25 @@ def check_run_config(cfg: Mapping) -> dict:
         check_jsonl_paths(cfg)
     if "batch_size" in cfg:
         cfg["batch_size"] = check_batch_size(cfg)
+    check_components(cfg)
     if "llama_cpp" in cfg:
         cfg["llama_cpp"] = check_llama_cpp(cfg["llama_cpp"] or {})
     return cfg
+
+
+def check_components(cfg: Mapping) -> None:
+    """ConfigError for a grammar or drafter setting that no model could run: ``grammar=json_schema``
+    without a schema, ``grammar=regex`` without a pattern (or any grammar spec the grammar module
+    refuses), a ``drafter.num_tokens`` that is neither auto nor 1..MAX_NUM_TOKENS."""
+    if isinstance(cfg.get("grammar"), Mapping):
+        from specgen.grammar.spec import parse_spec
+
+        parse_spec(cfg["grammar"])
+    drafter = cfg.get("drafter")
+    if isinstance(drafter, Mapping) and drafter.get("kind", "none") != "none" and "num_tokens" in drafter:
+        from specgen.drafters.base import check_num_tokens
+
+        check_num_tokens(drafter["num_tokens"])
 
 
 #: The llama.cpp group's choices (specgen.models.llama_cpp, specgen.models.gguf_write).

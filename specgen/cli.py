@@ -3,7 +3,10 @@
 stdout gets only the generated text, streamed token by token; the summary line
 (guarantee, tokens/s, tokens per target call, acceptance by draft position) and
 every error go to stderr. Errors a user can cause exit with status 2 and one
-line; Ctrl-C stops the stream cleanly (status 130).
+line, before the model loads where no model is needed to find them; Ctrl-C stops the
+stream cleanly (status 130). A stdout that cannot be written (on /dev/full, closed)
+exits with status 74 and one line; a closed pipe (``| head``) quietly with status 141
+(:mod:`specgen.outputs`).
 
 With ``output=out.jsonl`` the command runs every row of ``prompt_file=PATH.jsonl``
 instead (see :mod:`specgen.jsonl`): stdout stays empty, a progress bar (on a
@@ -11,6 +14,7 @@ terminal) and one summary line go to stderr; ``batch_size=N`` runs N rows at a t
 the batched engine (same records, in the same order). Status 0: every row ran; 1: the
 output is complete but some rows hold error records; 2: nothing ran (bad config,
 unreadable input, an output that already holds results without ``resume=true``);
+74: the output could not be written (a full disk), valid up to its last whole record;
 130: Ctrl-C, with the output valid up to the last finished row.
 
 ``specgen export head=... out=DIR`` writes an eagle3 head for vLLM / SGLang (:mod:`specgen.export_cli`).
@@ -24,12 +28,13 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from specgen.checks import check_run_config
+from specgen.checks import JSONL_SUFFIXES, check_run_config
 from specgen.config import conf_dir, exits_on_error, run_console, to_container
-from specgen.errors import PromptError, not_utf8
+from specgen.errors import ConfigError, PromptError, not_utf8
 from specgen.events import FinishEvent, Generation
 from specgen.jsonl import Summary
 from specgen.options import MAX_CONTEXT_TOKENS, check_prompt, check_prompt_size, prompt_size_bound, size_error
+from specgen.outputs import TolerantStream, require_stdout, write_stdout
 
 _COLOURS = {"accepted": "\033[32m", "resampled": "\033[33m", "bonus": "\033[36m", "plain": ""}
 _RESET = "\033[0m"
@@ -69,6 +74,18 @@ def check_prompt_source(cfg: dict, stdin=None) -> None:
         raise PromptError('no prompt: use prompt="...", prompt_file=PATH, or pipe text on stdin')
 
 
+def check_single_prompt(cfg: dict) -> None:
+    """ConfigError for settings of the JSONL mode given without ``output=``: a ``.jsonl`` prompt_file
+    (one prompt per row), ``batch_size`` above 1 (rows run together)."""
+    prompt_file, batch_size = cfg.get("prompt_file"), cfg.get("batch_size", 1)
+    if prompt_file and Path(prompt_file).suffix.lower() in JSONL_SUFFIXES:
+        raise ConfigError(f"prompt_file {prompt_file} is a JSONL file: add output=PATH.jsonl for one result per row "
+                          f"(to send the whole file as one prompt, pipe it: prompt=- < {prompt_file})")
+    if batch_size > 1:
+        raise ConfigError(f"batch_size={batch_size} runs the rows of a JSONL prompt_file together; "
+                          "add output=PATH.jsonl (a single prompt runs alone)")
+
+
 def read_prompt(cfg: dict, stdin=None, *, context_length: int | None = None) -> str:
     """The prompt from ``prompt``, ``prompt_file`` or stdin (``prompt=-`` or piped input).
 
@@ -90,6 +107,59 @@ def read_prompt(cfg: dict, stdin=None, *, context_length: int | None = None) -> 
         if context_length is not None:
             check_prompt_size(text, context_length)
     return check_prompt(text, name)
+
+
+def _reads_stdin(cfg: dict) -> bool:
+    prompt, prompt_file = cfg.get("prompt"), cfg.get("prompt_file")
+    return prompt == "-" or prompt_file == "-" or (prompt is None and prompt_file is None)
+
+
+class _Peeked:
+    """A stream whose first bytes (or characters) were read ahead: ``read`` gives them first."""
+
+    def __init__(self, head, rest):
+        self._head, self._rest = head, rest
+
+    def read(self, size: int = -1):
+        if size is None or size < 0:
+            head, self._head = self._head, self._head[:0]
+            return head + self._rest.read()
+        head, self._head = self._head[:size], self._head[size:]
+        return head + self._rest.read(size - len(head)) if len(head) < size else head
+
+
+class _PeekedStdin:
+    """stdin with its first non-blank piece read ahead (:func:`peek_stdin`)."""
+
+    def __init__(self, stdin, head):
+        raw = getattr(stdin, "buffer", None)
+        self.buffer = _Peeked(head, raw) if raw is not None else None
+        self._text = None if raw is not None else _Peeked(head, stdin)
+        self._stdin = stdin
+
+    def read(self, size: int = -1):
+        return self._text.read(size)
+
+    def isatty(self) -> bool:
+        return self._stdin.isatty()
+
+
+def peek_stdin(stdin, piece: int = 1 << 16):
+    """``stdin`` read ahead to its first non-whitespace piece (a pipe's first write, at most ``piece``
+    bytes at a time), so an empty or blank stdin is refused (PromptError) before the model loads;
+    returns a stream that gives what was read first. Stops at :data:`MAX_CONTEXT_TOKENS`' bound."""
+    raw = getattr(stdin, "buffer", None)
+    source = raw if raw is not None else stdin
+    read = getattr(source, "read1", None) or source.read
+    head = source.read(0)
+    while len(head) <= prompt_size_bound(MAX_CONTEXT_TOKENS):
+        more = read(piece)
+        head += more
+        if not more or more.strip():
+            break
+    if not head.strip():
+        check_prompt("", "stdin")
+    return _PeekedStdin(stdin, head)
 
 
 def _read_file(path: Path, limit: int | None, context_length: int | None) -> str:
@@ -153,15 +223,18 @@ def run(cfg: dict, out=None, err=None) -> Generation | Summary | None:
     """Check the resolved config's values, build the pipeline and stream one generation
     (or, with ``output=``, run the JSONL file: :func:`run_jsonl`)."""
     out = sys.stdout if out is None else out
-    err = sys.stderr if err is None else err
+    err = TolerantStream(sys.stderr if err is None else err)
     cfg = check_run_config(cfg)
     if cfg.get("output") is not None:
         return run_jsonl(cfg, err)
+    check_single_prompt(cfg)
     check_prompt_source(cfg)
+    require_stdout(out)
+    stdin = peek_stdin(sys.stdin) if _reads_stdin(cfg) else None
     from specgen.build import build_pipeline  # after the checks: it imports the models
 
     pipe = build_pipeline(cfg)
-    prompt = read_prompt(cfg, context_length=pipe.target.context_length)
+    prompt = read_prompt(cfg, stdin, context_length=pipe.target.context_length)
     ui = cfg.get("ui") or {}
     colour = _use_colour(ui.get("color", "auto"), out)
     stream = pipe.stream(prompt)
@@ -172,14 +245,15 @@ def run(cfg: dict, out=None, err=None) -> Generation | Summary | None:
                 generation = event.generation
             if ui.get("stream", True) or isinstance(event, FinishEvent):
                 start = _COLOURS.get(event.kind, "") if colour else ""
-                out.write(f"{start}{event.text}{_RESET if start else ''}")
-                out.flush()
+                write_stdout(out, f"{start}{event.text}{_RESET if start else ''}")
     except KeyboardInterrupt:
         stream.close()
-        out.write("\n")
+        write_stdout(out, "\n")
         err.write("specgen: cancelled\n")
         raise SystemExit(130) from None
-    out.write("\n")
+    finally:
+        stream.close()  # a failed write (StdoutClosed, OutputError) ends the generation too
+    write_stdout(out, "\n")
     if ui.get("summary", True) and generation is not None:
         err.write(summary_line(generation) + "\n")
     return generation
@@ -192,7 +266,9 @@ def run_jsonl(cfg: dict, err) -> Summary:
 
     from specgen.build import build_pipeline
     from specgen.jsonl import job_from_config
+    from specgen.jsonl_input import check_has_rows
 
+    check_has_rows(Path(cfg["prompt_file"]))  # before the model loads
     pipe = build_pipeline(cfg)
     job = job_from_config(cfg, pipe.target.context_length)
     ui = cfg.get("ui") or {}
@@ -205,7 +281,8 @@ def run_jsonl(cfg: dict, err) -> Summary:
         s = job.summary
         err.write(f"specgen: cancelled; {s.finished} of {s.rows} rows are in {s.output} (resume=true continues)\n")
         raise SystemExit(130) from None
-    bar.close()
+    finally:
+        bar.close()  # before an error line (a full disk), too
     if ui.get("summary", True):
         err.write(summary.line() + "\n")
     if summary.errors:
@@ -225,7 +302,9 @@ def main() -> None:
     ``specgen export ...`` (first argument) writes a head for vLLM/SGLang instead: :mod:`specgen.export_cli`."""
     if sys.argv[1:2] == ["export"]:
         from specgen.export_cli import main as export_main
+        from specgen.outputs import tolerate_stderr
 
+        tolerate_stderr()
         export_main(sys.argv[2:])
         return
     run_console(_hydra_main, "specgen", "config")

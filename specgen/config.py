@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from specgen.errors import ConfigError, SpecgenError
+from specgen.errors import ConfigError, OutputError, SpecgenError
 from specgen import schema  # noqa: F401  (registers the structured-config schemas)
 
 #: Keys whose values are free text; the CLI quotes them so Hydra's parser accepts any characters.
@@ -201,9 +201,18 @@ def to_container(cfg) -> dict:
 
 @contextmanager
 def exits_on_error(command: str) -> Iterator[None]:
-    """A specgen error inside becomes one ``<command>: error: ...`` line on stderr and exit status 2."""
+    """A specgen error inside becomes one ``<command>: error: ...`` line on stderr and exit status 2;
+    an :class:`~specgen.errors.OutputError` (an output that could not be written) status 74 with its
+    line; stdout's reader gone (EPIPE) a quiet exit with status 141 (:mod:`specgen.outputs`)."""
+    from specgen.outputs import OUTPUT_FAILED, STDOUT_CLOSED, StdoutClosed
+
     try:
         yield
+    except StdoutClosed:
+        raise SystemExit(STDOUT_CLOSED) from None
+    except OutputError as exc:
+        sys.stderr.write(f"{command}: error: {exc}\n")
+        raise SystemExit(OUTPUT_FAILED) from None
     except SpecgenError as exc:
         sys.stderr.write(f"{command}: error: {exc}\n")
         raise SystemExit(2) from None
@@ -273,6 +282,9 @@ def run_console(hydra_main: Callable[[], None], command: str, config_name: str) 
     """
     from transformers.utils import logging as hf_logging
 
+    from specgen.outputs import tolerate_stderr
+
+    tolerate_stderr()
     hf_logging.set_verbosity_error()
     args = sys.argv[1:]
     try:

@@ -53,3 +53,8 @@ class DeadEndError(SpecgenError):
     The engine ends the generation with ``finish_reason="dead_end"`` instead of
     sampling a garbage token.
     """
+
+
+class OutputError(SpecgenError):
+    """An output could not be written (a full disk, a closed stdout); the message names the file and
+    what was kept. The commands exit with status 74 (sysexits' EX_IOERR), not 2: the input was fine."""

@@ -54,6 +54,7 @@ def run_export(args: Sequence[str], out=None) -> Path:
     from specgen.heads.export import check_export_dir, export_eagle3
     from specgen.heads.store import load_head
     from specgen.models import load_model, resolve_device
+    from specgen.outputs import write_stdout
 
     out = sys.stdout if out is None else out
     settings, overrides = parse_args(args)
@@ -79,8 +80,7 @@ def run_export(args: Sequence[str], out=None) -> Path:
     path = export_eagle3(head, out_dir, target_config=model.config,
                          fingerprint=json.loads(meta.get("specgen.fingerprint", "{}")), dtype=dtype,
                          num_speculative_tokens=int(steps), target_name=name)
-    out.write((path / "README.md").read_text())
-    out.flush()
+    write_stdout(out, (path / "README.md").read_text())
     return path
 
 

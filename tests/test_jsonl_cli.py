@@ -69,7 +69,7 @@ def test_rows_in_order_with_per_row_errors(full_run):
     assert records[4]["error"] == "line 6: unknown key 'promt'; did you mean prompt?"
     assert records[5]["error"].startswith("line 7: not valid JSON")
     for record in (records[i] for i in OK_INDICES):
-        assert set(record) == {"index", "id", "text", "finish_reason", "guarantee", "stats"}
+        assert set(record) == {"index", "id", "text", "finish_reason", "guarantee", "stats", "fingerprint"}
         assert record["stats"]["new_tokens"] >= 1 and record["stats"]["target_calls"] >= 1
     assert records[1]["stats"]["new_tokens"] <= 4
     assert records[6]["guarantee"] == "off: speculative=false"
@@ -194,10 +194,36 @@ def test_resume_refuses_a_file_whose_last_complete_line_is_not_a_record(tmp_path
     assert out.read_text(encoding="utf-8") == content
 
 
-def test_resume_refuses_the_output_of_another_input(tmp_path):
-    (tmp_path / "out.jsonl").write_text('{"index": 1, "id": "not b", "text": "x"}\n', encoding="utf-8")
-    with pytest.raises(ConfigError, match="does not match prompt_file"):
-        run_file(tmp_path, "resume=true")
+def test_resume_reruns_the_rows_of_another_input_or_other_settings(tmp_path, full_run):
+    """An output written from another input: rows whose line changed (same id) are rerun, the others
+    kept; other generation settings rerun every row. Before fingerprints only index and id were
+    compared, and row 1's old answer was kept for a new prompt."""
+    reference = read_records(full_run[0] / "out.jsonl")
+    changed = list(ROWS)
+    changed[1] = {**ROWS[1], "prompt": "count to four"}
+    changed[6] = {**ROWS[6], "prompt": "stop later"}
+    write_rows(tmp_path / "rows.jsonl", changed)
+    marked = [{**r, "text": "KEPT"} if "text" in r else r for r in reference]
+    (tmp_path / "out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in marked), encoding="utf-8")
+    code, records, err = run_file(tmp_path, "resume=true")
+    assert code == 1 and err.strip().endswith("(5 resumed, 2 rerun: their row or settings changed)"), err
+    assert [r["index"] for r in records] == list(range(7))  # the old records of rows 1 and 6 are gone
+    assert [r.get("text") for r in records] == ["KEPT", records[1]["text"], "KEPT", None, None, None,
+                                                records[6]["text"]]
+    fresh = tiny_pipeline("max_new_tokens=6")
+    assert records[1]["text"] == fresh.generate("count to four", max_new_tokens=4).text != "KEPT"
+    assert records[6]["text"] == fresh.generate("stop later", stop=["e"], speculative=False).text
+    code, records, err = run_file(tmp_path, "resume=true", "max_new_tokens=5")
+    assert code == 1 and err.strip().endswith("(7 rerun: their row or settings changed)"), err
+    assert "KEPT" not in [r.get("text") for r in records] and len(records) == 7
+
+
+def test_resume_reruns_a_record_without_a_fingerprint(tmp_path):
+    (tmp_path / "out.jsonl").write_text('{"index": 0, "id": null, "text": "from an older specgen"}\n',
+                                        encoding="utf-8")
+    code, records, err = run_file(tmp_path, "resume=true")
+    assert code == 1 and "(1 rerun: its row or settings changed)" in err
+    assert len(records) == 7 and records[0]["text"] != "from an older specgen"
 
 
 def test_ctrl_c_after_k_rows_leaves_k_valid_rows(tmp_path, monkeypatch, full_run):

@@ -114,6 +114,20 @@ class DraftSession(ABC):
 MAX_NUM_TOKENS = 64
 
 
+def check_num_tokens(num_tokens: object) -> int | str:
+    """``drafter.num_tokens`` as ``"auto"`` or an int from 1 to MAX_NUM_TOKENS; ConfigError otherwise
+    (checked before anything loads, and again by every drafter)."""
+    if isinstance(num_tokens, str) and num_tokens.strip().lower() == "auto":
+        return "auto"
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, float)) or int(num_tokens) != num_tokens \
+            or not 1 <= num_tokens <= MAX_NUM_TOKENS:
+        from specgen.errors import ConfigError
+
+        raise ConfigError(f"drafter.num_tokens must be a positive integer up to {MAX_NUM_TOKENS} or auto, "
+                          f"got {num_tokens!r}")
+    return int(num_tokens)
+
+
 #: What a drafter proposes: a chain (``Proposal.parents`` None) or a tree of candidates.
 DraftShape = Literal["chain", "tree"]
 
@@ -162,16 +176,7 @@ class Drafter(ABC):
     feature_layers: list[int] | None = None
 
     def __init__(self, num_tokens: int | str):
-        if isinstance(num_tokens, str) and num_tokens.strip().lower() == "auto":
-            self.num_tokens: int | str = "auto"
-            return
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, float)) or int(num_tokens) != num_tokens \
-                or not 1 <= num_tokens <= MAX_NUM_TOKENS:
-            from specgen.errors import ConfigError
-
-            raise ConfigError(f"drafter.num_tokens must be a positive integer up to {MAX_NUM_TOKENS} or auto, "
-                              f"got {num_tokens!r}")
-        self.num_tokens = int(num_tokens)
+        self.num_tokens: int | str = check_num_tokens(num_tokens)
 
     @property
     def max_tokens(self) -> int:

@@ -65,6 +65,7 @@ from specgen.errors import ConfigError, ModelLoadError
 from specgen.heads.fingerprint import refuse_other_target
 from specgen.heads.kinds import build_head, fill_head
 from specgen.heads.modules import HeadConfig
+from specgen.outputs import replace_atomically, write_failure
 from specgen.paths import check_output_dir
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -171,9 +172,11 @@ def _engine_tensors(head, order: list[int], vocab_size: int, dtype: torch.dtype)
 
 
 def _write(path: pathlib.Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    tmp.replace(path)
+    """``write(tmp)`` then rename onto ``path``; OutputError (one line, nothing partial left) when it fails."""
+    try:
+        replace_atomically(path, write)
+    except OSError as exc:
+        raise write_failure(path, exc, "no partial file is left; free space and export again") from None
 
 
 def train_export_dir(value, kind: str, out_path: pathlib.Path, feature_layers=None) -> pathlib.Path | None:

@@ -22,11 +22,13 @@ from specgen.heads.fingerprint import refuse_other_target
 from specgen.heads.kinds import build_head, fill_head
 from specgen.heads.modules import DraftHead, HeadConfig
 from specgen.models import packed_linear
+from specgen.outputs import replace_atomically
 
 
 def save_head(path: str | pathlib.Path, head: DraftHead, fingerprint: Mapping, *, command: str = "", seed: int = 0,
               data: str = "", train: Mapping | None = None, dtype: torch.dtype = torch.bfloat16) -> pathlib.Path:
-    """Write ``head`` (its own parameters and vocab_ids, not the borrowed target tensors)."""
+    """Write ``head`` (its own parameters and vocab_ids, not the borrowed target tensors) in one rename;
+    OSError (a full disk) leaves no partial file."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -42,9 +44,7 @@ def save_head(path: str | pathlib.Path, head: DraftHead, fingerprint: Mapping, *
         "specgen.data": data,
         "specgen.train": json.dumps(dict(train or {}), sort_keys=True),
     }
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    tmp.replace(path)
+    replace_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))  # OSError: nothing left
     return path
 
 

@@ -8,15 +8,22 @@ stdout gets the held-out evaluation table; progress and notes go to stderr.
 Errors a user can cause exit with status 2 and one line; ``train.out`` is
 checked before anything loads. Ctrl-C during training saves a checkpoint and
 exits with status 130 on one line naming it; earlier, it exits 130 with
-``specgen-train: cancelled``.
+``specgen-train: cancelled``. Before training, the disk of ``train.out`` must have room for the
+head (and its checkpoints); a head file that still cannot be written (a full disk) is saved in the
+temporary directory, /dev/shm or home instead, and the run exits with status 74 on one line naming
+where it went. A checkpoint that cannot be written is skipped with a note; training goes on.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import hydra
@@ -25,8 +32,9 @@ from omegaconf import DictConfig
 
 from specgen.config import compose, conf_dir, exits_on_error, run_console, to_container
 from specgen.drafters.base import MAX_NUM_TOKENS
-from specgen.errors import ConfigError
+from specgen.errors import ConfigError, OutputError
 from specgen.options import parse_int
+from specgen.outputs import write_failure, write_stdout
 from specgen.paths import check_output_file
 
 CONFIG_NAME = "train"
@@ -245,11 +253,41 @@ def _save(job: _Job, head, fingerprint, result, metrics, corpora, speeds, comman
             "steps_per_s": round(result.steps_per_s, 3), "final_loss": round(sum(tail) / max(1, len(tail)), 5),
             "resumed_from": result.resumed_from, "eval_data": corpora["eval"].description,
             "train_tokens": sum(len(seq) for seq in corpora["train"].sequences), "metrics": metrics}
-    path = save_head(job.out_path, head, fingerprint, command=command, seed=s.seed,
-                     data=corpora["train"].description, train=info)
+    save = partial(save_head, head=head, fingerprint=fingerprint, command=command, seed=s.seed,
+                   data=corpora["train"].description, train=info)
+    try:
+        path = save(job.out_path)
+    except OSError as exc:
+        raise write_failure(job.out_path, exc, _rescue(save, job.out_path)) from None
     if not job.train.get("keep_checkpoint", False):
         job.checkpoint.unlink(missing_ok=True)
     return path, info
+
+
+def _rescue(save: Callable[[Path], Path], out_path: Path) -> str:
+    """Where the trained head went when ``train.out`` could not take it: the first of the temporary
+    directory, /dev/shm and the home directory that holds it (the text of the one error line)."""
+    name = f"{out_path.stem}-rescued-{os.getpid()}.safetensors"
+    for folder in (Path(tempfile.gettempdir()), Path("/dev/shm"), Path.home()):
+        if folder.is_dir() and folder.resolve() != out_path.parent.resolve():
+            try:
+                return f"the trained head is kept in {save(folder / name)}: move it to {out_path}"
+            except OSError:
+                continue
+    return "the trained head could not be kept anywhere (tried the temporary directory, /dev/shm and home)"
+
+
+def check_room(path: Path, head, checkpoints: bool) -> None:
+    """OutputError before training when the disk of ``path`` (train.out) has less room than the head
+    file needs (2 bytes a parameter, bfloat16) and, with ``checkpoints``, a checkpoint (float32
+    weights and two AdamW moments: 12 bytes a parameter)."""
+    params = sum(p.numel() for p in head.parameters() if p.requires_grad)
+    need = 2 * params + (12 * params if checkpoints else 0) + (1 << 16)  # + 64 KiB for the metadata
+    free = shutil.disk_usage(path.parent).free
+    if free < need:
+        raise OutputError(f"train.out={path}: its disk has {free / 2**20:,.1f} MiB free; the head"
+                          f"{' and its checkpoints need' if checkpoints else ' needs'} about {need / 2**20:,.1f} MiB; "
+                          "free space or choose another train.out (nothing was trained)")
 
 
 def _export(job: _Job, head, model, fingerprint) -> None:
@@ -257,7 +295,11 @@ def _export(job: _Job, head, model, fingerprint) -> None:
     from specgen.heads.export import export_eagle3
 
     if job.export_dir is not None:
-        export_eagle3(head, job.export_dir, target_config=model.config, fingerprint=fingerprint)
+        try:
+            export_eagle3(head, job.export_dir, target_config=model.config, fingerprint=fingerprint)
+        except OutputError as exc:
+            raise OutputError(f"{exc}; the trained head is saved in {job.out_path} (specgen export head="
+                              f"{job.out_path} out={job.export_dir} exports it)") from None
         job.say(f"exported {job.export_dir} for vLLM / SGLang (serving commands in {job.export_dir / 'README.md'})")
 
 
@@ -279,6 +321,7 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
         corpora["train"], feats["train"] = first_tokens(corpora["train"], feats["train"], int(job.train["train_tokens"]))
         job.say(f"training on {corpora['train'].description}")
     head, lookup = _new_head(job, model, loaded, corpora["train"])
+    check_room(job.out_path, head, checkpoints=bool(job.settings.checkpoint_every))
     signature = {"head": head.cfg.to_json(), "data": corpora["train"].description,
                  "fingerprint": fingerprint["weights_sha256"], "vocab": head.vocab_ids.tolist()[:64]}
     result = train_head(head, feats["train"], lookup, job.settings, device=job.device, checkpoint=job.checkpoint,
@@ -293,9 +336,8 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
     metrics = evaluate(head, feats["eval"], lookup, unroll=job.settings.unroll, device=job.device)
     text = table(metrics)
     path, info = _save(job, head, fingerprint, result, metrics, corpora, speeds, command)
-    out.write(f"{job.kind} head, loss {job.settings.loss}, {job.settings.steps} steps; held-out evaluation:\n\n"
-              f"{text}\n")
-    out.flush()
+    write_stdout(out, f"{job.kind} head, loss {job.settings.loss}, {job.settings.steps} steps; held-out "
+                      f"evaluation:\n\n{text}\n")
     job.say(f"saved {path}")
     _export(job, head, model, fingerprint)
     return TrainRun(path, metrics, info, text)

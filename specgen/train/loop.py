@@ -38,6 +38,7 @@ from specgen.errors import ConfigError
 from specgen.heads.modules import DraftHead
 from specgen.train.data import Features, lm_logits
 from specgen.options import parse_int, parse_seed
+from specgen.outputs import describe, replace_atomically
 from specgen.train.losses import (
     CONFIDENCE_LOSSES,
     LOSSES,
@@ -225,10 +226,9 @@ class _State:
         if path is None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "sched": self.sched.state_dict(),
-                    "gen": self.gen.get_state(), "step": self.step, "signature": self.signature}, tmp)
-        tmp.replace(path)
+        state = {"head": self.head.state_dict(), "opt": self.opt.state_dict(), "sched": self.sched.state_dict(),
+                 "gen": self.gen.get_state(), "step": self.step, "signature": self.signature}
+        replace_atomically(path, lambda tmp: torch.save(state, tmp))  # OSError: the last checkpoint stays whole
 
     def load(self, path: Path) -> None:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -306,7 +306,11 @@ def train_head(head: DraftHead, feats: Features, lookup: torch.Tensor, s: Settin
             bar.update(1)
             bar.set_postfix(loss=f"{ema_loss:.3f}", acc1=f"{ema_acc:.3f}", refresh=False)
             if s.checkpoint_every and st.step % s.checkpoint_every == 0 and st.step < s.steps:
-                st.save(checkpoint)
+                try:
+                    st.save(checkpoint)
+                except OSError as exc:  # a checkpoint insures the run; a full disk does not stop it
+                    bar.write(f"specgen-train: checkpoint {checkpoint} not written ({describe(exc)}); training goes on",
+                              file=sys.stderr)
     except KeyboardInterrupt:
         result.interrupted = True
     finally:
