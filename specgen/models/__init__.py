@@ -15,6 +15,7 @@ from specgen.models.tiny import TinyTokenizer, build_tiny_model
 from specgen.models.tokenizer import TokenizerInfo
 
 __all__ = ["CausalLM", "KVCache", "LoadedModel", "TokenizerInfo", "cuda_condition", "load_llama_cpp", "load_model",
+           "load_quantized",
            "native_bfloat16", "native_cpu_bfloat16", "resolve_device", "resolve_drafter_dtype", "resolve_dtype"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -23,7 +24,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 @dataclass
 class LoadedModel:
-    lm: CausalLM
+    lm: CausalLM  # or another Target: QuantizedLM, LlamaCppLM
     tokenizer: TokenizerInfo
 
 
@@ -154,3 +155,22 @@ def load_llama_cpp(source: Mapping, *, name: str, threads: int, extra_eos: tuple
                     batch_row_context=batch_row_context, context_length=context,
                     flash_attention=flash_attention, repack=repack)
     return LoadedModel(lm, info)
+
+
+def load_quantized(source: Mapping, *, name: str, quant: str, extra_eos: tuple[int, ...] = (),
+                   progress: bool = True, vocab_size: int | None = None) -> LoadedModel:
+    """The model of ``source`` (a Llama-family model; tiny ones too) on the quantized torch path
+    (:mod:`specgen.models.quantized`) with ``quant`` (``int8``/``int4``) weights, on the CPU; its
+    float32 weights are read as :func:`load_model` reads them and quantized. ConfigError for an
+    architecture the lean forward does not serve, naming the way that works."""
+    from specgen.models.quantized import QuantizedLM, architecture_problem, choose_kernels
+
+    loaded = load_model(source, name=name, dtype=torch.float32, device=torch.device("cpu"), extra_eos=extra_eos,
+                        progress=progress, packed=False, vocab_size=vocab_size)
+    model = loaded.lm.model
+    problem = architecture_problem(model)
+    if problem is not None:
+        raise ConfigError(f"dtype={quant} runs a lean Llama-family forward: {problem}; use dtype=float32")
+    kind, head_kind, fallback = choose_kernels(quant)
+    lm = QuantizedLM(model, loaded.lm.vocab_size, kind=kind, head_kind=head_kind, name=name, fallback=fallback)
+    return LoadedModel(lm, loaded.tokenizer)

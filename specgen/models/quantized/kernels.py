@@ -1,0 +1,129 @@
+"""Quantized linear layers on torch's own CPU int kernels, and the one place a kernel is chosen.
+
+A :class:`QuantLinear` holds the weight of one ``nn.Linear`` quantized for one of
+these paths (``KERNELS``) and computes ``x @ W.T (+ bias)`` for ``x`` [rows, in]
+float32, returning [rows, out] float32:
+
+* ``int8``: int8 weights with one scale per output channel,
+  ``torch._weight_int8pack_mm`` on bfloat16 activations;
+* ``int4``: 4-bit weights in groups of ``GROUP`` inputs with a scale and a zero
+  per group and output channel (``w = (q - 8) * scale + zero``), in the int4pack
+  layout, ``torch._weight_int4pack_mm_for_cpu`` on bfloat16 activations. The
+  grid is each group's own minimum and maximum split in 15 steps, so a weight
+  dequantised from a GGUF Q4_1 block (``d * q + m``, q from 0 to 15) maps back onto
+  its own block's grid (up to the bfloat16 rounding of scale and zero);
+* ``float``: ``F.linear`` on the float32 weight: the fallback where a kernel is
+  missing, fails its probe, or cannot take a layer's shape. It is not batch
+  invariant (its products' summation order depends on the row count).
+
+Batch invariance: both int kernels compute every row on its own (integer
+products, per-row work, no reduction across rows), so a row's output does not
+depend on how many rows are fed with it. :func:`kernel_problem` checks that
+on a probe before a kernel is used; the target measures it again on the whole
+model at load (``verify_gap``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+#: Quantized paths, by setting name (``dtype=int8`` / ``dtype=int4``), and the torch op each calls.
+KERNELS = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm_for_cpu"}
+#: Inputs per int4 group (one scale and zero each).
+GROUP = 32
+#: The activations' dtype the int kernels read (the CPU kernels' fast path).
+ACTIVATION = torch.bfloat16
+
+
+def kernel_problem(kind: str) -> str | None:
+    """Why the ``kind`` kernel cannot serve here (None: it can): missing from this torch build,
+    failing on a probe, disagreeing with a float reference, or rows fed together differing from
+    rows fed alone. Every quantized layer of a model is built only after this returns None."""
+    op = KERNELS[kind]
+    if not hasattr(torch, op) or (kind == "int4" and not hasattr(torch, "_convert_weight_to_int4pack_for_cpu")):
+        return f"this torch build ({torch.__version__}) has no torch.{op}"
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 2 * GROUP, generator=generator)  # [out, in]
+    rows = torch.randn(5, 2 * GROUP, generator=generator)  # [rows, in]
+    try:
+        layer = QuantLinear(weight, None, kind)
+        together = layer(rows)  # [5, out]
+        alone = torch.cat([layer(rows[i:i + 1]) for i in range(rows.shape[0])])
+    except RuntimeError as error:
+        return f"torch.{op} fails here: {str(error).splitlines()[0][:160]}"
+    if layer.kind != kind:
+        return f"torch.{op} cannot take a probe layer: {layer.reason}"
+    reference = rows @ weight.T  # [5, out]
+    if not torch.allclose(together, reference, rtol=0.1, atol=0.1 * float(reference.abs().max())):
+        return f"torch.{op} disagrees with a float reference on a probe"
+    if not torch.equal(together, alone):
+        return f"torch.{op} computes rows fed together differently from rows fed alone"
+    return None
+
+
+def _shape_problem(kind: str, out_features: int, in_features: int) -> str | None:
+    """Why the ``kind`` kernel cannot take an [out, in] weight (None: it can)."""
+    if kind == "int4" and (in_features % GROUP or out_features % 8):
+        return f"int4 needs in % {GROUP} == 0 and out % 8 == 0, this layer is [{out_features}, {in_features}]"
+    return None
+
+
+class QuantLinear:
+    """``x @ weight.T + bias`` on a quantized copy of ``weight`` (see the module docstring).
+
+    weight: [out, in] float; bias: [out] or None (added in float32); kind: one of KERNELS or
+    ``float``. A layer whose shape the kernel cannot take runs ``float``; ``kind`` says what runs
+    and ``reason`` why it is not the kind asked for (None when it is).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
+        weight = weight.detach().float()
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.detach().float()  # [out]
+        self.reason = _shape_problem(kind, *weight.shape) if kind != "float" else None
+        self.kind = "float" if self.reason else kind
+        if self.kind == "int8":
+            self.weight, self.scales = quantize_int8(weight)
+        elif self.kind == "int4":
+            self.weight, self.scales = quantize_int4(weight)
+        else:
+            self.weight, self.scales = weight, None
+
+    @property
+    def memory_bytes(self) -> int:
+        tensors = [t for t in (self.weight, self.scales, self.bias) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [rows, in] float32 -> [rows, out] float32."""
+        if self.kind == "int8":
+            out = torch._weight_int8pack_mm(x.to(ACTIVATION), self.weight, self.scales).float()
+        elif self.kind == "int4":
+            out = torch._weight_int4pack_mm_for_cpu(x.to(ACTIVATION), self.weight, GROUP, self.scales).float()
+        else:
+            return F.linear(x, self.weight, self.bias)
+        return out if self.bias is None else out + self.bias
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (int8 [out, in], bfloat16 scales [out]): symmetric, per output channel,
+    rounded against the bfloat16 scale the kernel multiplies by."""
+    scales = (weight.abs().amax(1).clamp_min(1e-30) / 127).to(ACTIVATION)  # [out]
+    quantized = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return quantized.contiguous(), scales
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (int4pack [out, in / 2] uint8, bfloat16 scales and zeros [in / GROUP, out, 2]):
+    each group's minimum and maximum split in 15 steps, stored as ``(q - 8) * scale + zero``."""
+    out_features, in_features = weight.shape
+    groups = weight.reshape(out_features, in_features // GROUP, GROUP)  # [out, G, GROUP]
+    low, high = groups.amin(-1), groups.amax(-1)  # [out, G]
+    scales = ((high - low) / 15).clamp_min(1e-30)  # [out, G]
+    codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)  # [out, G, GROUP]
+    codes = codes.reshape(out_features, in_features).to(torch.int32)
+    zeros = low + 8 * scales  # (q - 8) * scale + zero == q * scale + low
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)  # [out, in / 2] uint8
+    scales_zeros = torch.stack([scales.T, zeros.T], dim=-1).to(ACTIVATION).contiguous()  # [G, out, 2]
+    return packed, scales_zeros

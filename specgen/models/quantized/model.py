@@ -1,0 +1,192 @@
+"""A lean forward of the Llama family (Llama, Qwen2: Llama with q/k/v biases) on quantized linears.
+
+One readable forward in the style of gpt-fast's ``model.py``: token embeddings,
+RMSNorm, rotary embeddings, grouped-query attention over an explicit
+preallocated KV cache (:class:`KVBuffers`, passed in), a SwiGLU MLP and the LM
+head. Linear layers are :class:`~specgen.models.quantized.kernels.QuantLinear`
+(q/k/v fused into one, gate/up into one).
+
+Batch invariance by construction: the logits of a position must not depend on
+how many positions are fed with it. Every op here either works on each row on
+its own (the int kernels, norms, RoPE, SiLU, residual adds: elementwise or
+reductions within a row) or is computed per query in the shapes of a one-token
+step: attention runs one ``scaled_dot_product_attention`` call per query over
+exactly the keys it sees, a view whose strides do not depend on the cache's
+capacity. The target measures the result at load (``verify_gap``).
+
+The weights come from a loaded transformers model (float32, e.g. a GGUF's
+dequantised tensors); :func:`architecture_problem` says which models this
+forward does not serve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specgen.models.quantized.kernels import QuantLinear
+
+#: transformers model types this forward serves.
+MODEL_TYPES = ("llama", "qwen2")
+#: Tokens a new KV buffer holds; it doubles when full (up to the context length).
+FIRST_CAPACITY = 256
+
+
+def architecture_problem(model: torch.nn.Module) -> str | None:
+    """Why :class:`LeanLlama` cannot run ``model`` (None: it can)."""
+    config = model.config
+    kind = getattr(config, "model_type", None)
+    if kind not in MODEL_TYPES:
+        return f"it serves model types {', '.join(MODEL_TYPES)}, not {kind!r}"
+    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
+        return "it serves SwiGLU MLPs without biases"
+    if getattr(config, "use_sliding_window", False):
+        return "it serves full attention, and this model uses a sliding window"
+    rope = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope == "dynamic":
+        return "it serves fixed rotary tables, and this model's rope scaling is dynamic"
+    if any(getattr(config, key, None) not in (None, 1, 1.0) for key in ("logit_scale", "final_logit_softcapping")):
+        return "its logits are the LM head's output, and this model scales or caps them"
+    return None
+
+
+@dataclass
+class KVBuffers:
+    """Keys and values of one sequence: [layers, capacity, kv_heads, head_dim] float32 each.
+
+    Slots past the owner's length hold stale entries that no query reads, so dropping
+    entries costs nothing; :meth:`reserve` grows both buffers (copying what is kept)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def reserve(self, length: int, kept: int, limit: int) -> None:
+        """Make room for ``length`` slots, keeping the first ``kept``; at most ``limit`` slots."""
+        capacity = self.keys.shape[1]
+        if length <= capacity:
+            return
+        if length > limit:
+            raise ValueError(f"{length} tokens exceed the model's context of {limit}")
+        while capacity < length:
+            capacity *= 2
+        capacity = min(capacity, limit)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_empty(old.shape[0], capacity, *old.shape[2:])
+            new[:, :kept] = old[:, :kept]
+            setattr(self, name, new)
+
+
+@dataclass
+class Layer:
+    """One decoder layer's weights."""
+
+    attention_norm: torch.Tensor  # [d]
+    qkv: QuantLinear  # d -> (heads + 2 * kv_heads) * head_dim, with Qwen2's biases
+    output: QuantLinear  # heads * head_dim -> d
+    mlp_norm: torch.Tensor  # [d]
+    gate_up: QuantLinear  # d -> 2 * intermediate
+    down: QuantLinear  # intermediate -> d
+
+
+def _fused(linears: list[torch.nn.Linear], kind: str) -> QuantLinear:
+    """One QuantLinear computing ``linears`` side by side (per-output-channel and per-group
+    scales stay each row's own, so fusing changes no output)."""
+    weight = torch.cat([linear.weight for linear in linears])  # [sum out, in]
+    biases = [linear.bias for linear in linears]
+    bias = None if all(b is None for b in biases) else torch.cat([
+        b if b is not None else torch.zeros(linear.out_features) for b, linear in zip(biases, linears)])
+    return QuantLinear(weight, bias, kind)
+
+
+class LeanLlama:
+    """The forward of a Llama-family ``model`` (transformers, float32 weights on the CPU) on
+    :class:`QuantLinear` layers of ``kind`` and an LM head of ``head_kind``."""
+
+    def __init__(self, model: torch.nn.Module, kind: str, head_kind: str):
+        config = model.config
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.eps = float(config.rms_norm_eps)
+        self.scale = self.head_dim ** -0.5
+        self.context_length = int(config.max_position_embeddings)
+        decoder = model.model
+        with torch.no_grad():
+            self.embedding = decoder.embed_tokens.weight.detach().float().clone()  # [vocab', d]
+            self.layers = [self._layer(block, kind) for block in decoder.layers]
+            self.norm = decoder.norm.weight.detach().float().clone()  # [d]
+            self.head = QuantLinear(model.get_output_embeddings().weight, None, head_kind)
+            positions = torch.arange(self.context_length)[None]  # [1, P]
+            cos, sin = decoder.rotary_emb(self.embedding[:1], positions)  # [1, P, head_dim] each
+        self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [P, head_dim]
+
+    def _layer(self, block: torch.nn.Module, kind: str) -> Layer:
+        attention, mlp = block.self_attn, block.mlp
+        return Layer(attention_norm=block.input_layernorm.weight.detach().float().clone(),
+                     qkv=_fused([attention.q_proj, attention.k_proj, attention.v_proj], kind),
+                     output=_fused([attention.o_proj], kind),
+                     mlp_norm=block.post_attention_layernorm.weight.detach().float().clone(),
+                     gate_up=_fused([mlp.gate_proj, mlp.up_proj], kind), down=_fused([mlp.down_proj], kind))
+
+    def linears(self) -> list[QuantLinear]:
+        """Every QuantLinear, the LM head last."""
+        return [linear for layer in self.layers
+                for linear in (layer.qkv, layer.output, layer.gate_up, layer.down)] + [self.head]
+
+    @property
+    def memory_bytes(self) -> int:
+        tables = [self.embedding, self.norm, self.cos, self.sin]
+        tables += [t for layer in self.layers for t in (layer.attention_norm, layer.mlp_norm)]
+        return sum(t.numel() * t.element_size() for t in tables) + sum(l.memory_bytes for l in self.linears())
+
+    def new_buffers(self) -> KVBuffers:
+        shape = (len(self.layers), min(FIRST_CAPACITY, self.context_length), self.kv_heads, self.head_dim)
+        return KVBuffers(torch.zeros(shape), torch.zeros(shape))
+
+    def forward(self, kv: KVBuffers, ids: torch.Tensor, start: int, keep: int) -> torch.Tensor:
+        """Feed ``ids`` ([n] long) at positions ``start..start + n - 1`` after ``start`` cached
+        entries of ``kv``, writing their keys and values; -> the last ``keep`` rows' logits
+        [keep, vocab'] float32 (vocab' = the LM head's rows)."""
+        n = int(ids.shape[0])
+        kv.reserve(start + n, start, self.context_length)
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        x = self.embedding[ids]  # [n, d]
+        cos = self.cos[start:start + n, None]  # [n, 1, head_dim]
+        sin = self.sin[start:start + n, None]
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(_rms_norm(x, layer.attention_norm, self.eps))  # [n, (heads + 2 kv) * head_dim]
+            qkv = qkv.view(n, heads + 2 * kv_heads, head_dim)
+            rotated = _rope(qkv[:, :heads + kv_heads], cos, sin)  # [n, heads + kv, head_dim]
+            kv.keys[index, start:start + n] = rotated[:, heads:]
+            kv.values[index, start:start + n] = qkv[:, heads + kv_heads:]
+            mixed = self._attend(rotated[:, :heads], kv.keys[index], kv.values[index], start)  # [n, heads * hd]
+            x = x + layer.output(mixed)
+            gate, up = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)  # [n, inter] each
+            x = x + layer.down(F.silu(gate) * up)
+        return self.head(_rms_norm(x[n - keep:], self.norm, self.eps))  # [keep, vocab']
+
+    def _attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+        """queries [n, heads, head_dim] at positions start.., keys/values [capacity, kv_heads, head_dim]
+        -> [n, heads * head_dim]: each query alone, over the keys up to its own position."""
+        rows = []
+        for i in range(queries.shape[0]):
+            seen = start + i + 1
+            key = keys[:seen].transpose(0, 1)[None]  # [1, kv, seen, head_dim]
+            value = values[:seen].transpose(0, 1)[None]
+            query = queries[i, None, :, None]  # [1, heads, 1, head_dim]
+            rows.append(F.scaled_dot_product_attention(query, key, value, scale=self.scale, enable_gqa=True))
+        return torch.cat(rows).reshape(queries.shape[0], -1)  # [n, heads * head_dim]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [n, d] -> [n, d], each row on its own (transformers' LlamaRMSNorm in float32)."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, head_dim] rotated by its positions' cos/sin [n, 1, head_dim] (rotate-half layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

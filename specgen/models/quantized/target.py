@@ -1,0 +1,131 @@
+"""The quantized torch target: a Llama-family model on torch's int CPU kernels, batch invariant by construction.
+
+:class:`QuantizedLM` implements :class:`specgen.models.target.Target` for chains
+(trees, target features and batched rows are declared unsupported and refused
+before loading). Its forward is :class:`~specgen.models.quantized.model.LeanLlama`;
+its KV handle is :class:`QuantKV`. Exactness rests on batch invariance, which
+:meth:`QuantizedLM.verify_gap` measures (the build declares ``exact``/``greedy``
+only where it is zero over the widths a run uses).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specgen.errors import NumericalError
+from specgen.models.quantized.kernels import KERNELS
+from specgen.models.quantized.model import KVBuffers, LeanLlama
+from specgen.models.target import Capabilities, TokenCache
+
+#: Tokens of the fixed prefix :meth:`QuantizedLM.verify_gap` feeds first.
+GAP_PREFIX = 16
+
+
+@dataclass
+class QuantKV(TokenCache):
+    """One sequence's KV handle: ``tokens`` are the ids whose entries ``buffers`` hold, in order.
+    Cropping only shortens ``tokens`` (later slots are overwritten by the next forward)."""
+
+    buffers: KVBuffers
+    tokens: list[int] = field(default_factory=list)
+
+    def _truncate(self, length: int) -> None:
+        pass
+
+
+class QuantizedLM:
+    """A Llama-family model on quantized linears (:mod:`specgen.models.quantized.kernels`).
+
+    model: the transformers model whose float32 weights are quantized (it is not kept);
+    vocab_size: the tokenizer's size (logits are cut to it); kind: the layers' kernel as chosen
+    (``int8``, ``int4`` or ``float``) and head_kind the LM head's; fallback: why the kind asked
+    for is not what runs (None when it is), stated in :meth:`describe`.
+    """
+
+    backend = "torch_quant"
+    capabilities = Capabilities(trees=False, features=False, batches=False)
+    compiled = None
+    hf_model = None
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int, *, kind: str, head_kind: str, name: str = "model",
+                 fallback: str | None = None):
+        self.net = LeanLlama(model, kind, head_kind)
+        self.vocab_size = int(vocab_size)
+        self.name = name
+        self.kind, self.head_kind, self.fallback = kind, head_kind, fallback
+        self._gaps: dict[int, float] = {}  # width -> its gap after GAP_PREFIX tokens
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The logits' dtype (the weights are int8/int4 with bfloat16 scales)."""
+        return torch.float32
+
+    @property
+    def context_length(self) -> int:
+        return self.net.context_length
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.net.memory_bytes
+
+    def describe(self) -> dict:
+        """What this path's costs and numerics depend on; ``dtype`` names the kernels that run."""
+        return {"backend": self.backend, "dtype": self.path, "attention": "per-query sdpa"}
+
+    @property
+    def path(self) -> str:
+        """The numerical path in words, e.g. ``int8 (torch _weight_int8pack_mm)``."""
+        layers = self._words(self.kind)
+        head = "" if self.head_kind == self.kind else f"; LM head {self._words(self.head_kind)}"
+        shapes = sorted({l.reason for l in self.net.linears() if l.reason})
+        odd = f"; float linear where {'; '.join(shapes)}" if shapes else ""
+        why = f" (fallback: {self.fallback})" if self.fallback else ""
+        return f"{layers}{head}{odd}{why}"
+
+    @staticmethod
+    def _words(kind: str) -> str:
+        return "float32 linear" if kind == "float" else f"{kind} (torch {KERNELS[kind]}, bfloat16 activations)"
+
+    def new_cache(self) -> QuantKV:
+        return QuantKV(self.net.new_buffers())
+
+    @torch.inference_mode()
+    def forward(self, cache: QuantKV, new_tokens: list[int] | torch.Tensor, keep: int,
+                check: bool = True) -> torch.Tensor:
+        """Feed ``new_tokens`` after the cached ones; return the last ``keep`` rows' raw logits
+        [keep, vocab_size] (float32); ``check``: NumericalError on NaN. Appends to the cache."""
+        ids = new_tokens.tolist() if isinstance(new_tokens, torch.Tensor) else [int(t) for t in new_tokens]
+        if not ids:
+            raise ValueError("forward needs at least one new token")
+        start = len(cache)
+        logits = self.net.forward(cache.buffers, torch.tensor(ids, dtype=torch.long), start, keep)
+        cache.tokens.extend(ids)
+        logits = logits[:, : self.vocab_size]  # [keep, vocab]
+        if check and logits.numel() and torch.isnan(logits.max()):
+            raise NumericalError(f"{self.name} produced NaN logits at position {start + len(ids) - 1}")
+        return logits
+
+    def verify_gap(self, widths, prefix: int = GAP_PREFIX) -> tuple[float, int]:
+        """Batch invariance: the largest |logit| difference between positions fed ``width`` at a
+        time and the same positions fed one by one, over ``widths``; -> (max difference, its width).
+        Widths are measured once per process (for the default prefix)."""
+        widths = sorted({int(w) for w in widths})
+        memo = self._gaps if prefix == GAP_PREFIX else {}
+        todo = [w for w in widths if w not in memo]
+        if todo:
+            tokens = [(7919 * i + 11) % self.vocab_size for i in range(prefix + max(todo))]
+            cache = self.new_cache()
+            self.forward(cache, tokens[:prefix], keep=1)
+            alone = torch.cat([self.forward(cache, [t], keep=1) for t in tokens[prefix:]])  # [max, vocab]
+            for width in todo:
+                cache.crop(prefix)
+                together = self.forward(cache, tokens[prefix:prefix + width], keep=width)  # [width, vocab]
+                memo[width] = float((together - alone[:width]).abs().max())
+        at = max(widths, key=lambda w: (memo[w], -w))
+        return memo[at], at
