@@ -23,8 +23,9 @@ from specgen.drafters import Drafter, DrafterRuntime
 from specgen.engine import Defaults, Pipeline
 from specgen.errors import ConfigError, SpecgenError
 from specgen.guarantee import Guarantee
-from specgen.models import LoadedModel, cuda_condition, load_llama_cpp, load_model, resolve_device, resolve_dtype
-from specgen.models.backends import choose_backend, draft_backend
+from specgen.models import (LoadedModel, cuda_condition, load_llama_cpp, load_model, load_quantized, resolve_device,
+                            resolve_dtype)
+from specgen.models.backends import choose_backend, draft_backend, quantized_dtype
 from specgen.models.threads import resolve_auto_threads
 from specgen.grammar import grammar_processor
 from specgen.processors import build_stack
@@ -137,14 +138,17 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
     cfg = check_run_config(to_container(cfg) if not isinstance(cfg, dict) else cfg)
     threads = set_threads(cfg["threads"])
     device = resolve_device(str(cfg.get("device", "auto")))
-    dtype = resolve_dtype(str(cfg.get("dtype", "auto")), device)
     backend = choose_backend(cfg, device)
+    quant = quantized_dtype(cfg, device)  # the target's int8/int4 path; its logits (and draft models) are float32
+    dtype = torch.float32 if quant else resolve_dtype(str(cfg.get("dtype", "auto")), device)
     target_cfg = cfg["target"]
     packed = cfg.get("packed_weights", True)
     extra_eos = tuple(target_cfg.get("eos_ids") or ())
     llama = dict(cfg.get("llama_cpp") or {})
 
     def load(source, name="drafter", dtype=dtype, backend=backend, vocab_size=None):
+        if quant and name == "target":
+            return load_quantized(source, name=name, quant=quant, extra_eos=extra_eos, progress=progress)
         if backend == "llama_cpp" and draft_backend(source) == "llama_cpp":
             return load_llama_cpp(source, name=name, threads=threads, extra_eos=extra_eos, progress=progress,
                                   sequences=int(llama.get("sequences", 64)), context=llama.get("context", LLAMA_CONTEXT),
@@ -171,7 +175,7 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
         drafter = _build_drafter(cfg, DrafterRuntime(target=target, load=load))
     guarantee, drafter = _decide_guarantee(cfg, drafter, target, stack, dtype)
     guarantee = cuda_condition(guarantee, device, dtype)
-    if drafter is not None and target.lm.backend == "llama_cpp":
+    if drafter is not None and callable(getattr(target.lm, "verify_gap", None)):  # measured, not assumed
         guarantee = _batch_invariance(guarantee, target.lm, drafter.max_tokens)
     return Pipeline(target=target.lm, tokenizer=target.tokenizer, drafter=drafter, stack=stack,
                     guarantee=guarantee, defaults=Defaults.from_config(cfg), config=cfg)

@@ -68,6 +68,27 @@ def choose_backend(cfg: Mapping, device: torch.device) -> BackendName:
     return "llama_cpp"
 
 
+def quantized_dtype(cfg: Mapping, device: torch.device) -> str | None:
+    """The quantized path a checked run config asks for with ``dtype`` (``int8``/``int4``, served by
+    :mod:`specgen.models.quantized` on backend=torch), or None for a float dtype; ConfigError,
+    before loading, for a run that path cannot serve, naming why and what works."""
+    from specgen.models.quantized import QUANT_DTYPES
+
+    name = str(cfg.get("dtype", "auto"))
+    if name not in QUANT_DTYPES:
+        return None
+    if device.type != "cpu":
+        raise ConfigError(f"dtype={name} runs torch's CPU int kernels and device is {device}; use device=cpu")
+    if cfg.get("compile"):
+        raise ConfigError(f"compile=true compiles the transformers model; dtype={name} runs its own eager "
+                          "forward, so set compile=false")
+    drafter = str((cfg.get("drafter") or {}).get("kind"))
+    if drafter in FEATURE_DRAFTERS and cfg.get("speculative", True):
+        raise ConfigError(f"drafter={drafter} needs the target's hidden states and tree forwards, which "
+                          f"dtype={name} does not serve; use a chain drafter (ngram, small_model) or dtype=float32")
+    return name
+
+
 def draft_backend(source: Mapping) -> BackendName:
     """Where a draft model runs beside a llama.cpp target: on llama.cpp too when its source is
     one llama.cpp reads, else on torch (q is whatever the draft model computes either way)."""

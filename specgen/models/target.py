@@ -6,7 +6,9 @@ tokens its entries belong to, so committing a round is ``sync`` (keep the
 longest common prefix with the committed tokens) and rolling back is ``crop``.
 
 Backends: :class:`specgen.models.causal_lm.CausalLM` (torch/HF, the reference:
-chains, trees, features, batches, GPUs) and
+chains, trees, features, batches, GPUs),
+:class:`specgen.models.quantized.QuantizedLM` (``torch_quant``: Llama-family
+models on torch's int8/int4 CPU kernels, chains) and
 :class:`specgen.models.llama_cpp.LlamaCppLM` (GGUF files on a CPU through
 llama.cpp). Each declares what it serves in :class:`Capabilities`; a
 combination a backend cannot serve is refused before loading
@@ -20,7 +22,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-BackendName = Literal["torch", "llama_cpp"]
+BackendName = Literal["torch", "torch_quant", "llama_cpp"]
 
 #: A cached entry whose token id is still on the device (see TokenCache.resolve).
 PENDING = -1
