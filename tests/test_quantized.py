@@ -1,0 +1,163 @@
+"""The quantized torch path (dtype=int8 / dtype=int4) on tiny models built in code: batch invariance as the
+guarantee's measured basis (with a float negative control), the lean forward against transformers, greedy
+identity, distribution exactness, the kernel fallback and what the path refuses before loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY
+from exact import exact_distribution, goodness_of_fit, sample_counts
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import specgen
+from specgen.errors import ConfigError
+from specgen.models import load_model, load_quantized
+from specgen.models.quantized import QuantizedLM, choose_kernels, kernels, model
+from specgen.models.target import Target
+from specgen.sampling import rejection
+
+TINY_SOURCE = dict(kind="tiny", seed=0, vocab_size=16, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                   context_length=512, init_scale=1.0)
+PROMPTS = [[1, 2, 3], [5, 4, 3, 2, 1, 5, 4, 3], [7, 7, 7, 1], [2, 9, 11, 2, 9, 11, 2]]
+QUANTS = ("int8", "int4")
+
+
+def _pipe(quant: str, *overrides: str, drafter: str = "tiny"):
+    return specgen.pipeline(*TINY, f"dtype={quant}", f"drafter={drafter}", *overrides, progress=False)
+
+
+def _float_model(source=TINY_SOURCE):
+    return load_model(source, name="reference", dtype=torch.float32, device=torch.device("cpu")).lm.model
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_verify_logits_equal_single_token_logits_at_widths_2_to_9(quant):
+    lm = load_quantized(TINY_SOURCE, name="target", quant=quant, progress=False).lm
+    assert isinstance(lm, Target) and lm.kind == quant and lm.fallback is None
+    for width in range(2, 10):
+        assert lm.verify_gap([width]) == (0.0, width)
+
+
+def test_negative_control_float_linears_give_a_measurable_gap():
+    """The same measurement on float32 ``F.linear`` layers (whose sums depend on the row count) finds a
+    gap: the zero above is not a measurement that cannot fail."""
+    lm = QuantizedLM(_float_model(), 16, kind="float", head_kind="float")
+    gap, _ = lm.verify_gap(range(2, 10))
+    assert gap > 0.0
+
+
+def test_every_int_kernel_passes_its_probe_here():
+    assert [kernels.kernel_problem(kind) for kind in kernels.KERNELS] == [None, None]
+    assert choose_kernels("int4") == ("int4", "int8", None)
+
+
+@pytest.mark.parametrize("quant,tolerance", [("float", 1e-4), ("int8", 0.3), ("int4", 1.0)])
+def test_the_lean_forward_computes_the_transformers_model(quant, tolerance):
+    """float: the architecture (embeddings, norms, RoPE, GQA, SwiGLU) agrees with transformers to rounding;
+    int8/int4: within quantization error of it (random weights: int4 is coarse)."""
+    hf = _float_model()
+    lm = QuantizedLM(hf, 16, kind=quant, head_kind=quant)
+    ids = [1, 5, 2, 9, 3, 3, 7, 1, 12, 4]
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0]  # [10, vocab]
+    got = lm.forward(lm.new_cache(), ids, keep=len(ids))
+    assert (got - expected).abs().max() < tolerance
+
+
+def test_qwen2_biases_are_served():
+    config = Qwen2Config(vocab_size=16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    hf = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.q_proj.bias.normal_()
+            layer.self_attn.k_proj.bias.normal_()
+    assert model.architecture_problem(hf) is None
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0]
+    reference = QuantizedLM(hf, 16, kind="float", head_kind="float")
+    got = reference.forward(reference.new_cache(), ids, keep=len(ids))  # [8, vocab]
+    assert (got - expected).abs().max() < 1e-4
+    lm = QuantizedLM(hf, 16, kind="int8", head_kind="int8")
+    assert lm.verify_gap(range(2, 10))[0] == 0.0
+
+
+def test_the_kv_buffers_grow_and_crop_keeps_what_is_refed(monkeypatch):
+    monkeypatch.setattr(model, "FIRST_CAPACITY", 4)
+    lm = load_quantized(TINY_SOURCE, name="target", quant="int8", progress=False).lm
+    ids = [(3 * i + 1) % 16 for i in range(23)]
+    whole = lm.forward(lm.new_cache(), ids, keep=len(ids))  # [23, vocab]
+    cache = lm.new_cache()
+    pieces = [lm.forward(cache, ids[a:b], keep=b - a) for a, b in ((0, 3), (3, 10), (10, 23))]
+    assert cache.buffers.keys.shape[1] >= 23 and torch.equal(torch.cat(pieces), whole)
+    cache.crop(5)
+    assert torch.equal(lm.forward(cache, ids[5:9], keep=4), whole[5:9])
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("drafter,gamma", [("tiny", 3), ("ngram", 4), ("ngram", "auto")])
+def test_greedy_speculation_equals_plain_decoding_token_for_token(quant, drafter, gamma):
+    pipe = _pipe(quant, f"drafter.num_tokens={gamma}", drafter=drafter)
+    assert str(pipe.guarantee) == "greedy" and pipe.target.backend == "torch_quant"
+    assert pipe.target.describe()["dtype"].startswith(f"{quant} (torch _weight_{quant}pack_mm")
+    drafted = 0
+    for prompt in PROMPTS:
+        spec = pipe.generate(prompt_ids=prompt, max_new_tokens=24)
+        plain = pipe.generate(prompt_ids=prompt, max_new_tokens=24, speculative=False)
+        assert spec.token_ids == plain.token_ids, prompt
+        drafted += spec.stats.drafted
+    assert drafted > 0, "the drafter must propose for this test to mean anything"
+
+
+def _sampling_pipe():
+    return _pipe("int8", "target.source.vocab_size=8", "drafter.source.vocab_size=8", "sampling.temperature=1.0")
+
+
+def test_speculative_sampling_matches_the_paths_distribution():
+    pipe = _sampling_pipe()
+    assert str(pipe.guarantee) == "exact"
+    expected = exact_distribution(pipe, [1, 2, 3], 3)
+    assert pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=3, seed=0).stats.drafted > 0
+    p_value, tv = goodness_of_fit(sample_counts(pipe, [1, 2, 3], 3, 1200), expected)
+    assert p_value > 1e-3, f"chi-square p={p_value:.2e}, TV={tv:.3f}"
+
+
+def test_negative_control_the_same_test_catches_a_wrong_residual(monkeypatch):
+    pipe = _sampling_pipe()
+    expected = exact_distribution(pipe, [1, 2, 3], 3)
+    monkeypatch.setattr(rejection, "positive_residual", lambda target_probs, draft_probs: target_probs)
+    p_value, _ = goodness_of_fit(sample_counts(pipe, [1, 2, 3], 3, 1200), expected)
+    assert p_value < 1e-3
+
+
+def test_a_missing_kernel_falls_back_to_float_linears_and_says_so(monkeypatch):
+    monkeypatch.delattr(torch, "_weight_int8pack_mm")
+    assert choose_kernels("int8")[:2] == ("float", "float")
+    assert choose_kernels("int4") == ("int4", "int4", None)  # the head follows the layers without int8
+    pipe = _pipe("int8", drafter="ngram")
+    words = pipe.target.describe()["dtype"]
+    assert words.startswith("float32 linear (fallback: ") and "has no torch._weight_int8pack_mm" in words
+    assert str(pipe.guarantee).startswith("approximate: target on torch_quant (float32 linear (fallback")
+
+
+def test_a_layer_the_kernel_cannot_take_runs_float_and_is_named():
+    layer = kernels.QuantLinear(torch.randn(16, 40), None, "int4")
+    assert layer.kind == "float" and "in % 32 == 0" in layer.reason
+    assert torch.equal(layer(torch.ones(2, 40)), torch.ones(2, 40) @ layer.weight.T)
+
+
+@pytest.mark.parametrize("override,why", [("compile=true", "compile=true"), ("drafter=eagle", "drafter=eagle"),
+                                          ("backend=llama_cpp", "dtype=int8 is a torch dtype")])
+def test_what_the_path_cannot_serve_is_refused_before_loading(override, why, monkeypatch):
+    monkeypatch.setattr("specgen.build.load_quantized", lambda *a, **k: pytest.fail("loaded before refusing"))
+    with pytest.raises(ConfigError, match=why):
+        specgen.pipeline(*TINY, "dtype=int8", override, progress=False)
+
+
+def test_an_architecture_the_lean_forward_does_not_serve_is_refused():
+    hf = _float_model()
+    hf.config.model_type = "gemma"
+    assert "not 'gemma'" in model.architecture_problem(hf)
