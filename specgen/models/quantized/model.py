@@ -11,8 +11,9 @@ how many positions are fed with it. Every op here either works on each row on
 its own (the int kernels, norms, RoPE, SiLU, residual adds: elementwise or
 reductions within a row) or is computed per query in the shapes of a one-token
 step: attention runs one ``scaled_dot_product_attention`` call per query over
-exactly the keys it sees, a view whose strides do not depend on the cache's
-capacity. The target measures the result at load (``verify_gap``).
+exactly the keys it sees (a view whose strides do not depend on the cache's
+capacity), each key/value head's query heads folded into the query axis (query
+``[1, kv_heads, groups, head_dim]``, no mask: every one of them sees every key). The target measures the result at load (``verify_gap``).
 
 The weights come from a loaded transformers model (float32, e.g. a GGUF's
 dequantised tensors); :func:`architecture_problem` says which models this
@@ -170,13 +171,14 @@ class LeanLlama:
     def _attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
         """queries [n, heads, head_dim] at positions start.., keys/values [capacity, kv_heads, head_dim]
         -> [n, heads * head_dim]: each query alone, over the keys up to its own position."""
+        groups = self.heads // self.kv_heads
         rows = []
         for i in range(queries.shape[0]):
             seen = start + i + 1
             key = keys[:seen].transpose(0, 1)[None]  # [1, kv, seen, head_dim]
             value = values[:seen].transpose(0, 1)[None]
-            query = queries[i, None, :, None]  # [1, heads, 1, head_dim]
-            rows.append(F.scaled_dot_product_attention(query, key, value, scale=self.scale, enable_gqa=True))
+            query = queries[i].view(1, self.kv_heads, groups, self.head_dim)  # a group's heads as its queries
+            rows.append(F.scaled_dot_product_attention(query, key, value, scale=self.scale))  # [1, kv, groups, hd]
         return torch.cat(rows).reshape(queries.shape[0], -1)  # [n, heads * head_dim]
 
 
