@@ -91,6 +91,18 @@ def sample_counts(pipe, prompt_ids: list[int], max_new_tokens: int, num: int, **
     )
 
 
+def assert_greedy_identity(pipe, prompts: list[list[int]], max_new_tokens: int) -> int:
+    """Assert that ``pipe``'s speculative output equals its plain output token for token on every
+    prompt (ids); -> how many tokens were drafted in all (a caller asserts it is not 0)."""
+    drafted = 0
+    for prompt in prompts:
+        spec = pipe.generate(prompt_ids=prompt, max_new_tokens=max_new_tokens)
+        plain = pipe.generate(prompt_ids=prompt, max_new_tokens=max_new_tokens, speculative=False)
+        assert spec.token_ids == plain.token_ids, prompt
+        drafted += spec.stats.drafted
+    return drafted
+
+
 def goodness_of_fit(counts: Counter, expected: dict[tuple, float], min_expected: float = 5.0) -> tuple[float, float]:
     """(chi-square p-value, total-variation distance) of ``counts`` against ``expected``.
 

@@ -48,27 +48,17 @@ class QuantizedLM:
     capabilities = Capabilities(trees=False, features=False, batches=False)
     compiled = None
     hf_model = None
+    device = torch.device("cpu")
+    dtype = torch.float32  # the logits' (the weights are int8/int4 with bfloat16 scales)
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, *, kind: str, head_kind: str, name: str = "model",
                  fallback: str | None = None):
         self.net = LeanLlama(model, kind, head_kind)
+        self.context_length = self.net.context_length
         self.vocab_size = int(vocab_size)
         self.name = name
         self.kind, self.head_kind, self.fallback = kind, head_kind, fallback
         self._gaps: dict[int, float] = {}  # width -> its gap after GAP_PREFIX tokens
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The logits' dtype (the weights are int8/int4 with bfloat16 scales)."""
-        return torch.float32
-
-    @property
-    def context_length(self) -> int:
-        return self.net.context_length
 
     @property
     def memory_bytes(self) -> int:
