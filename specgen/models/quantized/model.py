@@ -13,7 +13,8 @@ reductions within a row) or is computed per query in the shapes of a one-token
 step: attention runs one ``scaled_dot_product_attention`` call per query over
 exactly the keys it sees (a view whose strides do not depend on the cache's
 capacity), each key/value head's query heads folded into the query axis (query
-``[1, kv_heads, groups, head_dim]``, no mask: every one of them sees every key). The target measures the result at load (``verify_gap``).
+``[1, kv_heads, groups, head_dim]``, no mask: every one of them sees every key).
+The target measures the result at load (``verify_gap``).
 
 The weights come from a loaded transformers model (float32, e.g. a GGUF's
 dequantised tensors); :func:`architecture_problem` says which models this
