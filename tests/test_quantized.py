@@ -99,6 +99,43 @@ def test_the_kv_buffers_grow_and_crop_keeps_what_is_refed(monkeypatch):
     assert torch.equal(lm.forward(cache, ids[5:9], keep=4), whole[5:9])
 
 
+def _batch_gap(lm) -> float:
+    """Largest |logit| difference between 4 ragged rows fed in one batched forward (prefixes of 5..17
+    tokens with their first feeds of 1..4 tokens, as fresh rows go in) and each row fed alone."""
+    prefixes = [[(7 * i + 5 * r + 1) % 16 for i in range(5 + 4 * r)] for r in range(4)]
+    feeds = [[(3 * i + r) % 16 for i in range(1 + r)] for r in range(4)]
+    batch = lm.new_batch(4)
+    together = batch.forward([p + f for p, f in zip(prefixes, feeds)], [1 + len(f) for f in feeds])
+    worst = 0.0
+    for r, (prefix, feed) in enumerate(zip(prefixes, feeds)):
+        cache = lm.new_cache()
+        alone = torch.cat([lm.forward(cache, prefix, keep=1), *(lm.forward(cache, [t], keep=1) for t in feed)])
+        worst = max(worst, float((together[r] - alone).abs().max()))
+        assert batch.rows[r].tokens == prefix + feed
+    return worst
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_batched_rows_see_the_logits_of_their_request_alone(quant):
+    assert _batch_gap(load_quantized(TINY_SOURCE, name="target", quant=quant, progress=False).lm) == 0.0
+
+
+def test_negative_control_batched_float_linears_differ_from_rows_alone():
+    assert _batch_gap(QuantizedLM(_float_model(), 16, kind="float", head_kind="float")) > 0.0
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "tiny"])
+def test_batched_greedy_rows_equal_their_requests_run_alone(drafter):
+    from specgen.batch import unbatched_reason
+
+    pipe = _pipe("int4", "drafter.num_tokens=3", drafter=drafter)
+    assert unbatched_reason(pipe) is None
+    rows = pipe.generate_batch([{"prompt_ids": p} for p in PROMPTS], batch_size=3, max_new_tokens=16)
+    assert [row.token_ids for row in rows] == [pipe.generate(prompt_ids=p, max_new_tokens=16).token_ids
+                                               for p in PROMPTS]
+    assert sum(row.stats.drafted for row in rows) > 0
+
+
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("drafter,gamma", [("tiny", 3), ("ngram", 4), ("ngram", "auto")])
 def test_greedy_speculation_equals_plain_decoding_token_for_token(quant, drafter, gamma):

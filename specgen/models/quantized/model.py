@@ -82,6 +82,17 @@ class KVBuffers:
 
 
 @dataclass
+class Feed:
+    """One sequence's part of a forward: ``n`` new tokens after ``start`` cached entries of ``kv``,
+    and how many of its last rows' logits to return (``keep``)."""
+
+    kv: KVBuffers
+    start: int
+    n: int
+    keep: int
+
+
+@dataclass
 class Layer:
     """One decoder layer's weights."""
 
@@ -147,27 +158,42 @@ class LeanLlama:
         shape = (len(self.layers), min(FIRST_CAPACITY, self.context_length), self.kv_heads, self.head_dim)
         return KVBuffers(torch.zeros(shape), torch.zeros(shape))
 
-    def forward(self, kv: KVBuffers, ids: torch.Tensor, start: int, keep: int) -> torch.Tensor:
-        """Feed ``ids`` ([n] long) at positions ``start..start + n - 1`` after ``start`` cached
-        entries of ``kv``, writing their keys and values; -> the last ``keep`` rows' logits
-        [keep, vocab'] float32 (vocab' = the LM head's rows)."""
-        n = int(ids.shape[0])
-        kv.reserve(start + n, start, self.context_length)
+    def forward(self, feeds: list[Feed], ids: torch.Tensor) -> torch.Tensor:
+        """Feed each of ``feeds`` its ``n`` ids (``ids``: [sum n] long, the feeds' ids in order) at
+        positions ``start..start + n - 1`` after ``start`` cached entries of its own ``kv``, writing their
+        keys and values; -> the last ``keep`` rows of each feed, in order: logits [sum keep, vocab']
+        float32 (vocab' = the LM head's rows). A row's logits do not depend on the other feeds."""
+        for feed in feeds:
+            feed.kv.reserve(feed.start + feed.n, feed.start, self.context_length)
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
-        x = self.embedding[ids]  # [n, d]
-        cos = self.cos[start:start + n, None]  # [n, 1, head_dim]
-        sin = self.sin[start:start + n, None]
+        if len(feeds) == 1:
+            positions = slice(feeds[0].start, feeds[0].start + feeds[0].n)
+        else:
+            positions = torch.cat([torch.arange(feed.start, feed.start + feed.n) for feed in feeds])  # [T]
+        cos, sin = self.cos[positions, None], self.sin[positions, None]  # [T, 1, head_dim]
+        x = self.embedding[ids]  # [T, d]
         for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(_rms_norm(x, layer.attention_norm, self.eps))  # [n, (heads + 2 kv) * head_dim]
-            qkv = qkv.view(n, heads + 2 * kv_heads, head_dim)
-            rotated = _rope(qkv[:, :heads + kv_heads], cos, sin)  # [n, heads + kv, head_dim]
-            kv.keys[index, start:start + n] = rotated[:, heads:]
-            kv.values[index, start:start + n] = qkv[:, heads + kv_heads:]
-            mixed = self._attend(rotated[:, :heads], kv.keys[index], kv.values[index], start)  # [n, heads * hd]
-            x = x + layer.output(mixed)
-            gate, up = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)  # [n, inter] each
+            qkv = layer.qkv(_rms_norm(x, layer.attention_norm, self.eps))  # [T, (heads + 2 kv) * head_dim]
+            qkv = qkv.view(-1, heads + 2 * kv_heads, head_dim)
+            rotated = _rope(qkv[:, :heads + kv_heads], cos, sin)  # [T, heads + kv, head_dim]
+            mixed, offset = [], 0
+            for feed in feeds:
+                keys, values, end = feed.kv.keys[index], feed.kv.values[index], offset + feed.n
+                keys[feed.start:feed.start + feed.n] = rotated[offset:end, heads:]
+                values[feed.start:feed.start + feed.n] = qkv[offset:end, heads + kv_heads:]
+                mixed.append(self._attend(rotated[offset:end, :heads], keys, values, feed.start))  # [n, heads * hd]
+                offset = end
+            x = x + layer.output(mixed[0] if len(mixed) == 1 else torch.cat(mixed))
+            gate, up = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)  # [T, inter] each
             x = x + layer.down(F.silu(gate) * up)
-        return self.head(_rms_norm(x[n - keep:], self.norm, self.eps))  # [keep, vocab']
+        if len(feeds) == 1:
+            kept = x[x.shape[0] - feeds[0].keep:]  # [keep, d]
+        else:
+            ends = torch.tensor([feed.n for feed in feeds]).cumsum(0).tolist()
+            kept = x[torch.cat([torch.arange(end - feed.keep, end) for feed, end in zip(feeds, ends)])]
+        if not kept.shape[0]:
+            return x.new_zeros(0, self.head.out_features)
+        return self.head(_rms_norm(kept, self.norm, self.eps))  # [sum keep, vocab']
 
     def _attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
         """queries [n, heads, head_dim] at positions start.., keys/values [capacity, kv_heads, head_dim]

@@ -1,9 +1,11 @@
 """The quantized torch target: a Llama-family model on torch's int CPU kernels, batch invariant by construction.
 
 :class:`QuantizedLM` implements :class:`specgen.models.target.Target` for chains
-(trees, target features and batched rows are declared unsupported and refused
-before loading). Its forward is :class:`~specgen.models.quantized.model.LeanLlama`;
-its KV handle is :class:`QuantKV`. Exactness rests on batch invariance, which
+and batched rows (:class:`QuantBatch`); trees and target features are declared
+unsupported and refused before loading. Its forward is :class:`~specgen.models.quantized.model.LeanLlama`;
+its KV handle is :class:`QuantKV`. Batched rows share every linear layer's call
+(each row's result is its own: the kernels compute rows independently) and attend
+each over its own buffers, so a row's logits equal the request's alone. Exactness rests on batch invariance, which
 :meth:`QuantizedLM.verify_gap` measures (the build declares ``exact``/``greedy``
 only where it is zero over the widths a run uses).
 """
@@ -16,7 +18,7 @@ import torch
 
 from specgen.errors import NumericalError
 from specgen.models.quantized.kernels import KERNELS
-from specgen.models.quantized.model import KVBuffers, LeanLlama
+from specgen.models.quantized.model import Feed, KVBuffers, LeanLlama
 from specgen.models.target import Capabilities, TokenCache
 
 #: Tokens of the fixed prefix :meth:`QuantizedLM.verify_gap` feeds first.
@@ -45,7 +47,7 @@ class QuantizedLM:
     """
 
     backend = "torch_quant"
-    capabilities = Capabilities(trees=False, features=False, batches=False)
+    capabilities = Capabilities(trees=False, features=False, batches=True)
     compiled = None
     hf_model = None
     device = torch.device("cpu")
@@ -85,21 +87,34 @@ class QuantizedLM:
     def new_cache(self) -> QuantKV:
         return QuantKV(self.net.new_buffers())
 
-    @torch.inference_mode()
+    def new_batch(self, size: int, row_context: int | None = None) -> QuantBatch:
+        """A batch of ``size`` rows of at most ``row_context`` tokens each (None: the context length)."""
+        return QuantBatch(self, size, min(row_context or self.context_length, self.context_length))
+
     def forward(self, cache: QuantKV, new_tokens: list[int] | torch.Tensor, keep: int,
                 check: bool = True) -> torch.Tensor:
         """Feed ``new_tokens`` after the cached ones; return the last ``keep`` rows' raw logits
         [keep, vocab_size] (float32); ``check``: NumericalError on NaN. Appends to the cache."""
         ids = new_tokens.tolist() if isinstance(new_tokens, torch.Tensor) else [int(t) for t in new_tokens]
-        if not ids:
+        return self.forward_rows([cache], [ids], [keep], check)[0]
+
+    @torch.inference_mode()
+    def forward_rows(self, caches: list[QuantKV], feeds: list[list[int]], keeps: list[int],
+                     check: bool = True) -> list[torch.Tensor]:
+        """One forward over several sequences: ``feeds[r]`` (ids, at least one) after the tokens of
+        ``caches[r]``; -> per sequence its last ``keeps[r]`` rows' raw logits [keeps[r], vocab_size]
+        (float32), equal bit for bit to what the sequence gets fed alone. Appends each feed to its
+        cache only once every row is computed (on an error no cache changes)."""
+        if not all(feeds):
             raise ValueError("forward needs at least one new token")
-        start = len(cache)
-        logits = self.net.forward(cache.buffers, torch.tensor(ids, dtype=torch.long), start, keep)
-        cache.tokens.extend(ids)
-        logits = logits[:, : self.vocab_size]  # [keep, vocab]
+        parts = [Feed(cache.buffers, len(cache), len(ids), keep) for cache, ids, keep in zip(caches, feeds, keeps)]
+        ids = torch.tensor([t for feed in feeds for t in feed], dtype=torch.long)  # [sum n]
+        logits = self.net.forward(parts, ids)[:, : self.vocab_size]  # [sum keep, vocab]
         if check and logits.numel() and torch.isnan(logits.max()):
-            raise NumericalError(f"{self.name} produced NaN logits at position {start + len(ids) - 1}")
-        return logits
+            raise NumericalError(f"{self.name} produced NaN logits")
+        for cache, feed in zip(caches, feeds):
+            cache.tokens.extend(feed)
+        return list(logits.split(list(keeps)))
 
     def verify_gap(self, widths, prefix: int = GAP_PREFIX) -> tuple[float, int]:
         """Batch invariance: the largest |logit| difference between positions fed ``width`` at a
@@ -119,3 +134,56 @@ class QuantizedLM:
                 memo[width] = float((together - alone[:width]).abs().max())
         at = max(widths, key=lambda w: (memo[w], -w))
         return memo[at], at
+
+
+class QuantBatch:
+    """``size`` rows of a :class:`QuantizedLM`, each a :class:`QuantKV` of its own, behind the interface
+    of :class:`specgen.batch.BatchKV` (:mod:`specgen.batch`): a step's feeds go in one
+    :meth:`QuantizedLM.forward_rows`; nothing is padded or shared, so there is nothing to compact."""
+
+    #: Each row attends only to its own buffers.
+    shares_width = False
+    #: A fresh row's prompt goes in its first step's forward (its rows are its own there too).
+    prefills_apart = False
+
+    def __init__(self, lm: QuantizedLM, size: int, row_context: int):
+        self.lm, self.row_context = lm, int(row_context)
+        self.rows: list[QuantKV] = [lm.new_cache() for _ in range(size)]
+
+    @property
+    def width(self) -> int:
+        return max((len(row) for row in self.rows), default=0)
+
+    def prefill(self, r: int, tokens: list[int], reuse: bool = True) -> bool:
+        """Feed a fresh row's ``tokens`` (no logits); -> False, doing nothing, when the row already
+        holds tokens or ``tokens`` is empty. ``reuse`` has no effect (rows share nothing)."""
+        row = self.rows[r]
+        if len(row) or not tokens:
+            return False
+        self.lm.forward_rows([row], [list(tokens)], [0], check=False)
+        return True
+
+    def clear_row(self, r: int) -> QuantKV:
+        """Forget row ``r``'s tokens (a refill)."""
+        self.rows[r].crop(0)
+        return self.rows[r]
+
+    def forward(self, feeds: list[list[int]], keeps: list[int]) -> list[torch.Tensor | None]:
+        """One forward over every row's feed (empty: the row idles); -> per row its last ``keeps[r]``
+        raw logits rows (None where the row idles). On failure no row changes."""
+        live = [r for r, feed in enumerate(feeds) if feed]
+        logits = self.lm.forward_rows([self.rows[r] for r in live], [list(feeds[r]) for r in live],
+                                      [keeps[r] for r in live])
+        out: list[torch.Tensor | None] = [None] * len(feeds)
+        for r, rows in zip(live, logits):
+            out[r] = rows if keeps[r] else None
+        return out
+
+    def rewind(self, width: int) -> None:
+        """Nothing to cut: rows cropped one by one drop their own entries."""
+
+    def compact(self) -> None:
+        """Nothing to gather: rows hold only their own entries."""
+
+    def maybe_compact(self) -> None:
+        """See :meth:`compact`."""
