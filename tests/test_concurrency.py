@@ -1,6 +1,6 @@
 """One pipeline, many callers: requests on threads at once and interleaved streams each get exactly
-their solo output (greedy token for token, seeded sampling equal), on the torch and llama.cpp paths,
-and a request's KV handle goes back to its model when its stream ends or is closed."""
+their solo output (greedy token for token, seeded sampling equal), on the torch (float32 and int8) and
+llama.cpp paths, and a request's KV handle goes back to its model when its stream ends or is closed."""
 
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ def _cache(tmp_path_factory, monkeypatch):
 
 @pytest.mark.parametrize("overrides", [(), ("sampling=creative",)], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("speculative", [True, False])
-def test_torch_requests_on_threads_and_interleaved_give_their_solo_tokens(overrides, speculative):
-    pipe = specgen.pipeline(*TINY, "drafter=tiny", "drafter.num_tokens=3", *overrides, progress=False)
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_torch_requests_on_threads_and_interleaved_give_their_solo_tokens(overrides, speculative, dtype):
+    pipe = specgen.pipeline(*TINY, f"dtype={dtype}", "drafter=tiny", "drafter.num_tokens=3", *overrides,
+                            progress=False)
     options = {"max_new_tokens": 24, "speculative": speculative}
     alone = solo(pipe, TINY_PROMPTS, **options)
     assert alone[0] != alone[1]
