@@ -205,3 +205,10 @@ def test_the_packaged_model_is_batch_invariant_and_speculation_keeps_its_greedy_
     prompt = "List three fruits, then repeat the list: apple, banana, cherry."
     spec = pipe.generate(prompt)
     assert spec.token_ids == pipe.generate(prompt, speculative=False).token_ids and spec.stats.drafted > 0
+
+
+def test_hf_baselines_are_refused_with_the_reason():
+    from specgen.bench.baselines import hf_unavailable
+
+    assert "without a transformers model" in hf_unavailable(_pipe("int8", drafter="ngram"))
+    assert hf_unavailable(_pipe("float32", drafter="ngram")) is None

@@ -47,8 +47,9 @@ def unsupported_sampling(sampling: Mapping) -> str | None:
 def hf_unavailable(pipe) -> str | None:
     """Why HF ``generate()`` cannot run what ``pipe`` runs (a grammar, or sampling it cannot
     reproduce), or None when it can."""
-    if pipe.target.backend != "torch":
-        return f"the target runs on {pipe.target.backend}; HF generate() needs backend=torch"
+    if pipe.target.hf_model is None:
+        return (f"the target runs on {pipe.target.backend}, without a transformers model; HF generate() needs "
+                "backend=torch with a float dtype")
     grammar = (pipe.config.get("grammar") or {}).get("kind", "none")
     if grammar != "none":
         return f"HF generate() has no equivalent of grammar={grammar}"
