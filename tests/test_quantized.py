@@ -212,3 +212,16 @@ def test_hf_baselines_are_refused_with_the_reason():
 
     assert "without a transformers model" in hf_unavailable(_pipe("int8", drafter="ngram"))
     assert hf_unavailable(_pipe("float32", drafter="ngram")) is None
+
+
+def test_q4_1_blocks_map_back_onto_their_own_grid():
+    """Weights dequantised from GGUF Q4_1 blocks (d * q + m per 32 inputs, float16 d and m, each block's
+    min at q = 0 and max at q = 15) give back every block's q exactly, with d and m to float rounding."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (24, 4, 32), generator=generator)  # [out, blocks, 32]
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(24, 4, 1, generator=generator) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(24, 4, 1, generator=generator) * 0.1).half().float()
+    codes, scales, low = kernels.int4_grid((d * q + m).reshape(24, 128))
+    assert torch.equal(codes, q.reshape(24, 128).int())
+    assert torch.allclose(scales, d[..., 0], rtol=1e-5) and torch.allclose(low, m[..., 0], rtol=1e-6)

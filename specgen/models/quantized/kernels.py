@@ -114,16 +114,24 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized.contiguous(), scales
 
 
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] float -> (int4pack [out, in / 2] uint8, bfloat16 scales and zeros [in / GROUP, out, 2]):
-    each group's minimum and maximum split in 15 steps, stored as ``(q - 8) * scale + zero``."""
+def int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (codes [out, in] int32 in 0..15, scales [out, in / GROUP], minima [out, in / GROUP]):
+    each group of GROUP inputs on its own minimum-to-maximum range in 15 steps, ``w ~ code * scale + minimum``.
+    A group of a GGUF Q4_1 block's values (``d * q + m`` with q from 0 to 15, both ends present, as the
+    block's own min and max put them) gives back its q, d and m."""
     out_features, in_features = weight.shape
     groups = weight.reshape(out_features, in_features // GROUP, GROUP)  # [out, G, GROUP]
     low, high = groups.amin(-1), groups.amax(-1)  # [out, G]
     scales = ((high - low) / 15).clamp_min(1e-30)  # [out, G]
     codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)  # [out, G, GROUP]
-    codes = codes.reshape(out_features, in_features).to(torch.int32)
-    zeros = low + 8 * scales  # (q - 8) * scale + zero == q * scale + low
+    return codes.reshape(out_features, in_features).to(torch.int32), scales, low
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (int4pack [out, in / 2] uint8, bfloat16 scales and zeros [in / GROUP, out, 2]):
+    :func:`int4_grid`, stored as the kernel computes it, ``(code - 8) * scale + zero``."""
+    codes, scales, low = int4_grid(weight)
+    zeros = low + 8 * scales  # (code - 8) * scale + zero == code * scale + low
     packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)  # [out, in / 2] uint8
     scales_zeros = torch.stack([scales.T, zeros.T], dim=-1).to(ACTIVATION).contiguous()  # [G, out, 2]
     return packed, scales_zeros
