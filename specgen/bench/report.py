@@ -35,7 +35,7 @@ def environment(pipe) -> dict:
         "python": platform.python_version(), "platform": platform.platform(),
         "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "dtype": str(pipe.target.dtype).replace("torch.", ""), "backend": pipe.target.backend,
-        "numerics": pipe.target.describe()["dtype"],  # the path that runs, e.g. int4 (torch _weight_int4pack_mm_for_cpu, ...)
+        "numerics": pipe.target.describe()["dtype"],  # the path that runs, e.g. "int8 (torch _weight_int8pack_mm, ...)"
         "device": str(device), "device_name": device_name, "cpu": cpu.describe(),
     }
 
