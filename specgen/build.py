@@ -26,6 +26,7 @@ from specgen.guarantee import Guarantee
 from specgen.models import (LoadedModel, cuda_condition, load_llama_cpp, load_model, load_quantized, resolve_device,
                             resolve_dtype)
 from specgen.models.backends import choose_backend, draft_backend, quantized_dtype
+from specgen.models.quantized import QUANT_DTYPES
 from specgen.models.threads import resolve_auto_threads
 from specgen.grammar import grammar_processor
 from specgen.processors import build_stack
@@ -140,7 +141,7 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
     device = resolve_device(str(cfg.get("device", "auto")))
     backend = choose_backend(cfg, device)
     quant = quantized_dtype(cfg, device)  # the target's int8/int4 path; its logits (and draft models) are float32
-    dtype = torch.float32 if quant else resolve_dtype(str(cfg.get("dtype", "auto")), device)
+    dtype = torch.float32 if quant else resolve_dtype(str(cfg.get("dtype", "auto")), device, QUANT_DTYPES)
     target_cfg = cfg["target"]
     packed = cfg.get("packed_weights", True)
     extra_eos = tuple(target_cfg.get("eos_ids") or ())

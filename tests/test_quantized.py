@@ -225,3 +225,8 @@ def test_q4_1_blocks_map_back_onto_their_own_grid():
     codes, scales, low = kernels.int4_grid((d * q + m).reshape(24, 128))
     assert torch.equal(codes, q.reshape(24, 128).int())
     assert torch.allclose(scales, d[..., 0], rtol=1e-5) and torch.allclose(low, m[..., 0], rtol=1e-6)
+
+
+def test_an_unknown_dtype_names_the_quantized_ones():
+    with pytest.raises(ConfigError, match="not one of auto, .*float32, .*int8, int4"):
+        specgen.pipeline(*TINY, "dtype=int3", progress=False)

@@ -77,15 +77,16 @@ def cuda_condition(guarantee: Guarantee, device: torch.device, dtype: torch.dtyp
                      "scripts/gpu_check.sh")
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, also: tuple[str, ...] = ()) -> torch.dtype:
     """'auto': float32 on CPU (token-exact verification); on CUDA bfloat16 where the
-    device computes it natively, else float16; any other name as named."""
+    device computes it natively, else float16; any other name as named. ``also``: further
+    names the caller serves elsewhere, listed in the ConfigError for an unknown one."""
     if name == "auto":
         if device.type != "cuda":
             return torch.float32
         return torch.bfloat16 if native_bfloat16(device) else torch.float16
     if name not in _DTYPES:
-        raise ConfigError(f"dtype={name!r} is not one of auto, {', '.join(sorted(_DTYPES))}")
+        raise ConfigError(f"dtype={name!r} is not one of auto, {', '.join(sorted(_DTYPES) + list(also))}")
     return _DTYPES[name]
 
 
