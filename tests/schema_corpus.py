@@ -74,3 +74,21 @@ REFUSED = {
     "1000 nested arrays": (nested(1000),
                            "grammar.schema nests objects and arrays more than 100 levels deep; flatten it"),
 }
+
+#: Bounds at and near the limits, paired (low <= high) into integer and number ranges by bound_sweep.
+SWEEP_VALUES = (-SAFE, -SAFE + 1, -2**52, -10**15, -12345, -1, 0, 1, 10**15, 2**52, SAFE - 1, SAFE)
+
+
+def bound_sweep() -> list[tuple[dict, list[str], list[str]]]:
+    """(schema, texts it must accept, texts it must refuse) for every pair of SWEEP_VALUES, inclusive and
+    exclusive, integer and number."""
+    cases = []
+    for i, low in enumerate(SWEEP_VALUES):
+        for high in SWEEP_VALUES[i:]:
+            for kind in ("integer", "number"):
+                cases.append(({"type": kind, "minimum": low, "maximum": high}, [str(low), str(high)],
+                              [str(low - 1), str(high + 1)]))
+                if high - low >= 2:
+                    cases.append(({"type": kind, "exclusiveMinimum": low, "exclusiveMaximum": high},
+                                  [str(low + 1), str(high - 1)], [str(low), str(high)]))
+    return cases

@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from conftest import TINY, fix_costs, tiny_pipeline  # noqa: E402
 from grammar_helpers import char_info  # noqa: E402
-from schema_corpus import ACCEPTED, CHARS, REFUSED  # noqa: E402
+from schema_corpus import ACCEPTED, CHARS, REFUSED, bound_sweep  # noqa: E402
 
 import specgen  # noqa: E402
 from specgen import cli  # noqa: E402
@@ -51,6 +51,23 @@ def refusal(call) -> str | None:
     return None
 
 
+def accepts(automaton, info, text: str) -> bool:
+    state = automaton.state_after(info.tokenizer.encode(text))
+    return state is not None and automaton.is_accepting(state)
+
+
+def sweep() -> None:
+    """Every bound pair of schema_corpus.bound_sweep compiled with llguidance: the cases whose verdicts differ."""
+    info = char_info(CHARS)
+    wrong = []
+    for schema, good, bad in bound_sweep():
+        automaton = grammar_processor({"kind": "json_schema", "schema": schema, "backend": "llguidance"}, info).automaton
+        verdicts = {text: accepts(automaton, info, text) for text in good + bad}
+        if verdicts != {text: text in good for text in good + bad}:
+            wrong.append([schema, verdicts])
+    report(via="sweep", cases=len(bound_sweep()), wrong=wrong)
+
+
 def api() -> None:
     vocab = len(CHARS) + 1
     pipe = specgen.pipeline(*TINY, f"target.source.vocab_size={vocab}", "drafter=tiny",
@@ -62,10 +79,7 @@ def api() -> None:
                                                                            schema=schema)))
     for name, (schema, good, bad) in ACCEPTED.items():
         automaton = grammar_processor({"kind": "json_schema", "schema": schema}, info).automaton
-        verdicts = {}
-        for doc in good + bad:
-            state = automaton.state_after(info.tokenizer.encode(doc))
-            verdicts[doc] = state is not None and automaton.is_accepting(state)
+        verdicts = {doc: accepts(automaton, info, doc) for doc in good + bad}
         outputs = [pipe.generate(prompt_ids=[1, 2], max_new_tokens=40, schema=schema, seed=seed) for seed in range(3)]
         report(via="api", name=name, accepts=verdicts, outputs=[[g.text, g.finish_reason] for g in outputs])
     for backend in ("llguidance", "auto"):
@@ -105,6 +119,7 @@ def server() -> None:
 
 if __name__ == "__main__":
     fix_costs(pytest.MonkeyPatch())
+    sweep()
     api()
     jsonl(pathlib.Path(sys.argv[1]))
     server()

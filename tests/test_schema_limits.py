@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from schema_corpus import ACCEPTED, REFUSED
+from schema_corpus import ACCEPTED, REFUSED, bound_sweep
 
 from specgen.errors import ConfigError
 from specgen.grammar import parse_spec
@@ -46,7 +46,7 @@ def test_each_accepted_schema_passes_the_limits_and_its_documents_agree_with_jso
 
 @pytest.fixture(scope="module")
 def corpus_run(tmp_path_factory) -> dict[str, list[dict]]:
-    """The child's reports by route ("api", "jsonl", "server"); fails when the child crashed."""
+    """The child's reports by route ("sweep", "api", "jsonl", "server"); fails when the child crashed."""
     workdir = tmp_path_factory.mktemp("corpus")
     child = subprocess.run([sys.executable, str(CHILD), str(workdir)], capture_output=True, text=True, timeout=900)
     lines = child.stdout.splitlines()
@@ -58,6 +58,13 @@ def corpus_run(tmp_path_factory) -> dict[str, list[dict]]:
         row = json.loads(line)
         reports.setdefault(row["via"], []).append(row)
     return reports
+
+
+def test_bounds_at_and_near_the_limits_compile_and_constrain_exactly(corpus_run):
+    """Integer and number ranges from every pair of bounds in ±2^53 (inclusive and exclusive): each accepts
+    its end points (or the values just inside) and refuses the values just outside."""
+    (sweep,) = corpus_run["sweep"]
+    assert sweep["cases"] == len(bound_sweep()) > 250 and sweep["wrong"] == []
 
 
 def test_the_api_refuses_each_refused_schema_by_name(corpus_run):
