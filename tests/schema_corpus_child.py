@@ -1,4 +1,4 @@
-"""Run the edge-schema corpus (schema_corpus.py) through the API, a JSONL run and the server in THIS process,
+"""Run the edge-schema corpus (schema_corpus.py) through the API, the CLI, a JSONL run and the server in THIS process,
 printing one JSON line per check. tests/test_schema_limits.py runs it in a child process, so a schema that
 crashes the native grammar library fails the test instead of killing pytest.
 
@@ -7,6 +7,7 @@ Usage: python tests/schema_corpus_child.py WORKDIR
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import pathlib
@@ -21,7 +22,7 @@ from schema_corpus import ACCEPTED, CHARS, REFUSED, bound_sweep  # noqa: E402
 
 import specgen  # noqa: E402
 from specgen import cli  # noqa: E402
-from specgen.config import compose, to_container  # noqa: E402
+from specgen.config import compose, exits_on_error, to_container  # noqa: E402
 from specgen.errors import SpecgenError  # noqa: E402
 from specgen.grammar import grammar_processor  # noqa: E402
 
@@ -61,7 +62,8 @@ def sweep() -> None:
     info = char_info(CHARS)
     wrong = []
     for schema, good, bad in bound_sweep():
-        automaton = grammar_processor({"kind": "json_schema", "schema": schema, "backend": "llguidance"}, info).automaton
+        spec = {"kind": "json_schema", "schema": schema, "backend": "llguidance"}
+        automaton = grammar_processor(spec, info).automaton
         verdicts = {text: accepts(automaton, info, text) for text in good + bad}
         if verdicts != {text: text in good for text in good + bad}:
             wrong.append([schema, verdicts])
@@ -84,7 +86,28 @@ def api() -> None:
         report(via="api", name=name, accepts=verdicts, outputs=[[g.text, g.finish_reason] for g in outputs])
     for backend in ("llguidance", "auto"):
         spec = {"kind": "regex", "pattern": HUGE_REGEX, "backend": backend}
-        report(via="api", name=f"regex {HUGE_REGEX} ({backend})", refusal=refusal(lambda: grammar_processor(spec, info)))
+        message = refusal(lambda: grammar_processor(spec, info))
+        report(via="api", name=f"regex {HUGE_REGEX} ({backend})", refusal=message)
+
+
+def run_cli(cfg: dict) -> tuple[int, str]:
+    """(exit status, stderr) of ``specgen`` run in this process on the composed ``cfg``, as its console
+    entry point runs it (a specgen error: one line and status 2)."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), exits_on_error("specgen"):
+            cli.run(cfg, out=io.StringIO(), err=err)
+        return 0, err.getvalue()
+    except SystemExit as exc:
+        return exc.code, err.getvalue()
+
+
+def command_line() -> None:
+    for name, (schema, _) in REFUSED.items():
+        cfg = to_container(compose([*TINY, "drafter=tiny", "max_new_tokens=4", "prompt=hi", "grammar=json_schema"]))
+        cfg["grammar"]["schema"] = schema
+        code, err = run_cli(cfg)
+        report(via="cli", name=name, code=code, stderr=err)
 
 
 def jsonl(workdir: pathlib.Path) -> None:
@@ -93,11 +116,7 @@ def jsonl(workdir: pathlib.Path) -> None:
     source.write_text("".join(dumps(row) + "\n" for row in rows), encoding="utf-8")
     cfg = to_container(compose([*TINY, "drafter=tiny", "max_new_tokens=4", f"prompt_file={source}",
                                 f"output={output}"]))
-    try:
-        cli.run(cfg, out=io.StringIO(), err=io.StringIO())
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
+    code, _ = run_cli(cfg)
     records = [json.loads(line) for line in output.read_text(encoding="utf-8").splitlines()]
     report(via="jsonl", code=code, records=[{k: r.get(k) for k in ("id", "text", "error")} for r in records])
 
@@ -121,5 +140,6 @@ if __name__ == "__main__":
     fix_costs(pytest.MonkeyPatch())
     sweep()
     api()
+    command_line()
     jsonl(pathlib.Path(sys.argv[1]))
     server()

@@ -1,6 +1,6 @@
 """No JSON schema crashes the process (issue 46): a schema's numbers and sizes are checked before any backend
 compiles it (specgen.grammar.schema_limits), and every edge schema of tests/schema_corpus.py compiles and
-constrains, or is refused with one line, through the API, a JSONL run and the server.
+constrains, or is refused with one line, through the API, the CLI, a JSONL run and the server.
 
 An integer bound or const at -2^63 segfaulted llguidance, so the corpus runs in a child process
 (schema_corpus_child.py): a crash there fails these tests instead of killing pytest.
@@ -46,7 +46,7 @@ def test_each_accepted_schema_passes_the_limits_and_its_documents_agree_with_jso
 
 @pytest.fixture(scope="module")
 def corpus_run(tmp_path_factory) -> dict[str, list[dict]]:
-    """The child's reports by route ("sweep", "api", "jsonl", "server"); fails when the child crashed."""
+    """The child's reports by route ("sweep", "api", "cli", "jsonl", "server"); fails when the child crashed."""
     workdir = tmp_path_factory.mktemp("corpus")
     child = subprocess.run([sys.executable, str(CHILD), str(workdir)], capture_output=True, text=True, timeout=900)
     lines = child.stdout.splitlines()
@@ -95,6 +95,13 @@ def test_a_regex_too_large_is_refused_as_too_large_while_compiling(corpus_run):
         "regex a{60000} is too large for grammar.backend=llguidance: a regex in it expands past the lexer's limit "
         "(lexer error: too many expressions constructed); use smaller counts ({n})")
     assert refusals["regex a{60000} (auto)"] is None
+
+
+def test_the_cli_exits_2_with_one_line_for_each_refused_schema(corpus_run):
+    rows = {row["name"]: row for row in corpus_run["cli"]}
+    for name, (_, message) in REFUSED.items():
+        assert rows[name]["code"] == 2 and rows[name]["stderr"].startswith(f"specgen: error: {message}"), rows[name]
+        assert rows[name]["stderr"].count("\n") == 1, rows[name]
 
 
 def test_a_jsonl_run_gives_each_refused_row_its_error_record_and_runs_the_others(corpus_run):
