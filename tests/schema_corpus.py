@@ -6,6 +6,11 @@ REFUSED: name -> (schema, the start of the one-line refusal).
 
 from __future__ import annotations
 
+I64, SAFE = 2**63, 2**53
+RANGE = "numbers in a schema must be finite, within ±2^53 (±9,007,199,254,740,992), with at most 64 decimal places"
+#: The characters of the char tokenizer the accepted schemas are spelled with (+ EOS).
+CHARS = '{}[]":,-.+0123456789eEabv '
+
 
 def nested(levels: int) -> dict:
     """``levels`` arrays of arrays of ... integers (built without recursion)."""
@@ -14,10 +19,6 @@ def nested(levels: int) -> dict:
         schema = {"type": "array", "items": schema}
     return schema
 
-I64, SAFE = 2**63, 2**53
-RANGE = "numbers in a schema must be finite, within ±2^53 (±9,007,199,254,740,992), with at most 64 decimal places"
-#: The characters of the char tokenizer the accepted schemas are spelled with (+ EOS).
-CHARS = '{}[]":,-.+0123456789eEabv '
 
 ACCEPTED = {
     "negative 2^53 edge": ({"type": "integer", "minimum": -SAFE, "maximum": -SAFE + 2},
