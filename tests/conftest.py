@@ -20,12 +20,18 @@ TEST_COSTS = CostTable(chain=tuple(1 + 0.05 * n for n in range(17)), tree=tuple(
 TEST_BATCH_COSTS = BatchCostTable((1, 8), (1, 17), ((1.0, 1.8), (1.2, 2.4)), step_s=1e-3)
 
 
-@pytest.fixture(autouse=True)
-def _fixed_cost_table(monkeypatch):
+def fix_costs(monkeypatch) -> None:
+    """Pipelines plan from TEST_COSTS / TEST_BATCH_COSTS alone (monkeypatch: pytest's, or a
+    ``pytest.MonkeyPatch()`` in a test's child process)."""
     monkeypatch.setattr("specgen.planning.store.cost_table", lambda subject, **kwargs: TEST_COSTS)
     monkeypatch.setattr("specgen.planning.store.batch_cost_table", lambda subject, size, new_batch, **kwargs:
                         TEST_BATCH_COSTS)
     monkeypatch.setattr("specgen.planning.store.observer", lambda config: None)  # plans from the table alone
+
+
+@pytest.fixture(autouse=True)
+def _fixed_cost_table(monkeypatch):
+    fix_costs(monkeypatch)
 
 
 

@@ -62,6 +62,8 @@ _REGEX_ERROR = re.compile(r"regex parse error:\s*\n\s*(?P<pattern>[^\n]*)\n[^\n]
 #: Every byte that can occur in UTF-8 text (not C0, C1, F5-FF).
 _UTF8_BYTES = frozenset(range(0xC0)) | frozenset(range(0xC2, 0xF5))
 _NO_FORCING = '%llguidance {"no_forcing": true}\n'
+#: llguidance's lexer errors when a regex outgrows its limits (a{60000}: "too many expressions constructed").
+_LEXER_LIMIT = re.compile(r"lexer error: .*(too many|limit|fuel)", re.IGNORECASE)
 #: Mask computations the compile-time check of a grammar's opening text may spend.
 START_CHECK_BUDGET = 256
 
@@ -100,7 +102,8 @@ class PrefixNode:
 class LLGuidanceAutomaton(CompiledAutomaton):
     """A compiled llguidance grammar seen as an automaton over :class:`PrefixNode` states."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, description: str):
+        self._description = description
         self._pristine = matcher.deep_copy()  # consumed nothing: replaces a matcher that stopped
         self._matcher = matcher
         self._vocab_size = vocab_size
@@ -147,14 +150,17 @@ class LLGuidanceAutomaton(CompiledAutomaton):
         """Move the matcher to ``node`` and record its mask and finality (lock held).
 
         A prefix where nothing is allowed gets an empty mask; llguidance stops
-        there for good, so the matcher is replaced by a fresh copy. Any other
-        matcher error raises ConfigError (the matcher is replaced first)."""
+        there for good, so the matcher is replaced by a fresh copy. A regex past
+        the lexer's limits raises :class:`Unsupported` (at the initial state: while
+        compiling), any other error ConfigError; the matcher is replaced first."""
         self._move_to(node)
-        if not self._matcher.is_error():
-            raw = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        raw = None if self._matcher.is_error() else np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
         if self._matcher.is_error():
             error = first_line(ValueError(self._matcher.get_error()))
             self._restart()
+            if _LEXER_LIMIT.search(error):
+                raise Unsupported(f"{self._description} is too large for grammar.backend=llguidance: a regex in it "
+                                  f"expands past the lexer's limit ({error}); use smaller counts ({{n}})")
             if not error.startswith("NoExtensionBias"):  # llguidance's "no token allowed" stop
                 raise ConfigError(f"llguidance failed on a prefix it allowed: {error}")
             node.bits = np.zeros((self._vocab_size + 7) // 8, dtype=np.uint8)
@@ -335,7 +341,7 @@ class LLGuidanceBackend(GrammarBackend):
             result["error"] = matcher.get_error()
         if result.get("error"):
             raise self._explain(spec, result["error"])
-        automaton = LLGuidanceAutomaton(matcher, vocab.vocab_size)
+        automaton = LLGuidanceAutomaton(matcher, vocab.vocab_size, spec.description)
         unspelled = unspelled_start(automaton, vocab)
         if unspelled is not None:
             raise self._nothing_allowed(spec, grammar, unspelled)

@@ -8,7 +8,8 @@ builds)::
     {"kind": "json_schema", "schema": <dict | JSON text | file path | pydantic model class>,
      "whitespace": "[ ]?"}
 
-Both kinds may set ``backend`` (``auto`` by default, see :mod:`specgen.grammar.backend`)
+A schema's numbers and sizes are checked here, whichever backend runs
+(:mod:`specgen.grammar.schema_limits`). Both kinds may set ``backend`` (``auto`` by default, see :mod:`specgen.grammar.backend`)
 and ``compile_timeout_s`` (the compile budget). Nothing here compiles: which
 schema keywords can be enforced depends on the backend, which checks them.
 Regexes use ASCII classes: ``\\d`` is ``[0-9]``, ``\\w`` is ``[0-9A-Za-z_]`` and
@@ -24,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from specgen.errors import ConfigError, first_line, not_utf8, shorten
+from specgen.grammar.schema_limits import check_limits
 
 #: Whitespace allowed between JSON tokens: at most one space keeps small models on track
 #: ("" gives compact JSON, whose longer forced runs suit speculation).
@@ -80,6 +82,7 @@ def parse_spec(spec: Mapping | None) -> GrammarSpec | None:
         return GrammarSpec("regex", check_regex(pattern), f"regex {shorten(pattern)}", backend,
                            compile_timeout_s=timeout)
     schema, source = load_schema(spec.get("schema"))
+    check_limits(schema)
     whitespace = spec.get("whitespace")
     whitespace = DEFAULT_WHITESPACE if whitespace is None else str(whitespace)
     _check_whitespace(whitespace)
