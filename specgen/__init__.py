@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib
 
+from specgen.errors import ConfigError, ModelLoadError, NumericalError, PromptError, SpecgenError
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -27,11 +29,9 @@ __all__ = [
     "pipeline",
 ]
 
-#: Where each public name lives. They load on first use, so that ``import specgen`` (and the console
-#: scripts' :mod:`specgen.entry`) stays light until torch is needed.
+#: Where the public names that need torch live. They load on first use, so that ``import specgen`` (and
+#: the console scripts' :mod:`specgen.entry`) stays light until torch is needed.
 _EXPORTS = {
-    **dict.fromkeys(("ConfigError", "ModelLoadError", "NumericalError", "PromptError", "SpecgenError"),
-                    "specgen.errors"),
     **dict.fromkeys(("FinishEvent", "Generation", "TokenEvent"), "specgen.events"),
     "Guarantee": "specgen.guarantee",
     "RequestOptions": "specgen.options",
