@@ -28,7 +28,7 @@ from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.guarantee import Guarantee
 from specgen.tui import app as app_module
 from specgen.tui.app import ChatApp, ConfigScreen, chat_config, main
-from specgen.tui.panel import StatsPanel, bar, guarantee_class, split_cells
+from specgen.tui.panel import StatsPanel, bar, guarantee_class, split_cells, token_content
 from specgen.tui.reply import ErrorMessage, Notice, ReplyView, UserMessage, token_class
 from specgen.tui.session import ReplyRequest, ReplyUpdate, UpdateInbox, fit_history, run_reply
 from specgen.tui.tally import PanelSnapshot, Tally
@@ -201,6 +201,20 @@ def test_token_class_shades_accepted_by_position():
     assert token_class(view("accepted", 9)) == "token--accepted-4"
     assert [token_class(view(k, 2)) for k in ("resampled", "bonus")] == ["token--resampled", "token--bonus"]
     assert token_class(view("plain", None)) == "token--plain"
+
+
+def test_a_token_from_a_round_that_drafted_nothing_is_plain_not_bonus():
+    """The ngram drafter has nothing to propose before the text repeats: those rounds verify no draft,
+    and their token is the target's own, shown as "plain" (not "bonus · draft pos 1")."""
+    ngram = specgen.pipeline("target=tiny", "drafter=ngram", "threads=1", progress=False)
+    events = [e for e in ngram.stream("hello hello", specgen.RequestOptions(max_new_tokens=60, seed=0))
+              if isinstance(e, TokenEvent)]
+    undrafted = [e for e in events if e.gamma == 0]
+    assert undrafted and any(e.kind in ("accepted", "bonus") for e in events)  # both kinds of round ran
+    assert {(e.kind, e.draft_position, e.accept_prob) for e in undrafted} == {("plain", None, None)}
+    details = str(token_content(undrafted[0]))
+    assert "plain · draft pos —" in details and "γ 0" in details and "bonus" not in details
+    assert token_class(undrafted[0]) == "token--plain"
 
 
 def test_bars_and_cells():
