@@ -527,6 +527,70 @@ def test_config_view_first_prompt_and_reply_error(pipe):
     asyncio.run(scenario())
 
 
+def _shows(app, widget) -> bool:
+    """Whether ``widget`` lies inside the chat's viewport, at least two columns and a row of it."""
+    chat = app.query_one("#chat").region
+    return widget.region.width >= 2 and chat.intersection(widget.region).area > 0
+
+
+def test_narrow_terminals_hide_the_panel_and_ctrl_o_toggles_it(cfg, pipe):
+    async def scenario(size):
+        app = ChatApp(cfg, pipeline=pipe)
+        async with app.run_test(size=size) as pilot:
+            view = await send(pilot, "hello")
+            await wait_for(pilot, lambda: app.active is None)
+            await pilot.pause()
+            seen = (app.panel.display, app.query_one("#chat").region.width, _shows(app, view))
+            await pilot.press("ctrl+o")
+            await pilot.pause()
+            toggled = (app.panel.display, app.query_one("#chat").region.width)
+            if size == (60, 20):  # the choice holds when the terminal grows or shrinks again
+                await pilot.resize_terminal(100, 30)
+                await pilot.pause()
+                assert app.panel.display and app.query_one("#chat").region.width == 100 - 38
+                await pilot.press("ctrl+o")
+                await pilot.resize_terminal(60, 20)
+                await pilot.pause()
+                assert not app.panel.display
+            return seen, toggled
+
+    assert asyncio.run(scenario((80, 24))) == ((True, 50, True), (False, 80))  # wide enough: shown
+    assert asyncio.run(scenario((60, 20))) == ((False, 60, True), (True, 30))
+    assert asyncio.run(scenario((30, 10)))[0] == (False, 30, True)
+
+
+def test_an_error_is_scrolled_into_view_also_after_scrolling_up_and_new_chat(cfg, pipe):
+    async def scenario():
+        app = ChatApp(cfg, pipeline=pipe)
+        async with app.run_test(size=SIZE) as pilot:
+            chat = app.query_one("#chat")
+            while not chat.max_scroll_y:  # a chat taller than its view
+                await send(pilot, "hello again")
+                await wait_for(pilot, lambda: app.active is None)
+                await pilot.pause()
+            chat.scroll_home(animate=False)  # the user scrolls up to read: the chat stops following
+            await pilot.pause()
+            assert chat.scroll_y < chat.max_scroll_y
+            await pilot.press("ctrl+n")
+            await send(pilot, "hi")
+            await wait_for(pilot, lambda: app.active is None)
+            app.query_one("#prompt").value = "x" * 600  # longer than tiny's context: an error
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: app.query(ErrorMessage))
+            await pilot.pause()
+            assert chat.max_scroll_y > 0 and _shows(app, app.query(ErrorMessage).last())
+            chat.scroll_home(animate=False)  # scrolled up again, then a second error: it shows too
+            await pilot.pause()
+            assert chat.scroll_y < chat.max_scroll_y
+            app.query_one("#prompt").value = "y" * 600
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: len(app.query(ErrorMessage)) == 2)
+            await pilot.pause()
+            assert _shows(app, app.query(ErrorMessage).last())
+
+    asyncio.run(scenario())
+
+
 def test_load_error_is_shown_in_the_app():
     async def error_scenario():
         app = ChatApp(compose([*TINY, "sampling.temperature=-1"]))
