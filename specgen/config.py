@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -73,6 +73,16 @@ def prepare_overrides(args: Sequence[str]) -> list[str]:
         else:
             prepared.append(arg)
     return prepared
+
+
+def refuse_owned(overrides: Sequence[str], owned: Mapping[str, str]) -> None:
+    """ConfigError for the first of ``overrides`` whose key (``+``/``~`` aside) is in ``owned``: a key the
+    caller sets on every request itself, so the override would be ignored. ``owned``: key -> what to
+    use instead (e.g. ``{"max_new_tokens": "use --max-new-tokens"}``)."""
+    for override in overrides:
+        key = str(override).partition("=")[0].lstrip("+~")
+        if key in owned:
+            raise ConfigError(f"--override {override}: this script sets {key} itself; {owned[key]}")
 
 
 def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:

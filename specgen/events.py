@@ -22,8 +22,9 @@ class TokenEvent:
     """One committed token.
 
     kind: "accepted" (a draft token kept), "resampled" (drawn from the residual
-        after a rejection), "bonus" (drawn from the target with no draft left to
-        check), "plain" (speculation off).
+        after a rejection), "bonus" (drawn from the target after every draft token
+        was accepted), "plain" (drawn from the target with nothing drafted: speculation
+        off, or a speculative round that drafted nothing).
     draft_position: 1-based position in the round's draft this token took (for
         "bonus", number of drafts + 1); None for "plain".
     accept_prob: min(1, p/q) for accepted tokens and for the rejected draft token
@@ -31,7 +32,8 @@ class TokenEvent:
     text: text this token releases (may be "" while a character or a possible
         stop string is incomplete).
     gamma: draft tokens (tree nodes) the round verified, as fixed or as the
-        planner chose them (0 = the round drafted nothing); None for "plain".
+        planner chose them; 0 for the "plain" token of a speculative round that
+        drafted nothing; None when speculation is off.
     """
 
     token_id: int

@@ -166,6 +166,8 @@ def round_events(ctx: RoundContext, proposal: Proposal, predicted: float, auto: 
     # emit
     round_index = ctx.stats.rounds
     events = []
+    if not len(proposal):  # nothing drafted: the target's own token, as in plain decoding
+        return [TokenEvent(token, text, "plain", None, None, round_index, 0) for token, text in kept]
     for i, (token, text) in enumerate(kept):
         if i < verdict.num_accepted:
             kind, prob = "accepted", verdict.accept_probs[i]

@@ -209,6 +209,19 @@ def _message_text(content: object, index: int) -> str:
     raise _fail(f"messages[{index}].content must be a string or a list of text parts", "messages")
 
 
+def _message(message: Mapping, index: int) -> dict:
+    """One message as the pipeline takes it: role, content and, when given, ``name`` (a participant's
+    name: handed to the chat template, which renders it where it reads ``message.name``, as vLLM does;
+    a transcript writes it after the role). 400 for a name that is not a non-empty string."""
+    out = {"role": message.get("role"), "content": _message_text(message.get("content"), index)}
+    name = message.get("name")
+    if name is not None:
+        if not isinstance(name, str) or not name.strip() or "\n" in name:
+            raise _fail(f"messages[{index}].name must be a non-empty one-line string, got {name!r}", "messages")
+        out["name"] = name
+    return out
+
+
 def parse_chat(body: object, model: str, *, use_template: bool) -> GenRequest:
     """A ``/v1/chat/completions`` body. use_template: render ``messages`` with the tokenizer's chat
     template; else as a ``User: ... / Assistant:`` transcript that also stops at the next ``\\nUser:``
@@ -223,8 +236,7 @@ def parse_chat(body: object, model: str, *, use_template: bool) -> GenRequest:
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise _fail(f"messages[{index}] must be an object with role and content", "messages")
-    messages = [{"role": m.get("role"), "content": _message_text(m.get("content"), i)}
-                for i, m in enumerate(messages)]
+    messages = [_message(m, i) for i, m in enumerate(messages)]
     try:
         messages = check_prompt(messages, "messages")
     except SpecgenError as exc:
