@@ -160,13 +160,16 @@ class LlamaCppLM:
         return self._pool
 
     @property
-    def context_kv_bytes(self) -> int:
-        """The KV cache of one handle's context in bytes: every layer's keys and values of
-        :attr:`context_length` tokens, in llama.cpp's default f16 cache type."""
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes per token: every layer's keys and values in llama.cpp's default f16 cache type."""
         lib, model = self._lib, self._model
         head = int(lib.llama_model_n_embd(model)) // int(lib.llama_model_n_head(model))
-        per_token = 2 * int(lib.llama_model_n_layer(model)) * int(lib.llama_model_n_head_kv(model)) * head
-        return 2 * per_token * self._context
+        return 2 * 2 * int(lib.llama_model_n_layer(model)) * int(lib.llama_model_n_head_kv(model)) * head
+
+    @property
+    def context_kv_bytes(self) -> int:
+        """The KV cache of one handle's context in bytes (:attr:`context_length` tokens)."""
+        return self.kv_bytes_per_token * self._context
 
     def _describe_model(self) -> str:
         buffer = ctypes.create_string_buffer(256)
