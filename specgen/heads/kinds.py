@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
-from specgen.errors import ModelLoadError
+from specgen.errors import ModelLoadError, first_line
 from specgen.heads.dspark import DsparkHead
 from specgen.heads.eagle3 import Eagle3Head
 from specgen.heads.modules import DraftHead, EagleHead, HeadConfig, MedusaHead, MtpHead
@@ -29,6 +29,28 @@ def build_head(cfg: HeadConfig, vocab_ids: torch.Tensor) -> DraftHead:
     if cfg.kind not in HEADS:
         raise ValueError(f"unknown head kind {cfg.kind!r}; expected one of eagle3, {', '.join(HEADS)}")
     return HEADS[cfg.kind](cfg, vocab_ids)
+
+
+def check_shapes(path, cfg: HeadConfig, shapes: Mapping[str, tuple[int, ...]], config: str) -> None:
+    """ModelLoadError (one line) unless a head of ``cfg`` holds exactly the tensors ``shapes`` names, each
+    of that shape: checked on a head built on the meta device (nothing allocated), so metadata that
+    does not describe the file's tensors is refused before a head of its sizes exists."""
+    try:
+        with torch.device("meta"):
+            expected = {name: tuple(value.shape) for name, value in
+                        build_head(cfg, torch.empty(int(cfg.draft_vocab_size), dtype=torch.long)).state_dict().items()}
+    except Exception as exc:  # a size the modules refuse (negative, not an int, an unknown kind)
+        raise ModelLoadError(f"{path}: {config} does not describe a head ({first_line(exc)}); "
+                             "the file is damaged") from None
+    shapes = {name: tuple(shape) for name, shape in shapes.items()}
+    wrong = sorted(name for name in expected.keys() & shapes.keys() if expected[name] != shapes[name])
+    if wrong:
+        name = wrong[0]
+        raise ModelLoadError(f"{path}: tensor {name} is {list(shapes[name])} but {config} makes it "
+                             f"{list(expected[name])}; the file is damaged")
+    missing, unexpected = sorted(expected.keys() - shapes.keys()), sorted(shapes.keys() - expected.keys())
+    if missing or unexpected:
+        raise ModelLoadError(f"{path}: tensors do not fit {config} (missing {missing[:3]}, unexpected {unexpected[:3]})")
 
 
 def fill_head(path, head: DraftHead, state: Mapping[str, torch.Tensor], config: str, kind: str) -> DraftHead:
