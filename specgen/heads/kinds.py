@@ -14,7 +14,7 @@ import torch
 from specgen.errors import ModelLoadError, first_line
 from specgen.heads.dspark import DsparkHead
 from specgen.heads.eagle3 import Eagle3Head
-from specgen.heads.modules import DraftHead, EagleHead, HeadConfig, MedusaHead, MtpHead
+from specgen.heads.modules import MAX_MEDUSA_HEADS, DraftHead, EagleHead, HeadConfig, MedusaHead, MtpHead
 
 #: The kinds built from their config alone; ``eagle3`` is built apart (its config has attention).
 HEADS: dict[str, type[DraftHead]] = {"eagle": EagleHead, "mtp": MtpHead, "medusa": MedusaHead,
@@ -31,14 +31,21 @@ def build_head(cfg: HeadConfig, vocab_ids: torch.Tensor) -> DraftHead:
     return HEADS[cfg.kind](cfg, vocab_ids)
 
 
+def meta_head(cfg: HeadConfig) -> DraftHead:
+    """A head of ``cfg`` on the meta device: its tensors' shapes without their memory (ValueError for
+    more than MAX_MEDUSA_HEADS Medusa heads, whose modules alone would take that long to make)."""
+    if cfg.kind == "medusa" and not 1 <= int(cfg.num_heads) <= MAX_MEDUSA_HEADS:
+        raise ValueError(f"num_heads must be 1..{MAX_MEDUSA_HEADS}, got {cfg.num_heads}")
+    with torch.device("meta"):
+        return build_head(cfg, torch.empty(int(cfg.draft_vocab_size), dtype=torch.long))
+
+
 def check_shapes(path, cfg: HeadConfig, shapes: Mapping[str, tuple[int, ...]], config: str) -> None:
     """ModelLoadError (one line) unless a head of ``cfg`` holds exactly the tensors ``shapes`` names, each
     of that shape: checked on a head built on the meta device (nothing allocated), so metadata that
     does not describe the file's tensors is refused before a head of its sizes exists."""
     try:
-        with torch.device("meta"):
-            expected = {name: tuple(value.shape) for name, value in
-                        build_head(cfg, torch.empty(int(cfg.draft_vocab_size), dtype=torch.long)).state_dict().items()}
+        expected = {name: tuple(value.shape) for name, value in meta_head(cfg).state_dict().items()}
     except Exception as exc:  # a size the modules refuse (negative, not an int, an unknown kind)
         raise ModelLoadError(f"{path}: {config} does not describe a head ({first_line(exc)}); "
                              "the file is damaged") from None
