@@ -72,12 +72,14 @@ def check_run_config(cfg: Mapping) -> dict:
         cfg["sampling"] = check_sampling(cfg["sampling"])
     if "ui" in cfg:
         cfg["ui"] = _check_ui(cfg["ui"] or {})
-    if not isinstance((cfg.get("target") or {}).get("source"), Mapping):
-        raise ConfigError("target.source must be a model source with a 'kind' key; choose a target with target=NAME")
     for group in ("target", "drafter"):
         source = (cfg.get(group) or {}).get("source")
+        if isinstance(source, str) and source != "???":
+            cfg[group]["source"] = source = source_from_text(source, f"{group}.source")
         if isinstance(source, Mapping):
             check_source(source, f"{group}.source")
+    if not isinstance((cfg.get("target") or {}).get("source"), Mapping):
+        raise ConfigError("target.source must be a model source with a 'kind' key; choose a target with target=NAME")
     if "output" in cfg or "resume" in cfg:
         cfg["output"] = parse_optional_text(cfg.get("output"), "output")
         cfg["resume"] = parse_bool(cfg.get("resume", False), "resume")
@@ -231,6 +233,21 @@ def check_number(value: object, name: str, limits: NumberRange) -> float:
     if below or (high is not None and number > high):
         raise ConfigError(f"{name} must be {limits.wording}, got {value!r}")
     return number
+
+
+def source_from_text(text: str, where: str) -> dict:
+    """The model source a bare ``where=text`` names: a ``.gguf`` path, a directory, or a hub id
+    (``owner/name``); ConfigError (one line) for text that is none of these."""
+    path = Path(text).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return {"kind": "gguf", "path": text}
+    if path.is_dir():
+        return {"kind": "dir", "path": text}
+    owner, slash, name = text.partition("/")
+    if slash and owner and name and "/" not in name and not text.startswith((".", "~")) and not path.exists():
+        return {"kind": "hub", "repo": text, "revision": None, "trust_remote_code": False}
+    raise ConfigError(f"{where}={text!r} is not a .gguf file, a directory or a hub id (owner/name); "
+                      f"or give a source with a kind, e.g. {where}='{{kind: dir, path: /models/m}}'")
 
 
 def check_source(source: Mapping, where: str) -> None:
