@@ -101,22 +101,20 @@ LLAMA_MIN_SEQUENCES = 3
 #: Tokens a batched llama.cpp row holds by default, and at least.
 LLAMA_ROW_CONTEXT, LLAMA_MIN_ROW_CONTEXT = 4096, 256
 #: llama_cpp.context: the KV cells of each of a model's own llama.cpp contexts (llama.cpp's own default size).
-LLAMA_CONTEXT = 4096
 #: The most KV handles (contexts) a model may hold at once: llama.cpp's own limit on sequences per context.
 LLAMA_MAX_SEQUENCES = 256
 
 
 def check_llama_cpp(section: Mapping) -> dict:
     """The ``llama_cpp`` group checked: ``sequences`` an int in [LLAMA_MIN_SEQUENCES,
-    LLAMA_MAX_SEQUENCES], ``context`` null or at least LLAMA_MIN_ROW_CONTEXT tokens, known choices."""
+    LLAMA_MAX_SEQUENCES], ``context`` auto, null or at least LLAMA_MIN_ROW_CONTEXT tokens, known choices."""
     section = dict(section)
-    if section.get("context", LLAMA_CONTEXT) is not None:
+    if section.get("context", "auto") not in (None, "auto"):
         try:
-            section["context"] = parse_int(section.get("context", LLAMA_CONTEXT), "llama_cpp.context",
-                                           minimum=LLAMA_MIN_ROW_CONTEXT)
+            section["context"] = parse_int(section["context"], "llama_cpp.context", minimum=LLAMA_MIN_ROW_CONTEXT)
         except ConfigError:
-            raise ConfigError(f"llama_cpp.context must be null (the model's training context) or an integer of at "
-                              f"least {LLAMA_MIN_ROW_CONTEXT} (tokens), got {section.get('context')!r}") from None
+            raise ConfigError(f"llama_cpp.context must be auto, null (the model's training context) or an integer "
+                              f"of at least {LLAMA_MIN_ROW_CONTEXT} (tokens), got {section.get('context')!r}") from None
     try:
         section["sequences"] = parse_int(section.get("sequences", 64), "llama_cpp.sequences",
                                          minimum=LLAMA_MIN_SEQUENCES, maximum=LLAMA_MAX_SEQUENCES)

@@ -66,7 +66,8 @@ def _custom(entry: Mapping) -> Processor:
         return obj
     if callable(obj):
         return HFProcessorAdapter(obj, pure=bool(entry.get("pure", False)))
-    raise ConfigError(f"processor {entry.get('_target_')} is not callable")
+    raise ConfigError(f"processor {entry.get('_target_')} made a {type(obj).__name__}, not a processor: its _target_ "
+                      "must build a specgen Processor or a callable (input_ids, scores) -> scores")
 
 
 def build_stack(
