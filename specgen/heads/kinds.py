@@ -57,7 +57,8 @@ def check_shapes(path, cfg: HeadConfig, shapes: Mapping[str, tuple[int, ...]], c
                              f"{list(expected[name])}; the file is damaged")
     missing, unexpected = sorted(expected.keys() - shapes.keys()), sorted(shapes.keys() - expected.keys())
     if missing or unexpected:
-        raise ModelLoadError(f"{path}: tensors do not fit {config} (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise ModelLoadError(f"{path}: tensors do not fit {config} "
+                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
 
 
 def fill_head(path, head: DraftHead, state: Mapping[str, torch.Tensor], config: str, kind: str) -> DraftHead:
