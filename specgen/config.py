@@ -64,11 +64,12 @@ def quote_text_value(value: str) -> str:
 
 
 def prepare_overrides(args: Sequence[str]) -> list[str]:
-    """Quote the values of free-text keys (prompt=..., system=...) in CLI overrides."""
+    """Quote the values of free-text keys (prompt=..., system=...) in CLI overrides, and values that
+    start with ``~`` (a home-relative path: Hydra's grammar has no unquoted value of that form)."""
     prepared = []
     for arg in args:
         key, sep, value = arg.partition("=")
-        if sep and key.lstrip("+~") in TEXT_KEYS:
+        if sep and (key.lstrip("+~") in TEXT_KEYS or value.startswith("~")):
             prepared.append(f"{key}={quote_text_value(value)}")
         else:
             prepared.append(arg)

@@ -20,6 +20,9 @@ from specgen.errors import SpecgenError
 from specgen.events import Generation
 from specgen.options import RequestOptions, check_prompt, check_temperature, parse_int, parse_seed, parse_stop
 
+#: Bits of a seed the server draws for a request without one: below 2**53, so a JSON client that reads
+#: the reported seed as a double (JavaScript, many JSON libraries) can send it back unchanged to replay.
+DRAWN_SEED_BITS = 53
 #: Fields accepted but with no effect on the output (OpenAI bookkeeping).
 _NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier"})
 #: Fields accepted when they hold their neutral value (the value the OpenAI API documents as "off").
@@ -160,7 +163,7 @@ def _common(body: Mapping, kind: str, max_tokens_name: str) -> dict:
     if not isinstance(usage, Mapping) or not isinstance(usage.get("include_usage", False), bool):
         raise _fail("stream_options must be an object like {\"include_usage\": true}", "stream_options")
     seed = body.get("seed")
-    seed = secrets.randbits(63) if seed is None else _guarded(parse_seed, seed, "seed", param="seed")
+    seed = secrets.randbits(DRAWN_SEED_BITS) if seed is None else _guarded(parse_seed, seed, "seed", param="seed")
     max_tokens = body.get(max_tokens_name)
     options = RequestOptions(seed=seed, stop=_guarded(parse_stop, body.get("stop"), "stop", param="stop"),
                              schema=_schema(body),
