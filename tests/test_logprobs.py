@@ -1,0 +1,177 @@
+"""Logprobs of generated tokens (``logprobs=k``) and teacher-forced scoring (``Pipeline.score``, ``echo``).
+
+The oracle is plain decoding's own computation, written out here: the prompt prefilled, then one
+token at a time (single-token target rows), each row processed by the pipeline's stack on its
+history and log-softmaxed in float64. Plain decoding must equal it bit for bit. Speculative runs
+score accepted tokens on their verify rows; the tiny torch path computes a verify row up to ~1e-6
+away from the single-token row (it is not batch invariant), so there the comparison is to 1e-5 --
+and negative controls (another temperature, the row before) show the comparison fails far above that.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_pipeline
+
+from specgen.errors import ConfigError, PromptError
+from specgen.events import FinishEvent
+from specgen.processors import History
+from specgen.processors.history import CommittedCounts
+from specgen.sampling.logprobs import token_logprobs
+
+PROMPT = [1, 2, 3, 4]
+SELF_DRAFT = ("drafter.source.seed=0", "drafter.source.num_layers=2", "drafter.num_tokens=3")  # the drafter is the target: drafts get accepted
+#: The gap a verify row may have from the single-token row on the tiny torch path (logits differ ~1e-6).
+VERIFY_TOLERANCE = 1e-5
+
+
+def oracle(pipe, prompt: list[int], generated: list[int], *, stack=None, raw_law: bool = False) -> list[float]:
+    """Plain decoding's logprob of each of ``generated`` after ``prompt`` (see the module docstring)."""
+    stack = pipe.stack if stack is None else stack
+    vocab, device = pipe.tokenizer.vocab_size, pipe.device
+    cache = pipe.target.new_cache()
+    raw = pipe.target.forward(cache, prompt, keep=1)  # [1, vocab]
+    seq, out = list(prompt), []
+    for token in generated:
+        history = History(CommittedCounts.start(seq, vocab, device), [], num_positions=1)
+        logits = raw if raw_law else (stack.read_only(raw, history) if stack.greedy else stack.logits(raw, history))
+        out.append(token_logprobs(logits, [token], 0)[0].logprob)
+        seq.append(token)
+        raw = pipe.target.forward(cache, [token], keep=1)
+    cache.release()
+    return out
+
+
+def _values(gen) -> list[float]:
+    return [entry.logprob for entry in gen.logprobs]
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.9"])
+def test_plain_decoding_reports_the_oracle_bit_for_bit(temperature):
+    pipe = tiny_pipeline(f"sampling.temperature={temperature}", "sampling.repetition_penalty=1.3", drafter="none")
+    events = list(pipe.stream(prompt_ids=PROMPT, max_new_tokens=10, seed=5, logprobs=3))
+    gen = events[-1].generation
+    assert len(gen.logprobs) == len(gen.token_ids) > 1
+    assert [e.logprob for e in events[:-1]] == gen.logprobs  # the events carry the same records
+    assert [e.token_id for e in gen.logprobs] == gen.token_ids
+    assert _values(gen) == oracle(pipe, PROMPT, gen.token_ids)
+    for entry in gen.logprobs:
+        assert len(entry.top) == 3
+        values = [v for _, v in entry.top]
+        assert values == sorted(values, reverse=True)
+        assert entry.logprob <= values[0]
+        if temperature == "0":  # greedy: the chosen token is the most likely one
+            assert entry.top[0] == (entry.token_id, entry.logprob)
+    # negative control: the same tokens under another temperature's stack differ by far more than nothing
+    other = tiny_pipeline("sampling.temperature=0.5", "sampling.repetition_penalty=1.3", drafter="none")
+    assert max(abs(a - b) for a, b in zip(_values(gen), oracle(other, PROMPT, gen.token_ids), strict=True)) > 1e-2
+
+
+def test_without_logprobs_nothing_is_recorded():
+    pipe = tiny_pipeline("sampling.temperature=0", *SELF_DRAFT)
+    events = list(pipe.stream(prompt_ids=PROMPT, max_new_tokens=6))
+    assert events[-1].generation.logprobs is None and events[-1].generation.prompt_logprobs is None
+    assert all(e.logprob is None for e in events[:-1])
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.9"])
+@pytest.mark.parametrize("drafter", [SELF_DRAFT, ("drafter.num_tokens=3",)], ids=["self", "independent"])
+def test_speculative_logprobs_equal_plain_decodings_for_the_same_tokens(temperature, drafter):
+    pipe = tiny_pipeline(f"sampling.temperature={temperature}", *drafter)
+    spec = pipe.generate(prompt_ids=PROMPT, max_new_tokens=16, seed=11, logprobs=2)
+    assert spec.stats.drafted > 0
+    if drafter == SELF_DRAFT:
+        assert spec.stats.accepted > 0  # accepted tokens are scored on their verify rows
+    expected = oracle(pipe, PROMPT, spec.token_ids)
+    gaps = [abs(a - b) for a, b in zip(_values(spec), expected, strict=True)]
+    assert max(gaps) < VERIFY_TOLERANCE
+    if temperature == "0":  # greedy: speculation changes no token, and plain decoding's values agree
+        plain = pipe.generate(prompt_ids=PROMPT, max_new_tokens=16, seed=11, logprobs=2, speculative=False)
+        assert plain.token_ids == spec.token_ids and _values(plain) == expected
+    # negative controls: another temperature, or each token scored on the row before its own
+    other = tiny_pipeline("sampling.temperature=0.5", drafter="none")
+    assert max(abs(a - b) for a, b in zip(_values(spec), oracle(other, PROMPT, spec.token_ids), strict=True)) > 1e-2
+    shifted = oracle(pipe, PROMPT, spec.token_ids[1:])
+    assert max(abs(a - b) for a, b in zip(_values(spec)[:-1], shifted, strict=True)) > 1e-2
+
+
+def test_the_raw_law_reports_the_unprocessed_target():
+    pipe = tiny_pipeline("sampling.temperature=0.7", *SELF_DRAFT)
+    gen = pipe.generate(prompt_ids=PROMPT, max_new_tokens=12, seed=2, logprobs=0, logprobs_of="raw")
+    raw = oracle(pipe, PROMPT, gen.token_ids, raw_law=True)
+    assert max(abs(a - b) for a, b in zip(_values(gen), raw, strict=True)) < VERIFY_TOLERANCE
+    processed = oracle(pipe, PROMPT, gen.token_ids)
+    assert max(abs(a - b) for a, b in zip(_values(gen), processed, strict=True)) > 1e-2
+
+
+def test_tree_rounds_report_the_oracle(tiny_eagle_head):
+    pipe = tiny_pipeline("target.source.vocab_size=8", "sampling.temperature=0", f"drafter.head_file={tiny_eagle_head}",
+                         "drafter.num_tokens=4", drafter="eagle")
+    gen = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=10, logprobs=1)
+    assert gen.stats.drafted > 0
+    gaps = [abs(a - b) for a, b in zip(_values(gen), oracle(pipe, [1, 2, 3], gen.token_ids), strict=True)]
+    assert max(gaps) < VERIFY_TOLERANCE
+
+
+def test_score_is_the_teacher_forced_log_softmax_bit_for_bit():
+    pipe = tiny_pipeline("sampling.temperature=0.8", *SELF_DRAFT)
+    ids = [1, 5, 2, 9, 3, 3, 7]
+    scores = pipe.score(prompt_ids=ids, top_logprobs=4)
+    assert scores.token_ids == ids and scores.logprobs[0] is None
+    cache = pipe.target.new_cache()
+    expected = torch.log_softmax(pipe.target.forward(cache, ids, keep=len(ids)).double(), dim=-1)  # [7, vocab]
+    cache.release()
+    for i, entry in enumerate(scores.logprobs[1:]):
+        assert entry.token_id == ids[i + 1]
+        assert entry.logprob == expected[i, ids[i + 1]].item()
+        top = torch.sort(expected[i], descending=True, stable=True)
+        assert entry.top == tuple(zip(top.indices[:4].tolist(), top.values[:4].tolist(), strict=True))
+    # negative control: the rows one position off are other numbers
+    assert any(entry.logprob != expected[i + 1, ids[i + 1]].item() for i, entry in enumerate(scores.logprobs[1:-1]))
+    # echo: the same numbers on the Generation, with max_new_tokens=0 nothing is generated
+    echo = pipe.generate(prompt_ids=ids, max_new_tokens=0, echo=True, logprobs=4)
+    assert echo.token_ids == [] and echo.prompt_logprobs == scores.logprobs and echo.finish_reason == "length"
+    [batched] = pipe.generate_batch([{"prompt_ids": ids}], max_new_tokens=0, echo=True, logprobs=4)
+    assert batched.prompt_logprobs == scores.logprobs and batched.token_ids == []
+    with_tokens = pipe.generate(prompt_ids=ids, max_new_tokens=3, echo=True, logprobs=4, seed=1)
+    assert with_tokens.prompt_logprobs == scores.logprobs and len(with_tokens.logprobs) == 3
+
+
+def test_batched_rows_report_the_oracle():
+    pipe = tiny_pipeline("sampling.temperature=0.9", *SELF_DRAFT)
+    rows = [{"prompt_ids": PROMPT, "seed": 3}, {"prompt_ids": [2, 7, 1], "seed": 4, "speculative": False}]
+    for row, gen in zip(rows, pipe.generate_batch(rows, max_new_tokens=8, logprobs=1), strict=True):
+        expected = oracle(pipe, row["prompt_ids"], gen.token_ids)
+        assert max(abs(a - b) for a, b in zip(_values(gen), expected, strict=True)) < VERIFY_TOLERANCE
+        assert all(len(e.top) == 1 for e in gen.logprobs)
+
+
+@pytest.mark.parametrize("overrides", [{"logprobs": 21}, {"logprobs": -1}, {"logprobs": "3"}, {"logprobs": 1.0},
+                                       {"logprobs_of": "logits"}, {"echo": "maybe"}, {"max_new_tokens": 0}])
+def test_bad_values_are_refused_by_name(overrides):
+    pipe = tiny_pipeline(drafter="none")
+    with pytest.raises(ConfigError, match=next(iter(overrides))):
+        pipe.generate(prompt_ids=PROMPT, **overrides)
+
+
+def test_score_refuses_bad_input():
+    pipe = tiny_pipeline(drafter="none")
+    with pytest.raises(ConfigError, match="top_logprobs"):
+        pipe.score(prompt_ids=PROMPT, top_logprobs=21)
+    with pytest.raises(PromptError):
+        pipe.score(prompt_ids=[])
+    with pytest.raises(PromptError):
+        pipe.score(prompt_ids=[1] * (pipe.target.context_length + 1))
+
+
+def test_a_rolled_back_round_leaves_no_logprobs():
+    pipe = tiny_pipeline("sampling.temperature=0", *SELF_DRAFT)
+    stream = pipe.stream(prompt_ids=PROMPT, max_new_tokens=12, logprobs=0)
+    first = next(stream)
+    stream.close()
+    gen = pipe.generate(prompt_ids=PROMPT, max_new_tokens=12, logprobs=0)
+    assert first.logprob == gen.logprobs[0] and not isinstance(first, FinishEvent)
+    assert all(math.isfinite(v) for v in _values(gen))
