@@ -52,12 +52,13 @@ class Defaults:
     stop: tuple[str, ...] = ()
     chat: bool | str = "auto"
     system: str | None = None
+    logprobs: int | None = None
 
     @classmethod
     def from_config(cls, cfg) -> Defaults:
         """The request defaults of a checked run config (its top-level request keys)."""
         return cls(max_new_tokens=cfg["max_new_tokens"], seed=cfg["seed"], stop=tuple(cfg["stop"]),
-                   chat=cfg["chat"], system=cfg["system"])
+                   chat=cfg["chat"], system=cfg["system"], logprobs=cfg.get("logprobs"))
 
 
 class Pipeline:

@@ -366,10 +366,14 @@ def request_options(defaults, options: RequestOptions | None = None, **overrides
         regex=check_unicode(parse_optional_text(o.regex, "regex"), "regex", ConfigError),
         num_tokens=None if o.num_tokens is None else parse_num_tokens(o.num_tokens),
         stats=parse_stats(o.stats),
-        logprobs=None if o.logprobs is None else parse_int(o.logprobs, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS),
+        logprobs=_parse_logprobs(getattr(defaults, "logprobs", None) if o.logprobs is None else o.logprobs),
         logprobs_of=parse_logprobs_of(o.logprobs_of),
         echo=echo,
     )
+
+
+def _parse_logprobs(value: object) -> int | None:
+    return None if value is None else parse_int(value, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
 
 
 #: What ``logprobs_of`` may name: the processed distribution a token was drawn from, or the raw logits.

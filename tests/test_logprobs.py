@@ -175,3 +175,45 @@ def test_a_rolled_back_round_leaves_no_logprobs():
     gen = pipe.generate(prompt_ids=PROMPT, max_new_tokens=12, logprobs=0)
     assert first.logprob == gen.logprobs[0] and not isinstance(first, FinishEvent)
     assert all(math.isfinite(v) for v in _values(gen))
+
+
+def test_jsonl_rows_and_the_override_put_logprobs_in_the_record(tmp_path):
+    import io
+    import json
+
+    from specgen import cli
+    from specgen.config import compose, to_container
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps(r) for r in [{"prompt": "ab", "id": "a"},
+                                                      {"prompt": "cd", "id": "b", "logprobs": 2},
+                                                      {"prompt": "ef", "id": "c", "logprobs": 21}]) + "\n")
+
+    def run(*extra):
+        out = tmp_path / f"out{len(extra)}.jsonl"
+        cfg = to_container(compose(["target=tiny", "threads=1", "dtype=float32", "drafter=tiny", "max_new_tokens=5",
+                                    "chat=false", f"prompt_file={rows}", f"output={out}", *extra]))
+        try:
+            cli.run(cfg, out=io.StringIO(), err=io.StringIO())
+        except SystemExit:
+            pass
+        return [json.loads(line) for line in out.read_text().splitlines()]
+
+    plain = run()
+    assert "logprobs" not in plain[0] and len(plain[1]["logprobs"]) == plain[1]["stats"]["new_tokens"]
+    assert "logprobs" in plain[2]["error"]  # 21 is refused by name, the other rows run
+    pipe = tiny_pipeline()
+    expected = pipe.generate("cd", chat=False, max_new_tokens=5, logprobs=2)
+    assert [r["token_id"] for r in plain[1]["logprobs"]] == expected.token_ids
+    assert [r["logprob"] for r in plain[1]["logprobs"]] == [e.logprob for e in expected.logprobs]
+    assert [r["top_logprobs"] for r in plain[1]["logprobs"]] == [[list(p) for p in e.top] for e in expected.logprobs]
+    overridden = run("logprobs=0")
+    assert all(r["top_logprobs"] == [] for r in overridden[0]["logprobs"])
+    assert len(overridden[1]["logprobs"][0]["top_logprobs"]) == 2  # a row's own value wins
+
+
+def test_the_logprobs_config_key_is_checked():
+    with pytest.raises(ConfigError, match="logprobs"):
+        tiny_pipeline("logprobs=21")
+    pipe = tiny_pipeline("logprobs=1", drafter="none")
+    assert len(pipe.generate(prompt_ids=PROMPT, max_new_tokens=3).logprobs[0].top) == 1

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import math
+
 import torch
 
 #: The most alternatives a request may ask for (as the OpenAI API allows).
@@ -19,7 +21,8 @@ MAX_TOP_LOGPROBS = 20
 @dataclass(frozen=True)
 class TokenLogprob:
     """token_id's log-probability and the ``top`` most likely tokens as (token_id, logprob) pairs,
-    most likely first (ties: the lower id first); ``top`` is empty when no alternatives were asked."""
+    most likely first (ties: the lower id first), forbidden (-inf) tokens left out; ``top`` is empty
+    when no alternatives were asked."""
 
     token_id: int
     logprob: float
@@ -40,5 +43,6 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> lis
     values, ids = torch.sort(logp, dim=-1, descending=True, stable=True)  # [n, vocab] each: ties keep the lower id first
     k = min(top, logp.shape[-1])
     read = torch.cat([chosen.unsqueeze(-1), values[:, :k], ids[:, :k].to(torch.float64)], dim=-1).tolist()  # [n, 1+2k]
-    return [TokenLogprob(t, row[0], tuple(zip((int(i) for i in row[1 + k:]), row[1:1 + k], strict=True)))
+    return [TokenLogprob(t, row[0], tuple((int(i), v) for i, v in zip(row[1 + k:], row[1:1 + k], strict=True)
+                                          if v != -math.inf))
             for t, row in zip(tokens, read, strict=True)]

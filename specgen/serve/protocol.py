@@ -285,12 +285,12 @@ def response(req: GenRequest, model: str, gen: Generation, decode: Decode) -> di
     choice = {"index": 0, "finish_reason": finish_reason(gen.finish_reason), "logprobs": None}
     if req.kind == "chat":
         choice["message"] = {"role": "assistant", "content": gen.text}
-        if gen.logprobs is not None:
+        if req.logprobs.top is not None:
             choice["logprobs"] = chat_logprobs(decode, gen.logprobs)
     else:
         prompt = (req.prompt if req.prompt is not None else decode(gen.prompt_ids)) if req.logprobs.echo else ""
         choice["text"] = prompt + gen.text
-        if gen.logprobs is not None:
+        if req.logprobs.top is not None:
             choice["logprobs"] = completion_logprobs(decode, gen.logprobs, gen.token_ids, len(prompt))
             if req.logprobs.echo:
                 echoed = completion_logprobs(decode, gen.prompt_logprobs, gen.prompt_ids)
@@ -306,7 +306,7 @@ def chunk(req: GenRequest, model: str, text: str | None, *, first: bool = False,
     finish reason and the ``specgen`` field."""
     choice = {"index": 0, "finish_reason": None if gen is None else finish_reason(gen.finish_reason),
               "logprobs": None}
-    if event is not None and event.logprob is not None:
+    if event is not None and event.logprob is not None and req.logprobs.top is not None:
         choice["logprobs"] = (chat_logprobs(decode, [event.logprob]) if req.kind == "chat"
                               else completion_logprobs(decode, [event.logprob], [event.token_id]))
     if req.kind == "chat":
