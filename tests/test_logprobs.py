@@ -111,9 +111,31 @@ def test_tree_rounds_report_the_oracle(tiny_eagle_head):
     pipe = tiny_pipeline("target.source.vocab_size=8", "sampling.temperature=0", f"drafter.head_file={tiny_eagle_head}",
                          "drafter.num_tokens=4", drafter="eagle")
     gen = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=10, logprobs=1)
-    assert gen.stats.drafted > 0
+    assert gen.stats.accepted > 0  # tokens scored on tree nodes' rows, not only the root's
     gaps = [abs(a - b) for a, b in zip(_values(gen), oracle(pipe, [1, 2, 3], gen.token_ids), strict=True)]
     assert max(gaps) < VERIFY_TOLERANCE
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.9"])
+def test_the_grammar_mask_is_part_of_the_law(temperature):
+    pipe = tiny_pipeline(f"sampling.temperature={temperature}", *SELF_DRAFT)
+    allowed = [3, 5, 9]
+    regex = "[" + "".join(chr(ord("a") + t - 1) for t in allowed) + "]+"
+    pipe.tokenizer = _letters(pipe.tokenizer.vocab_size)
+    gen = pipe.generate(prompt_ids=PROMPT, max_new_tokens=6, regex=regex, logprobs=20, seed=4)
+    for entry in gen.logprobs:
+        support = {*allowed, *pipe.tokenizer.eos_ids}
+        assert entry.token_id in support and {t for t, _ in entry.top} <= support
+        assert math.isclose(sum(math.exp(v) for _, v in entry.top), 1.0, rel_tol=1e-9)  # all of p's support
+    raw = pipe.generate(prompt_ids=PROMPT, max_new_tokens=6, regex=regex, logprobs=20, seed=4, logprobs_of="raw")
+    assert all(len(entry.top) == pipe.tokenizer.vocab_size for entry in raw.logprobs)  # negative control
+
+
+def _letters(vocab_size: int):
+    """A tokenizer whose id 0 is EOS and id i the letter chr(ord("a") + i - 1)."""
+    from grammar_helpers import char_info
+
+    return char_info("".join(chr(ord("a") + i) for i in range(vocab_size - 1)))
 
 
 def test_score_is_the_teacher_forced_log_softmax_bit_for_bit():

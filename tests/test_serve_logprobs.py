@@ -15,7 +15,7 @@ pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 from test_logprobs import oracle  # noqa: E402
-from test_serve import CHAT_PROMPT, PROMPT, client, reference, served  # noqa: E402,F401 (fixtures)
+from test_serve import CHAT_PROMPT, PROMPT, SCHEMA, client, reference, served  # noqa: E402,F401 (fixtures)
 
 TOLERANCE = 1e-5
 
@@ -121,3 +121,14 @@ def test_bad_logprob_fields_get_a_400_naming_them(client, kind, kwargs, param):
             client.completions.create(**{"model": "tiny", "prompt": PROMPT, "max_tokens": 3, **kwargs})
     assert info.value.status_code == 400
     assert info.value.body["param"] == param
+
+
+def test_a_grammar_request_reports_only_allowed_alternatives(client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "tiny", "schema": SCHEMA}}
+    resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=30,
+                                          temperature=1.0, seed=1, response_format=response_format, logprobs=True,
+                                          top_logprobs=20)
+    content = resp.choices[0].logprobs.content
+    assert content and content[0].token == "{" and [c.token for c in content[0].top_logprobs] == ["{"]
+    assert content[0].logprob == 0.0  # the grammar allows only "{": p is one-hot
+    assert all(len(c.top_logprobs) < 16 for c in content)  # forbidden tokens are no alternatives (and no -inf)
