@@ -366,7 +366,7 @@ def request_options(defaults, options: RequestOptions | None = None, **overrides
         regex=check_unicode(parse_optional_text(o.regex, "regex"), "regex", ConfigError),
         num_tokens=None if o.num_tokens is None else parse_num_tokens(o.num_tokens),
         stats=parse_stats(o.stats),
-        logprobs=_parse_logprobs(getattr(defaults, "logprobs", None) if o.logprobs is None else o.logprobs),
+        logprobs=_parse_logprobs(defaults.logprobs if o.logprobs is None else o.logprobs),
         logprobs_of=parse_logprobs_of(o.logprobs_of),
         echo=echo,
     )
