@@ -90,6 +90,8 @@ def test_streamed_chunks_carry_the_same_logprobs(client):
     chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, logprobs=1, stream=True))
     streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
     assert _close(streamed, whole.choices[0].logprobs.token_logprobs)
+    offsets = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.text_offset]
+    assert offsets == whole.choices[0].logprobs.text_offset
     messages = [{"role": "user", "content": "ab"}]
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, logprobs=True)
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, logprobs=True,

@@ -197,13 +197,15 @@ class Server:
     async def _events(self, request: Request, req: GenRequest, job: Job, items: asyncio.Queue,
                       item: object) -> AsyncIterator[str]:
         """The SSE body: text chunks, a last chunk with the finish reason and ``specgen``, [DONE]."""
-        endpoint, outcome = request.url.path, "cancelled"
+        endpoint, outcome, offset = request.url.path, "cancelled", 0  # offset: the next token's text_offset
         try:
             if req.kind == "chat":
                 yield _sse(protocol.chunk(req, self.model, None, first=True))
             while True:
                 if isinstance(item, TokenEvent) and (item.text or item.logprob is not None):
-                    yield _sse(protocol.chunk(req, self.model, item.text, event=item, decode=self.decode))
+                    yield _sse(protocol.chunk(req, self.model, item.text, event=item, decode=self.decode,
+                                              offset=offset))
+                    offset += len(self.decode([item.token_id])) if item.logprob is not None else 0
                 elif isinstance(item, FinishEvent):
                     gen = item.generation
                     self.metrics.generation(gen)  # finished, whether or not the client reads the rest

@@ -300,15 +300,16 @@ def response(req: GenRequest, model: str, gen: Generation, decode: Decode) -> di
 
 
 def chunk(req: GenRequest, model: str, text: str | None, *, first: bool = False,
-          gen: Generation | None = None, event: TokenEvent | None = None, decode: Decode | None = None) -> dict:
+          gen: Generation | None = None, event: TokenEvent | None = None, decode: Decode | None = None,
+          offset: int = 0) -> dict:
     """One streaming chunk: ``text`` (chat: the first chunk also carries the role), with ``event``'s
-    logprob when it has one (``decode``: the tokenizer's); the last one (``gen`` given) carries the
-    finish reason and the ``specgen`` field."""
+    logprob when it has one (``decode``: the tokenizer's; ``offset``: its token's text_offset); the
+    last one (``gen`` given) carries the finish reason and the ``specgen`` field."""
     choice = {"index": 0, "finish_reason": None if gen is None else finish_reason(gen.finish_reason),
               "logprobs": None}
     if event is not None and event.logprob is not None and req.logprobs.top is not None:
         choice["logprobs"] = (chat_logprobs(decode, [event.logprob]) if req.kind == "chat"
-                              else completion_logprobs(decode, [event.logprob], [event.token_id]))
+                              else completion_logprobs(decode, [event.logprob], [event.token_id], offset))
     if req.kind == "chat":
         delta = {"role": "assistant"} if first else {}
         if text:
