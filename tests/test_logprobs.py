@@ -262,3 +262,11 @@ def test_the_packaged_model_on_llama_cpp_reports_plain_decodings_logprobs_bit_fo
     spec = pipe.generate(prompt, max_new_tokens=24, logprobs=2, chat=False, seed=3)
     assert spec.stats.accepted > 0
     assert _values(spec) == oracle(pipe, spec.prompt_ids, spec.token_ids)
+
+
+def test_events_of_rounds_that_draft_nothing_carry_their_logprobs():
+    pipe = tiny_pipeline("sampling.temperature=0")  # num_tokens=auto: the planner skips drafting in some rounds
+    events = list(pipe.stream(prompt_ids=PROMPT, max_new_tokens=8, logprobs=1))
+    gen = events[-1].generation
+    assert gen.stats.planned_plain > 0 and any(e.kind == "plain" and e.gamma == 0 for e in events[:-1])
+    assert [e.logprob for e in events[:-1]] == gen.logprobs and None not in gen.logprobs
