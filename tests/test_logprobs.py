@@ -270,3 +270,17 @@ def test_events_of_rounds_that_draft_nothing_carry_their_logprobs():
     gen = events[-1].generation
     assert gen.stats.planned_plain > 0 and any(e.kind == "plain" and e.gamma == 0 for e in events[:-1])
     assert [e.logprob for e in events[:-1]] == gen.logprobs and None not in gen.logprobs
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.9"])
+def test_on_the_batch_invariant_int8_path_speculation_changes_no_bit(temperature):
+    """dtype=int8 (the quantized torch target) computes verify rows equal to single-token rows bit for
+    bit: accepted tokens report plain decoding's numbers exactly, and one prefill's teacher-forced
+    scores equal the row-by-row ones."""
+    pipe = tiny_pipeline(f"sampling.temperature={temperature}", "dtype=int8", *SELF_DRAFT)
+    spec = pipe.generate(prompt_ids=PROMPT, max_new_tokens=16, logprobs=2, seed=3)
+    assert spec.stats.accepted > 0 and str(spec.guarantee) in ("exact", "greedy")
+    assert _values(spec) == oracle(pipe, PROMPT, spec.token_ids)
+    ids = [*PROMPT, *spec.token_ids]
+    scores = pipe.score(prompt_ids=ids)
+    assert [e.logprob for e in scores.logprobs[len(PROMPT):]] == oracle(pipe, PROMPT, spec.token_ids, raw_law=True)
