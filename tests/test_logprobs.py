@@ -2,10 +2,11 @@
 
 The oracle is plain decoding's own computation, written out here: the prompt prefilled, then one
 token at a time (single-token target rows), each row processed by the pipeline's stack on its
-history and log-softmaxed in float64. Plain decoding must equal it bit for bit. Speculative runs
-score accepted tokens on their verify rows; the tiny torch path computes a verify row up to ~1e-6
-away from the single-token row (it is not batch invariant), so there the comparison is to 1e-5 --
-and negative controls (another temperature, the row before) show the comparison fails far above that.
+history and log-softmaxed in float64. Plain decoding must equal it bit for bit, and so must
+speculative runs on a batch-invariant path (dtype=int8; llama.cpp in the slow test). Speculative runs
+score accepted tokens on their verify rows; the float32 tiny torch path computes a verify row up to
+~1e-6 away from the single-token row (it is not batch invariant), so there the comparison is to 1e-5
+-- and negative controls (another temperature, the row before) show the comparison fails far above that.
 """
 
 from __future__ import annotations
