@@ -26,6 +26,7 @@ __all__ = [
     "RequestOptions",
     "SpecgenError",
     "TokenEvent",
+    "TokenLogprob",
     "pipeline",
 ]
 
