@@ -26,6 +26,7 @@ __all__ = [
     "RequestOptions",
     "SpecgenError",
     "TokenEvent",
+    "TokenLogprob",
     "pipeline",
 ]
 
@@ -35,6 +36,7 @@ _EXPORTS = {
     **dict.fromkeys(("FinishEvent", "Generation", "TokenEvent"), "specgen.events"),
     "Guarantee": "specgen.guarantee",
     "RequestOptions": "specgen.options",
+    "TokenLogprob": "specgen.sampling.logprobs",
 }
 
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from specgen import machine
 from specgen.errors import ConfigError
+from specgen.sampling.logprobs import MAX_TOP_LOGPROBS
 from specgen.options import (check_temperature, check_unicode, parse_batch_size, parse_bool, parse_chat, parse_int, parse_optional_text,
                              parse_seed, parse_stop)
 from specgen.paths import check_output_file
@@ -65,6 +66,8 @@ def check_run_config(cfg: Mapping) -> dict:
     cfg["chat"] = parse_chat(cfg.get("chat", "auto"))
     cfg["max_new_tokens"] = parse_int(cfg.get("max_new_tokens", 128), "max_new_tokens", minimum=1)
     cfg["seed"] = parse_seed(cfg.get("seed", 0))
+    if cfg.get("logprobs") is not None:
+        cfg["logprobs"] = parse_int(cfg["logprobs"], "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
     cfg["stop"] = list(parse_stop(cfg.get("stop")))
     cfg["threads"] = parse_threads(cfg.get("threads", "auto"))
     for key in ("prompt", "prompt_file", "system"):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from specgen.guarantee import Guarantee
+from specgen.sampling.logprobs import TokenLogprob
 from specgen.stats import Stats
 
 #: How a committed token was produced (see :class:`TokenEvent`).
@@ -34,6 +35,8 @@ class TokenEvent:
     gamma: draft tokens (tree nodes) the round verified, as fixed or as the
         planner chose them; 0 for the "plain" token of a speculative round that
         drafted nothing; None when speculation is off.
+    logprob: the token's logprob and top alternatives when the request asked for them
+        (``logprobs=k``; the law is in README "Logprobs"), else None.
     """
 
     token_id: int
@@ -43,6 +46,7 @@ class TokenEvent:
     accept_prob: float | None
     round: int
     gamma: int | None = None
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,9 @@ class Generation:
     text / token_ids: new tokens only (token_ids include an EOS that ended it).
     guarantee: what the run promised (``str(guarantee)`` is its printed form, e.g. "exact").
     finish_reason: "eos" | "length" | "stop" | "context" (context window full) | "dead_end".
+    logprobs: one per token of token_ids when the request asked (``logprobs=k``), else None.
+    prompt_logprobs: with ``echo=True``, one per prompt token (the first None: nothing predicts it),
+        the target's teacher-forced raw log-softmax (see :meth:`specgen.engine.Pipeline.score`), else None.
     """
 
     text: str
@@ -71,3 +78,5 @@ class Generation:
     finish_reason: FinishReason
     stats: Stats
     prompt_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
