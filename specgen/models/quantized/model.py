@@ -4,7 +4,9 @@ One readable forward in the style of gpt-fast's ``model.py``: token embeddings,
 RMSNorm, rotary embeddings, grouped-query attention over an explicit
 preallocated KV cache (:class:`KVBuffers`, passed in), a SwiGLU MLP and the LM
 head. Linear layers are :class:`~specgen.models.quantized.kernels.QuantLinear`
-(q/k/v fused into one, gate/up into one).
+(q/k/v fused into one, gate/up into one); where their output feeds a float32 op
+(RoPE, the KV write, the residual adds) it stays in the kernel's bfloat16 and the
+op promotes it, which computes the same values without a separate cast.
 
 Batch invariance by construction: the logits of a position must not depend on
 how many positions are fed with it. Every op here either works on each row on
@@ -175,7 +177,7 @@ class LeanLlama:
         cos, sin = self.cos[positions, None], self.sin[positions, None]  # [T, 1, head_dim]
         x = self.embedding[ids]  # [T, d]
         for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(_rms_norm(x, layer.attention_norm, self.eps))  # [T, (heads + 2 kv) * head_dim]
+            qkv = layer.qkv.native(_rms_norm(x, layer.attention_norm, self.eps))  # [T, (heads + 2 kv) * hd], bf16
             qkv = qkv.view(-1, heads + 2 * kv_heads, head_dim)
             rotated = _rope(qkv[:, :heads + kv_heads], cos, sin)  # [T, heads + kv, head_dim]
             mixed, offset = [], 0
@@ -185,9 +187,9 @@ class LeanLlama:
                 values[feed.start:feed.start + feed.n] = qkv[offset:end, heads + kv_heads:]
                 mixed.append(self._attend(rotated[offset:end, :heads], keys, values, feed.start))  # [n, heads * hd]
                 offset = end
-            x += layer.output(mixed[0] if len(mixed) == 1 else torch.cat(mixed))
+            x += layer.output.native(mixed[0] if len(mixed) == 1 else torch.cat(mixed))
             gate, up = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)  # [T, inter] each
-            x += layer.down(F.silu(gate).mul_(up))
+            x += layer.down.native(F.silu(gate).mul_(up))
         if len(feeds) == 1:
             kept = x[x.shape[0] - feeds[0].keep:]  # [keep, d]
         else:
