@@ -95,7 +95,7 @@ def main() -> None:
     loaded = {arm: load(arm, args.threads) for arm in args.arms.split(",")}
     lms = {arm: item.lm for arm, item in loaded.items()}
     tokenizer = next(iter(loaded.values())).tokenizer
-    print(f"threads={args.threads} repeats={args.repeats}; arms interleaved in one process")
+    print(f"threads={torch.get_num_threads()} repeats={args.repeats}; arms interleaved in one process")
     with torch.inference_mode():
         for arm, seconds in costs(lms, args.repeats, tokenizer.vocab_size).items():
             curve = "  ".join(f"v({n}) {seconds[n] / seconds[1]:.2f}" for n in WIDTHS[1:])

@@ -34,11 +34,24 @@ def _float_model(source=TINY_SOURCE):
 
 
 @pytest.mark.parametrize("quant", QUANTS)
-def test_verify_logits_equal_single_token_logits_at_widths_2_to_9(quant):
+def test_verify_logits_equal_single_token_logits_at_widths_2_to_16(quant):
     lm = load_quantized(TINY_SOURCE, name="target", quant=quant, progress=False).lm
     assert isinstance(lm, Target) and lm.kind == quant and lm.fallback is None
-    for width in range(2, 10):
+    for width in range(2, 17):
         assert lm.verify_gap([width]) == (0.0, width)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_kernel_outputs_left_in_bfloat16_give_the_logits_of_float32_outputs(quant, monkeypatch):
+    """The forward feeds the int kernels' bfloat16 outputs straight into float32 ops (RoPE, KV writes,
+    residual adds); that must compute what casting each output to float32 first computes, bit for bit."""
+    lm = load_quantized(TINY_SOURCE, name="target", quant=quant, progress=False).lm
+    assert lm.net.layers[0].qkv.native(torch.ones(1, 32)).dtype == torch.bfloat16  # the path under test runs
+    ids = [(5 * i + 3) % 16 for i in range(40)]
+    promoted = lm.forward(lm.new_cache(), ids, keep=40)  # [40, vocab]
+    native = kernels.QuantLinear.native
+    monkeypatch.setattr(kernels.QuantLinear, "native", lambda self, x: native(self, x).float())
+    assert torch.equal(lm.forward(lm.new_cache(), ids, keep=40), promoted)
 
 
 def test_negative_control_float_linears_give_a_measurable_gap():

@@ -97,10 +97,16 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [rows, in] float32 -> [rows, out] float32."""
+        return self.native(x).float()
+
+    def native(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [rows, in] float32 -> [rows, out] as the kernel returns it: bfloat16 from an int kernel
+        without a bias (exactly representable in float32, so a consumer that promotes, e.g.
+        ``float32 + bfloat16``, computes what it would on ``__call__``'s output), float32 otherwise."""
         if self.kind == "int8":
-            out = torch._weight_int8pack_mm(x.to(ACTIVATION), self.weight, self.scales).float()
+            out = torch._weight_int8pack_mm(x.to(ACTIVATION), self.weight, self.scales)
         elif self.kind == "int4":
-            out = torch._weight_int4pack_mm_for_cpu(x.to(ACTIVATION), self.weight, GROUP, self.scales).float()
+            out = torch._weight_int4pack_mm_for_cpu(x.to(ACTIVATION), self.weight, GROUP, self.scales)
         else:
             return F.linear(x, self.weight, self.bias)
         return out if self.bias is None else out + self.bias

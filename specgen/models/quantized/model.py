@@ -4,7 +4,9 @@ One readable forward in the style of gpt-fast's ``model.py``: token embeddings,
 RMSNorm, rotary embeddings, grouped-query attention over an explicit
 preallocated KV cache (:class:`KVBuffers`, passed in), a SwiGLU MLP and the LM
 head. Linear layers are :class:`~specgen.models.quantized.kernels.QuantLinear`
-(q/k/v fused into one, gate/up into one).
+(q/k/v fused into one, gate/up into one); where their output feeds a float32 op
+(RoPE, the KV write, the residual adds) it stays in the kernel's bfloat16 and the
+op promotes it, which computes the same values without a separate cast.
 
 Batch invariance by construction: the logits of a position must not depend on
 how many positions are fed with it. Every op here either works on each row on
@@ -133,7 +135,9 @@ class LeanLlama:
             self.head = QuantLinear(model.get_output_embeddings().weight, None, head_kind)
             positions = torch.arange(self.context_length)[None]  # [1, P]
             cos, sin = decoder.rotary_emb(self.embedding[:1], positions)  # [1, P, head_dim] each
-        self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [P, head_dim]
+        half = self.head_dim // 2
+        self.cos = cos[0].float().contiguous()  # [P, head_dim]
+        self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).float().contiguous()  # [P, head_dim], signed
 
     def _layer(self, block: torch.nn.Module, kind: str) -> Layer:
         attention, mlp = block.self_attn, block.mlp
@@ -173,7 +177,7 @@ class LeanLlama:
         cos, sin = self.cos[positions, None], self.sin[positions, None]  # [T, 1, head_dim]
         x = self.embedding[ids]  # [T, d]
         for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(_rms_norm(x, layer.attention_norm, self.eps))  # [T, (heads + 2 kv) * head_dim]
+            qkv = layer.qkv.native(_rms_norm(x, layer.attention_norm, self.eps))  # [T, (heads + 2 kv) * hd], bf16
             qkv = qkv.view(-1, heads + 2 * kv_heads, head_dim)
             rotated = _rope(qkv[:, :heads + kv_heads], cos, sin)  # [T, heads + kv, head_dim]
             mixed, offset = [], 0
@@ -183,9 +187,9 @@ class LeanLlama:
                 values[feed.start:feed.start + feed.n] = qkv[offset:end, heads + kv_heads:]
                 mixed.append(self._attend(rotated[offset:end, :heads], keys, values, feed.start))  # [n, heads * hd]
                 offset = end
-            x = x + layer.output(mixed[0] if len(mixed) == 1 else torch.cat(mixed))
+            x += layer.output.native(mixed[0] if len(mixed) == 1 else torch.cat(mixed))
             gate, up = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)  # [T, inter] each
-            x = x + layer.down(F.silu(gate) * up)
+            x += layer.down.native(F.silu(gate).mul_(up))
         if len(feeds) == 1:
             kept = x[x.shape[0] - feeds[0].keep:]  # [keep, d]
         else:
@@ -198,24 +202,21 @@ class LeanLlama:
     def _attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
         """queries [n, heads, head_dim] at positions start.., keys/values [capacity, kv_heads, head_dim]
         -> [n, heads * head_dim]: each query alone, over the keys up to its own position."""
-        groups = self.heads // self.kv_heads
-        rows = []
-        for i in range(queries.shape[0]):
-            seen = start + i + 1
-            key = keys[:seen].transpose(0, 1)[None]  # [1, kv, seen, head_dim]
-            value = values[:seen].transpose(0, 1)[None]
-            query = queries[i].view(1, self.kv_heads, groups, self.head_dim)  # a group's heads as its queries
-            rows.append(F.scaled_dot_product_attention(query, key, value, scale=self.scale))  # [1, kv, groups, hd]
-        return torch.cat(rows).reshape(queries.shape[0], -1)  # [n, heads * head_dim]
+        n = queries.shape[0]
+        queries = queries.view(n, 1, self.kv_heads, self.heads // self.kv_heads, self.head_dim)  # groups as queries
+        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, kv, capacity, head_dim]
+        rows = [F.scaled_dot_product_attention(queries[i], keys[:, :, :start + i + 1], values[:, :, :start + i + 1],
+                                               scale=self.scale) for i in range(n)]  # [1, kv, groups, hd] each
+        return (rows[0] if n == 1 else torch.cat(rows)).view(n, -1)  # [n, heads * head_dim]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [n, d] -> [n, d], each row on its own (transformers' LlamaRMSNorm in float32)."""
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    """x [n, d] -> [n, d], each row on its own (transformers' LlamaRMSNorm in float32, one op)."""
+    return torch.rms_norm(x, weight.shape, weight, eps)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [n, heads, head_dim] rotated by its positions' cos/sin [n, 1, head_dim] (rotate-half layout)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """x [n, heads, head_dim] rotated by its positions' cos and signed sin [n, 1, head_dim] (rotate-half
+    layout, the sin table's first half negated): ``x * cos + swap_halves(x) * sin``."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [n, heads, head_dim]: second half first
+    return torch.addcmul(x * cos, swapped, sin)
