@@ -22,6 +22,7 @@ from specgen.errors import ConfigError, DeadEndError, PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.guarantee import Guarantee
 from specgen.models import CausalLM, TokenizerInfo
+from specgen.models.prefix_cache import DEFAULTS, PrefixCache
 from specgen.models.target import TokenCache
 from specgen.options import (RequestOptions, check_prompt, check_prompt_ids, check_prompt_size, parse_chat,
                              parse_optional_text, parse_seed, parse_stop, request_options, with_overrides)
@@ -61,6 +62,9 @@ class Pipeline:
     nothing, rounds do less arithmetic instead (see :class:`specgen.round.RoundContext`).
     observed: the verify timings its requests' rounds record and plan through once the
     cost table is loaded (:mod:`specgen.planning.observed`; None: plans read the table alone).
+    prefix_cache: finished requests' target KV handles, which later requests start from
+    (:mod:`specgen.models.prefix_cache`; sized by the config's ``prefix_cache`` group, off where
+    the target does not declare ``prefix_reuse``).
     """
 
     def __init__(self, *, target: CausalLM, tokenizer: TokenizerInfo, drafter: Drafter | None,
@@ -77,6 +81,7 @@ class Pipeline:
         self.read_once = torch.device(self.device).type != "cpu"
         self.observed: ObservedCosts | None = None
         self._costs_lock = threading.RLock()
+        self.prefix_cache = prefix_cache_for(target, config)
 
     def cost_table(self, *, refresh: bool = False) -> CostTable:
         """The planner's cost table for this pipeline (measured once, cached on disk; see specgen.planning.store)."""
@@ -250,7 +255,10 @@ class Pipeline:
                                  target_cache=target_cache)
 
     def _run(self, plan: RequestPlan) -> Iterator[TokenEvent | FinishEvent]:
-        request, ctx = self.open_plan(plan)
+        cache, reused = self.prefix_cache.acquire(plan.ids)
+        request, ctx = self.open_plan(plan, target_cache=cache)
+        ctx.stats.prefill_reused, ctx.stats.prefill_computed = reused, len(plan.ids) - reused
+        done = None
         if request.draft is not None and plan.gamma == AUTO:
             ctx.costs = self.cost_table()  # measured once per machine and cached; not part of this request's time
             ctx.observed = self.observed
@@ -268,6 +276,16 @@ class Pipeline:
                 record(ctx.stats, events, start)
                 yield from events
             done = finish(request, plan, ctx.stats, start)
-        finally:
-            request.release()  # also when the stream is closed early or a round fails
+        finally:  # also when the stream is closed early or a round fails: then the handle is released
+            request.release(keep_target=done is not None)
+            if done is not None:
+                self.prefix_cache.park(request.target_cache)
         yield done
+
+
+def prefix_cache_for(target: CausalLM, config) -> PrefixCache:
+    """The prefix cache a pipeline on ``target`` keeps: the config's ``prefix_cache`` group (absent:
+    its defaults), off when the target does not declare ``prefix_reuse``."""
+    section = {**DEFAULTS, **((config or {}).get("prefix_cache") or {})}
+    entries = section["entries"] if target.capabilities.prefix_reuse else 0
+    return PrefixCache(target.new_cache, entries=entries, max_bytes=section["bytes"])
