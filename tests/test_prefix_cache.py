@@ -198,3 +198,21 @@ def test_threads_never_hold_one_handle_at_once():
     for thread in threads:
         thread.join()
     assert not any(clashes) and len(clashes) == 1200 and cache.stats.lookups == 1200 and cache.stats.hits > 0
+
+
+def test_the_server_reports_cached_prompt_tokens_and_a_hit_ratio():
+    from specgen.serve.metrics import Metrics
+    from specgen.serve.protocol import usage
+
+    pipe = specgen.pipeline(*VARIED, "dtype=int8", progress=False)
+    first = pipe.generate(prompt_ids=TURN[0], max_new_tokens=4)
+    second = pipe.generate(prompt_ids=TURN[0] + first.token_ids + TURN[1], max_new_tokens=4)
+    assert usage(first)["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert usage(second)["prompt_tokens_details"] == {"cached_tokens": second.stats.prefill_reused} != {
+        "cached_tokens": 0}
+    metrics = Metrics("tiny", pipe.guarantee)
+    metrics.generation(first)
+    metrics.generation(second)
+    lines = metrics.render(0).splitlines()
+    assert f"specgen_prompt_cached_tokens_total {second.stats.prefill_reused}" in lines
+    assert "specgen_prefix_cache_hit_ratio 0.5" in lines
