@@ -200,13 +200,33 @@ def test_threads_never_hold_one_handle_at_once():
     assert not any(clashes) and len(clashes) == 1200 and cache.stats.lookups == 1200 and cache.stats.hits > 0
 
 
+def two_turns():
+    """(pipe, first, second): a first turn on an int8 tiny pipeline, then a second that extends it."""
+    pipe = specgen.pipeline(*VARIED, "dtype=int8", progress=False)
+    first = pipe.generate(prompt_ids=TURN[0], max_new_tokens=4)
+    second = pipe.generate(prompt_ids=TURN[0] + first.token_ids + TURN[1], max_new_tokens=4)
+    return pipe, first, second
+
+
+def test_the_summary_line_and_the_tui_panel_show_cached_and_prefilled_prompt_tokens():
+    from specgen.cli import summary_line
+    from specgen.tui.panel import numbers_content
+    from specgen.tui.tally import PanelSnapshot
+
+    pipe, first, second = two_turns()
+    reused, computed = second.stats.prefill_reused, second.stats.prefill_computed
+    assert reused == 10 and computed == 4  # the first prompt + 3 of its 4 tokens (the last was never fed)
+    assert "cached" not in summary_line(first)
+    assert f"prompt 14 tokens: {reused} cached, {computed} prefilled" in summary_line(second)
+    panel = numbers_content(PanelSnapshot.from_stats(second.stats, pipe.guarantee, True)).plain
+    assert f"prompt {reused} cached · {computed} prefilled" in panel
+
+
 def test_the_server_reports_cached_prompt_tokens_and_a_hit_ratio():
     from specgen.serve.metrics import Metrics
     from specgen.serve.protocol import usage
 
-    pipe = specgen.pipeline(*VARIED, "dtype=int8", progress=False)
-    first = pipe.generate(prompt_ids=TURN[0], max_new_tokens=4)
-    second = pipe.generate(prompt_ids=TURN[0] + first.token_ids + TURN[1], max_new_tokens=4)
+    pipe, first, second = two_turns()
     assert usage(first)["prompt_tokens_details"] == {"cached_tokens": 0}
     assert usage(second)["prompt_tokens_details"] == {"cached_tokens": second.stats.prefill_reused} != {
         "cached_tokens": 0}
