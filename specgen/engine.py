@@ -22,7 +22,7 @@ from specgen.errors import ConfigError, DeadEndError, PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.guarantee import Guarantee
 from specgen.models import CausalLM, TokenizerInfo
-from specgen.models.prefix_cache import DEFAULTS, PrefixCache
+from specgen.models.prefix_cache import DEFAULTS, PrefixCache, common_prefix
 from specgen.models.target import TokenCache
 from specgen.options import (RequestOptions, check_prompt, check_prompt_ids, check_prompt_size, parse_chat,
                              parse_optional_text, parse_seed, parse_stop, request_options, with_overrides)
@@ -222,7 +222,8 @@ class Pipeline:
                      stack: ProcessorStack | None = None, stats: Stats | None = None,
                      target_cache: TokenCache | None = None) -> tuple[Request, RoundContext]:
         """Fresh request state and round context (the engine loop's setup; tests drive rounds with it).
-        target_cache: the request's KV handle (None: a new one of the target's).
+        target_cache: the request's KV handle (None: a new one of the target's); the ids it already holds
+        of ``ids`` count as ``stats.prefill_reused``.
 
         The round context and the draft session share one stack: ``stack`` (default the
         pipeline's) with its grammar metered by this request's clock and stats
@@ -236,6 +237,8 @@ class Pipeline:
                           eos_ids=self.tokenizer.eos_ids, max_new_tokens=max_new_tokens, seed=seed)
         stats = Stats() if stats is None else stats
         stats.prompt_tokens = len(ids)
+        stats.prefill_reused = min(common_prefix(cache.tokens, ids), len(ids) - 1)  # what the first forward skips
+        stats.prefill_computed = len(ids) - stats.prefill_reused
         clock = Clock(self.device)
         stack = stack.with_timer(GrammarTimer(clock, stats.mask_seconds))
         ctx = RoundContext(self.target, stack, stats, clock, read_once=self.read_once, observed=self.observed)
@@ -255,9 +258,7 @@ class Pipeline:
                                  target_cache=target_cache)
 
     def _run(self, plan: RequestPlan) -> Iterator[TokenEvent | FinishEvent]:
-        cache, reused = self.prefix_cache.acquire(plan.ids)
-        request, ctx = self.open_plan(plan, target_cache=cache)
-        ctx.stats.prefill_reused, ctx.stats.prefill_computed = reused, len(plan.ids) - reused
+        request, ctx = self.open_plan(plan, target_cache=self.prefix_cache.acquire(plan.ids)[0])
         done = None
         if request.draft is not None and plan.gamma == AUTO:
             ctx.costs = self.cost_table()  # measured once per machine and cached; not part of this request's time
