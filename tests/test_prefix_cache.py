@@ -236,3 +236,19 @@ def test_the_server_reports_cached_prompt_tokens_and_a_hit_ratio():
     lines = metrics.render(0).splitlines()
     assert f"specgen_prompt_cached_tokens_total {second.stats.prefill_reused}" in lines
     assert "specgen_prefix_cache_hit_ratio 0.5" in lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [pytest.param((), id="llama_cpp", marks=needs_llama), pytest.param(("dtype=int8",),
+                                                                                                  id="int8")])
+def test_default_model_chat_turns_after_a_hit_give_the_fresh_pipelines_tokens(path):
+    cached = specgen.pipeline("threads=1", *path, progress=False)
+    fresh = specgen.pipeline("threads=1", *path, "prefix_cache.entries=0", progress=False)
+    messages = [{"role": "system", "content": "You answer briefly."}]
+    for text in ("Name three rivers in Europe.", "Which is the longest?", "And the shortest of those?"):
+        messages.append({"role": "user", "content": text})
+        got = cached.generate(list(messages), max_new_tokens=24)
+        want = fresh.generate(list(messages), max_new_tokens=24)
+        assert got.token_ids == want.token_ids and want.stats.prefill_reused == 0
+        messages.append({"role": "assistant", "content": want.text})
+    assert got.stats.prefill_reused > 40 and cached.prefix_cache.stats.hits == 2
