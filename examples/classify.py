@@ -5,7 +5,9 @@
 
 Labels come from grammars/sentiment.schema.json by default or from --labels
 (an enum schema built on the fly). Prints one ``label<TAB>text`` line per input
-and a label histogram at the end.
+and a label histogram at the end. ``--override key=value`` goes to ``specgen.pipeline``;
+keys the script sets on every request (the grammar, ``max_new_tokens``, the prompts)
+are refused with the flag to use instead.
 """
 
 from __future__ import annotations
@@ -17,8 +19,16 @@ import sys
 from collections import Counter
 
 import specgen
+from specgen.config import refuse_owned
+from specgen.options import parse_int
 
 SCHEMA = pathlib.Path(__file__).resolve().parent.parent / "grammars" / "sentiment.schema.json"
+
+
+#: Keys the script sets on every request, so an --override of one is refused.
+OWN_KEYS = {**dict.fromkeys(("grammar", "grammar.kind", "grammar.schema", "grammar.pattern"),
+                            "the labels come from --labels (default: the sentiment schema)"),
+            "max_new_tokens": "use --max-new-tokens", **dict.fromkeys(("prompt", "prompt_file"), "give texts or --input")}
 
 
 def label_schema(labels: list[str]) -> dict:
@@ -45,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("texts", nargs="*", help="texts to classify")
     parser.add_argument("--input", type=pathlib.Path, help="file with one text per line")
     parser.add_argument("--labels", help="comma-separated labels (default: the sentiment schema's)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="token limit of each answer")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="specgen config override (repeatable)")
     args = parser.parse_args(argv)
@@ -58,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
             schema = label_schema([label.strip() for label in args.labels.split(",") if label.strip()])
         else:
             schema = json.loads(SCHEMA.read_text(encoding="utf-8"))
+        max_new_tokens = parse_int(args.max_new_tokens, "--max-new-tokens", minimum=1)
+        refuse_owned(args.override, OWN_KEYS)
         pipe = specgen.pipeline(*args.override)
-        labels = classify(pipe, texts, schema)
+        labels = classify(pipe, texts, schema, max_new_tokens=max_new_tokens)
     except (OSError, json.JSONDecodeError, specgen.SpecgenError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -10,7 +10,9 @@ the parsed JSON whenever generation completed (finish_reason "eos"), and then it
 validates against the schema by construction. Extra ``--override key=value``
 arguments go to ``specgen.pipeline`` (e.g. ``--override sampling.temperature=0.7``);
 the schema is the pipeline's grammar (``grammar=json_schema``), so the
-``grammar.*`` keys apply too (``--override grammar.backend=outlines_core``).
+``grammar.*`` keys apply too (``--override grammar.backend=outlines_core``). Keys the
+script sets itself (the grammar, ``max_new_tokens``, ``seed``, the prompts and the
+output) are refused with the flag to use instead, never silently ignored.
 
 Like ``specgen``'s JSONL mode, everything is checked before the output is touched
 (the schema, the notes, the output path, the pipeline with its compiled grammar),
@@ -39,13 +41,17 @@ from tqdm import tqdm
 import specgen
 from specgen.batch import stream_batch
 from specgen.checks import check_output_file
+from specgen.config import refuse_owned
 from specgen.events import FinishEvent
 from specgen.jsonl_output import sort_records
 from specgen.options import parse_int, parse_seed
 
 PROMPT = "Extract the {title} from the text below as a JSON object with the fields {fields}.\n\nText:\n{text}"
-#: Overrides the script sets itself from --schema.
-OWN_KEYS = ("grammar", "grammar.schema", "grammar.kind")
+_SCHEMA_FLAG = "the grammar is the --schema file: give the schema with --schema"
+#: Keys the script sets itself (from --schema, or on every request), so an --override of one is refused.
+OWN_KEYS = {**dict.fromkeys(("grammar", "grammar.schema", "grammar.kind", "grammar.pattern"), _SCHEMA_FLAG),
+            "max_new_tokens": "use --max-new-tokens", "seed": "use --seed",
+            **dict.fromkeys(("prompt", "prompt_file"), "the notes come from --input"), "output": "use --output"}
 
 
 def read_text(path: pathlib.Path, name: str) -> str:
@@ -172,12 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_overrides(overrides: list[str], schema_path: pathlib.Path) -> list[str]:
     """The pipeline's overrides: ``grammar=json_schema`` with --schema, then the user's (which may
-    set the other ``grammar.*`` keys, but not the grammar itself)."""
-    for override in overrides:
-        key = override.partition("=")[0].lstrip("+~")
-        if key in OWN_KEYS:
-            raise specgen.ConfigError(f"--override {override}: the grammar is the --schema file; "
-                                      "give the schema with --schema")
+    set the other ``grammar.*`` keys, but none of :data:`OWN_KEYS`: ConfigError naming the flag to use)."""
+    refuse_owned(overrides, OWN_KEYS)
     return ["grammar=json_schema", f"grammar.schema={schema_path}", *overrides]
 
 

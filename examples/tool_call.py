@@ -5,7 +5,10 @@
 
 The call is constrained by grammars/tool_call.schema.json (an ``anyOf`` over three
 tools, each with nested, typed arguments), so it always parses and names a real
-tool with the right arguments; the tools here are local stand-ins.
+tool with the right arguments; the tools here are local stand-ins. ``--override
+key=value`` goes to ``specgen.pipeline``; keys the script sets on every request (the
+grammar, ``max_new_tokens``, ``seed``, ``system``, the prompts) are refused with the
+flag to use instead.
 """
 
 from __future__ import annotations
@@ -16,11 +19,18 @@ import pathlib
 import sys
 
 import specgen
+from specgen.config import refuse_owned
+from specgen.options import parse_seed
 
 SCHEMA = pathlib.Path(__file__).resolve().parent.parent / "grammars" / "tool_call.schema.json"
 SYSTEM = ("You can call one tool. Tools: get_weather(location: {city, country_code}, unit: celsius|fahrenheit); "
           "send_email(to: [addresses], subject, body); search_web(query, max_results). "
           'Reply with a JSON object {"tool": ..., "arguments": {...}}.')
+#: Keys the script sets on every request, so an --override of one is refused.
+OWN_KEYS = {**dict.fromkeys(("grammar", "grammar.kind", "grammar.schema", "grammar.pattern"), "use --schema"),
+            "max_new_tokens": "use --max-new-tokens", "seed": "use --seed",
+            "system": "the system message lists the tools (SYSTEM in the script)",
+            **dict.fromkeys(("prompt", "prompt_file"), "give the requests as arguments")}
 REQUESTS = [
     "What's the weather like in Lyon, France? Use celsius.",
     "Email bob@example.com that the meeting moved to 3pm.",
@@ -59,14 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("requests", nargs="*", help="user requests (default: three examples)")
     parser.add_argument("--schema", type=pathlib.Path, default=SCHEMA)
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="specgen config override (repeatable)")
     args = parser.parse_args(argv)
     try:
+        seed = parse_seed(args.seed, "--seed")
+        refuse_owned(args.override, OWN_KEYS)
         schema = json.loads(args.schema.read_text(encoding="utf-8"))
         pipe = specgen.pipeline(*args.override)
         for request in args.requests or REQUESTS:
-            outcome = call_tool(pipe, request, schema, max_new_tokens=args.max_new_tokens)
+            outcome = call_tool(pipe, request, schema, max_new_tokens=args.max_new_tokens, seed=seed)
             print(f"> {request}")
             print(f"  call:   {json.dumps(outcome['call'])}")
             print(f"  result: {outcome['result'] or outcome['finish_reason']}")

@@ -9,10 +9,9 @@
 
 from __future__ import annotations
 
+import importlib
+
 from specgen.errors import ConfigError, ModelLoadError, NumericalError, PromptError, SpecgenError
-from specgen.events import FinishEvent, Generation, TokenEvent
-from specgen.guarantee import Guarantee
-from specgen.options import RequestOptions
 
 __version__ = "0.1.0"
 
@@ -27,8 +26,28 @@ __all__ = [
     "RequestOptions",
     "SpecgenError",
     "TokenEvent",
+    "TokenLogprob",
     "pipeline",
 ]
+
+#: Where the public names that need torch live. They load on first use, so that ``import specgen`` (and
+#: the console scripts' :mod:`specgen.entry`) stays light until torch is needed.
+_EXPORTS = {
+    **dict.fromkeys(("FinishEvent", "Generation", "TokenEvent"), "specgen.events"),
+    "Guarantee": "specgen.guarantee",
+    "RequestOptions": "specgen.options",
+    "TokenLogprob": "specgen.sampling.logprobs",
+}
+
+
+def __getattr__(name: str):
+    """The public name ``name`` from its module (imported on first use)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'specgen' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
 def pipeline(*overrides: str, progress: bool = True):

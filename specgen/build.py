@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 import torch
 
-from specgen.checks import LLAMA_CONTEXT, check_run_config, parse_threads
+from specgen.checks import check_run_config, parse_threads
 from specgen.config import to_container
 from specgen.drafters import Drafter, DrafterRuntime
 from specgen.engine import Defaults, Pipeline
@@ -152,7 +152,7 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
             return load_quantized(source, name=name, quant=quant, extra_eos=extra_eos, progress=progress)
         if backend == "llama_cpp" and draft_backend(source) == "llama_cpp":
             return load_llama_cpp(source, name=name, threads=threads, extra_eos=extra_eos, progress=progress,
-                                  sequences=int(llama.get("sequences", 64)), context=llama.get("context", LLAMA_CONTEXT),
+                                  sequences=int(llama.get("sequences", 64)), context=llama.get("context", "auto"),
                                   tiny_type=str(llama.get("tiny_type", "Q8_0")),
                                   batch_row_context=int(llama.get("batch_row_context", 4096)),
                                   flash_attention=str(llama.get("flash_attention", "auto")), vocab_size=vocab_size,

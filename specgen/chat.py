@@ -60,7 +60,7 @@ class ChatHistory:
         kept.drop_oldest(drop)
         if self.use_template:
             return kept.messages
-        lines = [f"{_speaker(m['role'])}: {m['content']}" for m in kept.messages]
+        lines = [f"{_speaker(m)}: {m['content']}" for m in kept.messages]
         return "\n".join([*lines, "Assistant:"])
 
     def stop_strings(self, defaults: tuple[str, ...]) -> tuple[str, ...]:
@@ -68,8 +68,11 @@ class ChatHistory:
         return defaults if self.use_template else (*defaults, "\nUser:")
 
 
-def _speaker(role: str) -> str:
-    return {"user": "User", "assistant": "Assistant", "system": "System"}.get(role, role.title())
+def _speaker(message: dict) -> str:
+    """A transcript line's speaker: the role, and the message's ``name`` when it has one (``User (ann)``)."""
+    role = message["role"]
+    speaker = {"user": "User", "assistant": "Assistant", "system": "System"}.get(role, role.title())
+    return f"{speaker} ({message['name']})" if message.get("name") else speaker
 
 
 def uses_template(pipe) -> bool:

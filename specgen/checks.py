@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from specgen import machine
 from specgen.errors import ConfigError
+from specgen.sampling.logprobs import MAX_TOP_LOGPROBS
 from specgen.options import (check_temperature, check_unicode, parse_batch_size, parse_bool, parse_chat, parse_int, parse_optional_text,
                              parse_seed, parse_stop)
 from specgen.paths import check_output_file
@@ -65,6 +66,8 @@ def check_run_config(cfg: Mapping) -> dict:
     cfg["chat"] = parse_chat(cfg.get("chat", "auto"))
     cfg["max_new_tokens"] = parse_int(cfg.get("max_new_tokens", 128), "max_new_tokens", minimum=1)
     cfg["seed"] = parse_seed(cfg.get("seed", 0))
+    if cfg.get("logprobs") is not None:
+        cfg["logprobs"] = parse_int(cfg["logprobs"], "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
     cfg["stop"] = list(parse_stop(cfg.get("stop")))
     cfg["threads"] = parse_threads(cfg.get("threads", "auto"))
     for key in ("prompt", "prompt_file", "system"):
@@ -74,12 +77,14 @@ def check_run_config(cfg: Mapping) -> dict:
         cfg["sampling"] = check_sampling(cfg["sampling"])
     if "ui" in cfg:
         cfg["ui"] = _check_ui(cfg["ui"] or {})
-    if not isinstance((cfg.get("target") or {}).get("source"), Mapping):
-        raise ConfigError("target.source must be a model source with a 'kind' key; choose a target with target=NAME")
     for group in ("target", "drafter"):
         source = (cfg.get(group) or {}).get("source")
+        if isinstance(source, str) and source != "???":
+            cfg[group]["source"] = source = source_from_text(source, f"{group}.source")
         if isinstance(source, Mapping):
             check_source(source, f"{group}.source")
+    if not isinstance((cfg.get("target") or {}).get("source"), Mapping):
+        raise ConfigError("target.source must be a model source with a 'kind' key; choose a target with target=NAME")
     if "output" in cfg or "resume" in cfg:
         cfg["output"] = parse_optional_text(cfg.get("output"), "output")
         cfg["resume"] = parse_bool(cfg.get("resume", False), "resume")
@@ -123,22 +128,20 @@ LLAMA_MIN_SEQUENCES = 3
 #: Tokens a batched llama.cpp row holds by default, and at least.
 LLAMA_ROW_CONTEXT, LLAMA_MIN_ROW_CONTEXT = 4096, 256
 #: llama_cpp.context: the KV cells of each of a model's own llama.cpp contexts (llama.cpp's own default size).
-LLAMA_CONTEXT = 4096
 #: The most KV handles (contexts) a model may hold at once: llama.cpp's own limit on sequences per context.
 LLAMA_MAX_SEQUENCES = 256
 
 
 def check_llama_cpp(section: Mapping) -> dict:
     """The ``llama_cpp`` group checked: ``sequences`` an int in [LLAMA_MIN_SEQUENCES,
-    LLAMA_MAX_SEQUENCES], ``context`` null or at least LLAMA_MIN_ROW_CONTEXT tokens, known choices."""
+    LLAMA_MAX_SEQUENCES], ``context`` auto, null or at least LLAMA_MIN_ROW_CONTEXT tokens, known choices."""
     section = dict(section)
-    if section.get("context", LLAMA_CONTEXT) is not None:
+    if section.get("context", "auto") not in (None, "auto"):
         try:
-            section["context"] = parse_int(section.get("context", LLAMA_CONTEXT), "llama_cpp.context",
-                                           minimum=LLAMA_MIN_ROW_CONTEXT)
+            section["context"] = parse_int(section["context"], "llama_cpp.context", minimum=LLAMA_MIN_ROW_CONTEXT)
         except ConfigError:
-            raise ConfigError(f"llama_cpp.context must be null (the model's training context) or an integer of at "
-                              f"least {LLAMA_MIN_ROW_CONTEXT} (tokens), got {section.get('context')!r}") from None
+            raise ConfigError(f"llama_cpp.context must be auto, null (the model's training context) or an integer "
+                              f"of at least {LLAMA_MIN_ROW_CONTEXT} (tokens), got {section.get('context')!r}") from None
     try:
         section["sequences"] = parse_int(section.get("sequences", 64), "llama_cpp.sequences",
                                          minimum=LLAMA_MIN_SEQUENCES, maximum=LLAMA_MAX_SEQUENCES)
@@ -255,6 +258,21 @@ def check_number(value: object, name: str, limits: NumberRange) -> float:
     if below or (high is not None and number > high):
         raise ConfigError(f"{name} must be {limits.wording}, got {value!r}")
     return number
+
+
+def source_from_text(text: str, where: str) -> dict:
+    """The model source a bare ``where=text`` names: a ``.gguf`` path, a directory, or a hub id
+    (``owner/name``); ConfigError (one line) for text that is none of these."""
+    path = Path(text).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return {"kind": "gguf", "path": text}
+    if path.is_dir():
+        return {"kind": "dir", "path": text}
+    owner, slash, name = text.partition("/")
+    if slash and owner and name and "/" not in name and not text.startswith((".", "~")) and not path.exists():
+        return {"kind": "hub", "repo": text, "revision": None, "trust_remote_code": False}
+    raise ConfigError(f"{where}={text!r} is not a .gguf file, a directory or a hub id (owner/name); "
+                      f"or give a source with a kind, e.g. {where}='{{kind: dir, path: /models/m}}'")
 
 
 def check_source(source: Mapping, where: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -64,15 +64,26 @@ def quote_text_value(value: str) -> str:
 
 
 def prepare_overrides(args: Sequence[str]) -> list[str]:
-    """Quote the values of free-text keys (prompt=..., system=...) in CLI overrides."""
+    """Quote the values of free-text keys (prompt=..., system=...) in CLI overrides, and values that
+    start with ``~`` (a home-relative path: Hydra's grammar has no unquoted value of that form)."""
     prepared = []
     for arg in args:
         key, sep, value = arg.partition("=")
-        if sep and key.lstrip("+~") in TEXT_KEYS:
+        if sep and (key.lstrip("+~") in TEXT_KEYS or value.startswith("~")):
             prepared.append(f"{key}={quote_text_value(value)}")
         else:
             prepared.append(arg)
     return prepared
+
+
+def refuse_owned(overrides: Sequence[str], owned: Mapping[str, str]) -> None:
+    """ConfigError for the first of ``overrides`` whose key (``+``/``~`` aside) is in ``owned``: a key the
+    caller sets on every request itself, so the override would be ignored. ``owned``: key -> what to
+    use instead (e.g. ``{"max_new_tokens": "use --max-new-tokens"}``)."""
+    for override in overrides:
+        key = str(override).partition("=")[0].lstrip("+~")
+        if key in owned:
+            raise ConfigError(f"--override {override}: this script sets {key} itself; {owned[key]}")
 
 
 def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:

@@ -24,7 +24,7 @@ from specgen.guarantee import Guarantee
 from specgen.models import CausalLM, TokenizerInfo
 from specgen.models.prefix_cache import DEFAULTS, PrefixCache, common_prefix
 from specgen.models.target import TokenCache
-from specgen.options import (RequestOptions, check_prompt, check_prompt_ids, check_prompt_size, parse_chat,
+from specgen.options import (RequestOptions, check_prompt, check_prompt_ids, check_prompt_size, parse_chat, parse_int,
                              parse_optional_text, parse_seed, parse_stop, request_options, with_overrides)
 from specgen.planning import AUTO, CostTable
 from specgen.planning.measure import Subject
@@ -32,9 +32,18 @@ from specgen.planning.observed import ObservedCosts
 from specgen.processors import ProcessorStack
 from specgen.request_plan import RequestPlan, finish, record
 from specgen.round import RoundContext, plain_step, speculative_round
+from specgen.sampling.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from specgen.state import Request
 from specgen.stats import Clock, GrammarTimer, Stats
 from specgen.text import TextStream
+
+
+@dataclass(frozen=True)
+class Scores:
+    """A scored text (:meth:`Pipeline.score`): its token ids and their logprobs (the first None)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
 
 
 @dataclass
@@ -44,12 +53,13 @@ class Defaults:
     stop: tuple[str, ...] = ()
     chat: bool | str = "auto"
     system: str | None = None
+    logprobs: int | None = None
 
     @classmethod
     def from_config(cls, cfg) -> Defaults:
         """The request defaults of a checked run config (its top-level request keys)."""
         return cls(max_new_tokens=cfg["max_new_tokens"], seed=cfg["seed"], stop=tuple(cfg["stop"]),
-                   chat=cfg["chat"], system=cfg["system"])
+                   chat=cfg["chat"], system=cfg["system"], logprobs=cfg.get("logprobs"))
 
 
 class Pipeline:
@@ -251,11 +261,43 @@ class Pipeline:
         return request, ctx
 
     def open_plan(self, plan: RequestPlan, target_cache: TokenCache | None = None) -> tuple[Request, RoundContext]:
-        """:meth:`open_request` for a checked request (shared by the engine loop and batch rows)."""
+        """:meth:`open_request` for a checked request (shared by the engine loop and batch rows): with
+        its logprobs asked for, its prompt scored (echo), and ended at once when it may add no token."""
         options = plan.options
-        return self.open_request(plan.ids, max_new_tokens=plan.max_new, seed=options.seed, stop=options.stop,
-                                 use_spec=plan.use_spec, stack=plan.stack, stats=options.stats,
-                                 target_cache=target_cache)
+        request, ctx = self.open_request(plan.ids, max_new_tokens=plan.max_new, seed=options.seed, stop=options.stop,
+                                         use_spec=plan.use_spec, stack=plan.stack, stats=options.stats,
+                                         target_cache=target_cache)
+        ctx.logprobs, ctx.raw_logprobs = options.logprobs, options.logprobs_of == "raw"
+        if options.echo:
+            request.prompt_logprobs = self.score_ids(plan.ids, options.logprobs or 0)
+        if plan.max_new == 0:  # echo with max_new_tokens=0: scored, nothing generated
+            request.finish_reason = "length"
+        return request, ctx
+
+    def score(self, prompt: str | Sequence[dict] | None = None, *, prompt_ids: Sequence[int] | None = None,
+              top_logprobs: int = 0, chat: bool | str = False) -> Scores:
+        """Score a text (or chat messages, or token ids) under the target by teacher forcing.
+
+        -> :class:`Scores`: the token ids and one logprob per token (the first None, nothing
+        predicts it), each with its ``top_logprobs`` (0..20) most likely alternatives. The law:
+        the log-softmax (float64) of the target's raw logits of one prefill over the whole text;
+        no processor, temperature or grammar applies. chat: False scores the text as it is."""
+        ids = self._prompt_ids(prompt, prompt_ids, chat, None)
+        top = parse_int(top_logprobs, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+        return Scores(ids, self.score_ids(ids, top))
+
+    def score_ids(self, ids: list[int], top: int) -> list[TokenLogprob | None]:
+        """The teacher-forced logprobs of checked prompt ``ids`` (:meth:`score`'s law): one forward
+        on a KV handle of its own, released after."""
+        if len(ids) > self.target.context_length:
+            raise PromptError(f"the text has {len(ids)} tokens but the model's context is "
+                              f"{self.target.context_length}; shorten it")
+        cache = self.target.new_cache()
+        try:
+            raw = self.target.forward(cache, ids, keep=len(ids))  # [len(ids), vocab]: row i predicts token i + 1
+        finally:
+            cache.release()
+        return [None, *token_logprobs(raw, ids[1:], top)]
 
     def _run(self, plan: RequestPlan) -> Iterator[TokenEvent | FinishEvent]:
         request, ctx = self.open_plan(plan, target_cache=self.prefix_cache.acquire(plan.ids)[0])

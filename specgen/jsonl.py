@@ -4,7 +4,8 @@ Input (``prompt_file=prompts.jsonl``): one row per non-blank line, either a JSON
 string (the prompt) or an object with ``prompt`` (text or chat messages) and,
 optionally, ``id`` (a string or an integer, copied to the result) and the
 request options ``max_new_tokens``, ``seed``, ``stop``, ``schema`` (a JSON
-object), ``regex``, ``speculative``, ``system`` and ``chat``. An option a row
+object), ``regex``, ``speculative``, ``system``, ``chat`` and ``logprobs`` (k: the record
+gets ``logprobs``, see :func:`~specgen.jsonl_output.logprob_records`). An option a row
 leaves out (or sets to null) takes the command line's value, so a row's output
 depends neither on its position in the file nor on a resume.
 
@@ -54,7 +55,7 @@ from pathlib import Path
 from specgen.errors import OutputError, PromptError, SpecgenError, first_line
 from specgen.events import FinishEvent, Generation
 from specgen.jsonl_input import ROW_KEYS, Row, read_rows, row_lines, row_limit, settings_digest
-from specgen.jsonl_output import RecordWriter, Resumed, scan_output, tidy_records
+from specgen.jsonl_output import RecordWriter, Resumed, logprob_records, scan_output, tidy_records
 from specgen.outputs import write_failure
 
 __all__ = ["ROW_KEYS", "JsonlJob", "RecordWriter", "Row", "Summary", "job_from_config"]
@@ -72,8 +73,11 @@ def result_record(row: Row, gen: Generation) -> dict:
              "acceptance_per_position": [round(a, 4) for a in s.acceptance_per_position],
              "tokens_per_target_call": round(s.tokens_per_target_call, 4), "wall_s": round(s.wall, 6),
              "ttft_s": None if s.ttft is None else round(s.ttft, 6), "tokens_per_s": round(s.tokens_per_s, 2)}
-    return {"index": row.index, "id": row.id, "text": gen.text, "finish_reason": gen.finish_reason,
-            "guarantee": str(gen.guarantee), "stats": stats, "fingerprint": row.fingerprint}
+    record = {"index": row.index, "id": row.id, "text": gen.text, "finish_reason": gen.finish_reason,
+              "guarantee": str(gen.guarantee), "stats": stats, "fingerprint": row.fingerprint}
+    if gen.logprobs is not None:
+        record["logprobs"] = logprob_records(gen.logprobs)
+    return record
 
 
 def error_record(row: Row, message: str) -> dict:

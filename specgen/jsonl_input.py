@@ -25,7 +25,8 @@ from specgen.errors import ConfigError, PromptError, SpecgenError, first_line, n
 from specgen.options import RequestOptions, check_prompt, check_prompt_size, prompt_size_bound, request_options
 
 #: The keys a row object may have: the prompt, an id, and the request options.
-ROW_KEYS = ("prompt", "id", "max_new_tokens", "seed", "stop", "schema", "regex", "speculative", "system", "chat")
+ROW_KEYS = ("prompt", "id", "max_new_tokens", "seed", "stop", "schema", "regex", "speculative", "system", "chat",
+            "logprobs")
 _OPTION_KEYS = ROW_KEYS[2:]
 
 #: A row's JSON line may be this many times the prompt bound: a JSON escape takes at most six bytes

@@ -15,11 +15,12 @@ import json
 import os
 import shutil
 from array import array
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from specgen.errors import ConfigError
+from specgen.sampling.logprobs import TokenLogprob
 from specgen.outputs import replace_atomically, write_failure
 
 _ABSENT, _OK, _ERROR, _UNCHECKED = 0, 1, 2, 3  # _UNCHECKED: a record without a fingerprint
@@ -101,6 +102,12 @@ def _parse_record(line: bytes) -> dict | None:
     ok = isinstance(record, dict) and isinstance(record.get("index"), int) and not isinstance(record["index"], bool)
     ok = ok and record["index"] >= 0 and (isinstance(record.get("text"), str) or isinstance(record.get("error"), str))
     return record if ok else None
+
+
+def logprob_records(entries: Sequence[TokenLogprob]) -> list[dict]:
+    """A record's ``logprobs``: per generated token ``{"token_id", "logprob", "top_logprobs": [[id, logprob], ...]}``."""
+    return [{"token_id": e.token_id, "logprob": e.logprob, "top_logprobs": [list(pair) for pair in e.top]}
+            for e in entries]
 
 
 class RecordWriter:

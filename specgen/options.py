@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Literal
 
 from specgen.errors import ConfigError, PromptError, SpecgenError, shorten
+from specgen.sampling.logprobs import MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:
     from specgen.stats import Stats
@@ -286,7 +287,11 @@ class RequestOptions:
     False forces plain decoding, True uses the pipeline's setting; chat: True, False
     or "auto"; system: a system message or None; schema / regex: an output
     constraint (at most one); num_tokens: draft tokens per round, None for the
-    drafter's own setting; stats: a fresh Stats to fill, or None.
+    drafter's own setting; stats: a fresh Stats to fill, or None. logprobs: None (off) or
+    k in [0, 20]: each generated token's logprob and its k most likely alternatives;
+    logprobs_of: "processed" (the distribution the token was drawn from) or "raw" (the
+    target's unprocessed logits); echo: also score the prompt (Generation.prompt_logprobs;
+    with echo, max_new_tokens may be 0: score only). See README "Logprobs".
     """
 
     max_new_tokens: int | None = None
@@ -299,6 +304,9 @@ class RequestOptions:
     regex: str | None = None
     num_tokens: int | Literal["auto"] | None = None
     stats: Stats | None = field(default=None, compare=False)
+    logprobs: int | None = None
+    logprobs_of: Literal["processed", "raw"] | None = None
+    echo: bool | None = None
 
 
 #: The fields of :class:`RequestOptions`: the override names of ``Pipeline.stream`` besides prompt and prompt_ids.
@@ -344,9 +352,10 @@ def request_options(defaults, options: RequestOptions | None = None, **overrides
     o = with_overrides(options, overrides, "request_options()")
     if o.schema is not None and o.regex is not None:
         raise ConfigError("give schema= or regex=, not both")
+    echo = False if o.echo is None else parse_bool(o.echo, "echo")
     return RequestOptions(
         max_new_tokens=parse_int(defaults.max_new_tokens if o.max_new_tokens is None else o.max_new_tokens,
-                                 "max_new_tokens", minimum=1),
+                                 "max_new_tokens", minimum=0 if echo else 1),
         seed=parse_seed(defaults.seed if o.seed is None else o.seed),
         stop=parse_stop(defaults.stop if o.stop is None else o.stop),
         speculative=True if o.speculative is None else parse_bool(o.speculative, "speculative"),
@@ -357,4 +366,24 @@ def request_options(defaults, options: RequestOptions | None = None, **overrides
         regex=check_unicode(parse_optional_text(o.regex, "regex"), "regex", ConfigError),
         num_tokens=None if o.num_tokens is None else parse_num_tokens(o.num_tokens),
         stats=parse_stats(o.stats),
+        logprobs=_parse_logprobs(defaults.logprobs if o.logprobs is None else o.logprobs),
+        logprobs_of=parse_logprobs_of(o.logprobs_of),
+        echo=echo,
     )
+
+
+def _parse_logprobs(value: object) -> int | None:
+    return None if value is None else parse_int(value, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+
+
+#: What ``logprobs_of`` may name: the processed distribution a token was drawn from, or the raw logits.
+LOGPROB_LAWS = ("processed", "raw")
+
+
+def parse_logprobs_of(value: object, name: str = "logprobs_of") -> str:
+    """``value`` (None: "processed") as one of :data:`LOGPROB_LAWS`, or ConfigError naming ``name``."""
+    if value is None:
+        return "processed"
+    if value not in LOGPROB_LAWS:
+        raise ConfigError(f"{name} must be one of {', '.join(LOGPROB_LAWS)}, got {shorten(repr(value))}")
+    return value

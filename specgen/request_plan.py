@@ -54,5 +54,7 @@ def finish(request: Request, plan: RequestPlan, stats: Stats, start: float) -> F
     if reason == "length" and plan.context_bound:
         reason = "context"
     tail = request.text.flush()
-    generation = Generation(request.text.text, list(request.generated), plan.guarantee, reason, stats, plan.ids)
+    logprobs = None if plan.options.logprobs is None else list(request.logprobs)
+    generation = Generation(request.text.text, list(request.generated), plan.guarantee, reason, stats, plan.ids,
+                            logprobs, request.prompt_logprobs)
     return FinishEvent(tail, reason, generation)

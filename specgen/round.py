@@ -12,6 +12,7 @@ a stop string, the length limit: plain decoding would stop there too).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,6 +38,9 @@ from specgen.sampling import (
     TreeVerdict,
     Verdict,
     ancestor_matrix,
+    argmax_or_none,
+    argmax_tokens,
+    normalise,
     sample_token,
     tree_depths,
     tree_paths,
@@ -45,6 +49,7 @@ from specgen.sampling import (
     verify_tree,
     verify_tree_greedy,
 )
+from specgen.scoring import kept_scores, score_committed, scored, tree_scores
 from specgen.state import Request
 from specgen.stats import Clock, RoundResult, Stats
 
@@ -64,6 +69,10 @@ class RoundContext:
     every possible final token ahead (``verify_chain(draw_ahead=True)``) and leaves
     the NaN check to the verifier's read. Off, rounds do less arithmetic (what a CPU
     wants). Same verdict law either way.
+    logprobs: alternatives per committed token's logprob (None: no logprobs); raw_logprobs:
+    report them under the raw target logits instead of the processed ones (see
+    :func:`score_committed`). scored: the logprobs of the tokens the last commit kept
+    (what the emit stage puts on their events).
     """
 
     target: CausalLM
@@ -78,6 +87,9 @@ class RoundContext:
     load_costs: Callable[[], CostTable] | None = None
     read_once: bool = False
     observed: ObservedCosts | None = None
+    logprobs: int | None = None
+    raw_logprobs: bool = False
+    scored: list | None = None  # [TokenLogprob]
 
     def planning_costs(self) -> CostTable:
         """The table this round plans with: ``costs`` (loaded on first use), corrected by ``observed``."""
@@ -166,13 +178,16 @@ def round_events(ctx: RoundContext, proposal: Proposal, predicted: float, auto: 
     # emit
     round_index = ctx.stats.rounds
     events = []
+    if not len(proposal):  # nothing drafted: the target's own token, as in plain decoding
+        return [TokenEvent(token, text, "plain", None, None, round_index, 0, scored(ctx, i))
+                for i, (token, text) in enumerate(kept)]
     for i, (token, text) in enumerate(kept):
         if i < verdict.num_accepted:
             kind, prob = "accepted", verdict.accept_probs[i]
         else:
             kind = verdict.kind
             prob = verdict.accept_probs[i] if kind == "resampled" else None
-        events.append(TokenEvent(token, text, kind, i + 1, prob, round_index, len(proposal)))
+        events.append(TokenEvent(token, text, kind, i + 1, prob, round_index, len(proposal), scored(ctx, i)))
     return events
 
 
@@ -230,20 +245,26 @@ def accept_chain(request: Request, ctx: RoundContext, proposal: Proposal, raw):
     with clock.stage("process"):  # process + accept
         history = History(committed, proposal.tokens, num_positions=len(proposal) + 1)
         if ctx.stack.greedy:
-            verdict = verify_chain_greedy(ctx.stack.argmax_or_none(raw, history), proposal.tokens)
+            logits = ctx.stack.read_only(raw, history)  # [num_draft + 1, vocab]
+            verdict = verify_chain_greedy(argmax_or_none(logits), proposal.tokens)
         else:
-            target_probs = ctx.stack.probs(raw, history)  # [num_draft + 1, vocab]
-            verdict = verify_chain(target_probs, proposal.draft_probs, proposal.tokens, request.target_rng,
+            logits = ctx.stack.logits(raw, history)  # [num_draft + 1, vocab]
+            verdict = verify_chain(normalise(logits), proposal.draft_probs, proposal.tokens, request.target_rng,
                                    draw_ahead=ctx.read_once)
-    with clock.stage("commit"):
         tokens = proposal.tokens[: verdict.num_accepted]
-        kept = _commit(request, tokens if verdict.next_token is None else [*tokens, verdict.next_token], verdict)
+        tokens = tokens if verdict.next_token is None else [*tokens, verdict.next_token]
+        scores = score_committed(ctx, raw, logits, tokens)
+    with clock.stage("commit"):
+        kept = _commit(request, tokens, verdict, ctx, scores)
     return verdict, kept, len(proposal)
 
 
-def _commit(request: Request, tokens: list[int], verdict: Verdict | TreeVerdict) -> list[tuple[int, str]]:
-    """Commit a verdict's tokens; a dead end then ends the request unless the commit already did."""
+def _commit(request: Request, tokens: list[int], verdict: Verdict | TreeVerdict, ctx: RoundContext,
+            scores: list[TokenLogprob] | None) -> list[tuple[int, str]]:
+    """Commit a verdict's tokens (with their logprobs, see :func:`kept_scores`); a dead end then ends
+    the request unless the commit already did."""
     kept = request.commit(tokens, verdict.num_accepted)
+    kept_scores(request, ctx, scores, len(kept))
     if verdict.kind == "dead_end" and request.finish_reason is None:
         request.finish_reason = "dead_end"
     return kept
@@ -264,13 +285,18 @@ def _tree(request: Request, ctx: RoundContext, proposal: Proposal):
                                       ctx.feature_layers)  # rows: 0 = root, 1 + i = node i
     paths = [[proposal.tokens[j] for j in path] for path in tree_paths(parents)]
 
+    row_logits = functools.cache(out.logits)  # a lazily computed row once, for the walk and the logprobs
     if ctx.read_once:
         tree = _walk_prefetched(request, ctx, proposal, parents, paths, out)
     else:
-        tree = _walk_lazy(request, ctx, proposal, parents, paths, out)
+        tree = _walk_lazy(request, ctx, proposal, parents, paths, row_logits)
+    scores = None
+    if ctx.logprobs is not None:
+        with clock.stage("process"):
+            scores = tree_scores(request, ctx, tree, paths, row_logits)
     with clock.stage("commit"):  # keep the accepted path's keys/values, then the tokens
         cache.keep_rows(prefix, tree.path)
-        kept = _commit(request, tree.emitted, tree)
+        kept = _commit(request, tree.emitted, tree, ctx, scores)
         if out.features is not None and request.draft is not None:  # every newly committed position's row
             rows = out.features[[0, *(node + 1 for node in tree.path)]]  # [1 + num_accepted, F]
             request.draft.observe_features(prefix - 1 + tree.num_accepted, torch.cat([out.chain_features, rows]))
@@ -278,7 +304,7 @@ def _tree(request: Request, ctx: RoundContext, proposal: Proposal):
 
 
 def _walk_lazy(request: Request, ctx: RoundContext, proposal: Proposal, parents: list[int],
-               paths: list[list[int]], out: TreeOutput) -> TreeVerdict:
+               paths: list[list[int]], row_logits: Callable[[int], torch.Tensor]) -> TreeVerdict:
     """Process + accept walking down the tree, computing p only on the walked path."""
     clock, committed = ctx.clock, request.committed
 
@@ -288,7 +314,7 @@ def _walk_lazy(request: Request, ctx: RoundContext, proposal: Proposal, parents:
 
     def rows(node: int):
         with clock.stage("verify"):  # the lazy LM head is part of the verify pass
-            return out.logits(node + 1)  # [1, vocab]
+            return row_logits(node + 1)  # [1, vocab]
 
     with clock.stage("process"):
         if ctx.stack.greedy:
@@ -343,14 +369,20 @@ def accept_plain(request: Request, ctx: RoundContext, raw) -> list[tuple[int, st
     with clock.stage("process"):
         history = History(request.committed, [], num_positions=1)
         if ctx.stack.greedy:
-            token = ctx.stack.argmax(raw, history)[0]
+            logits = ctx.stack.read_only(raw, history)  # [1, vocab]
+            token = argmax_tokens(logits)[0]
         else:
-            token = sample_token(ctx.stack.probs(raw, history)[0], request.target_rng)
+            logits = ctx.stack.logits(raw, history)  # [1, vocab]
+            token = sample_token(normalise(logits)[0], request.target_rng)
+        scores = score_committed(ctx, raw, logits, [token])
     with clock.stage("commit"):
-        return request.commit([token], 0)
+        kept = request.commit([token], 0)
+        kept_scores(request, ctx, scores, len(kept))
+        return kept
 
 
 def plain_events(ctx: RoundContext, kept: list[tuple[int, str]]) -> list[TokenEvent]:
     """After a committed plain step: record its stats and emit its event."""
     ctx.stats.record(RoundResult(speculative=False, timings=ctx.clock.take_laps()))
-    return [TokenEvent(token, text, "plain", None, None, ctx.stats.rounds) for token, text in kept]
+    return [TokenEvent(token, text, "plain", None, None, ctx.stats.rounds, None, scored(ctx, i))
+            for i, (token, text) in enumerate(kept)]

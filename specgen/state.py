@@ -18,6 +18,7 @@ from specgen.drafters import DraftSession
 from specgen.events import FinishReason
 from specgen.models import KVCache
 from specgen.processors import CommittedCounts
+from specgen.sampling.logprobs import TokenLogprob
 from specgen.text import TextState, TextStream
 
 
@@ -46,6 +47,8 @@ class Request:
         self.draft_rng = torch.Generator(device=device).manual_seed(seed ^ 0x5DEECE66D)
         self.draft: DraftSession | None = None
         self.finish_reason: FinishReason | None = None
+        self.logprobs: list[TokenLogprob] = []  # the generated tokens' (when the request asks for them)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt's (echo), first None
 
     @property
     def generated(self) -> list[int]:
@@ -82,6 +85,7 @@ class Request:
         self.draft_rng.set_state(snap.draft_rng)
         self.text.restore(snap.text)
         self.finish_reason = snap.finish_reason
+        del self.logprobs[snap.length - self.committed.num_prompt:]
 
     def release(self, keep_target: bool = False) -> None:
         """The request is over (finished, failed or closed): its KV handles go back to their

@@ -90,7 +90,8 @@ BAD_OVERRIDES = [
     (["llama_cpp.sequences=1"], "llama_cpp.sequences must be an integer from 3"),
     (["llama_cpp.sequences=257"], "to 256 (llama.cpp's limit)"),
     (["llama_cpp.batch_row_context=100"], "llama_cpp.batch_row_context must be an integer of at least 256"),
-    (["llama_cpp.context=100"], "llama_cpp.context must be null (the model's training context) or an integer of at least 256"),
+    (["llama_cpp.context=100"],
+     "llama_cpp.context must be auto, null (the model's training context) or an integer of at least 256"),
     (["llama_cpp.tiny_type=Q2_K"], "llama_cpp.tiny_type='Q2_K' is not one of Q8_0, F32"),
     (["llama_cpp.flash_attention=maybe"], "llama_cpp.flash_attention='maybe' is not one of auto, off, on"),
 ]

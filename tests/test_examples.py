@@ -117,6 +117,9 @@ def _one_error_line(capsys, fragment):
     ((), REC_SCHEMA, "\n\n  \n", "notes.txt holds no notes"),
     (("--max-new-tokens", "0"), REC_SCHEMA, NOTES, "--max-new-tokens must be at least 1"),
     (("--seed", "-1"), REC_SCHEMA, NOTES, "--seed must be at least 0"),
+    (("--override", "max_new_tokens=16"), REC_SCHEMA, NOTES,
+     "--override max_new_tokens=16: this script sets max_new_tokens itself; use --max-new-tokens"),
+    (("--override", "+seed=3"), REC_SCHEMA, NOTES, "this script sets seed itself; use --seed"),
     (("--override", "grammar=regex"), REC_SCHEMA, NOTES, "the grammar is the --schema file"),
     (("--override", "grammar.backend=nonsense"), REC_SCHEMA, NOTES, "nonsense"),
 ])
@@ -194,6 +197,38 @@ def test_classify_answers_with_a_label(json_tiny, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and all(line.split("\t")[0] in ("spam", "ham") for line in lines)
     assert module.main(["--labels", "spam", "x"]) == 2
+
+
+@pytest.mark.parametrize(("name", "argv", "fragment"), [
+    ("classify", ["x", "y", "--override", "max_new_tokens=16"], "sets max_new_tokens itself; use --max-new-tokens"),
+    ("classify", ["x", "--override", "grammar=regex"], "sets grammar itself; the labels come from --labels"),
+    ("tool_call", ["x", "--override", "seed=2"], "sets seed itself; use --seed"),
+    ("tool_call", ["x", "--override", "system=hi"], "sets system itself"),
+    ("tool_call", ["x", "--override", "max_new_tokens=9"], "sets max_new_tokens itself; use --max-new-tokens"),
+])
+def test_an_override_the_script_sets_itself_is_refused_before_loading(name, argv, fragment, capsys, monkeypatch):
+    """--override of a key the script passes on every request would be silently ignored: refused instead."""
+    module = load_example(name)
+    calls = []
+    monkeypatch.setattr(module.specgen, "pipeline", lambda *overrides, **kw: calls.append(overrides))
+    assert module.main(argv) == 2
+    _one_error_line(capsys, fragment)
+    assert not calls
+
+
+def test_classify_and_tool_call_flags_reach_each_request(json_tiny, capsys, monkeypatch):
+    """The flags that replace the refused overrides take effect (a 1-token answer cannot finish a label)."""
+    module = load_example("classify")
+    json_tiny(module)
+    assert module.main(["--labels", "spam,ham", "--max-new-tokens", "1", "buy now"]) == 0
+    assert capsys.readouterr().out.split("\t")[0] == "None"
+    tool = load_example("tool_call")
+    seen = []
+    monkeypatch.setattr(tool, "call_tool", lambda pipe, request, schema, **kw: seen.append(kw) or
+                        {"call": None, "result": None, "finish_reason": "length"})
+    monkeypatch.setattr(tool.specgen, "pipeline", lambda *overrides, **kw: None)
+    assert tool.main(["x", "--seed", "7", "--max-new-tokens", "5"]) == 0
+    assert seen == [{"max_new_tokens": 5, "seed": 7}]
 
 
 def _has_default_model() -> bool:

@@ -69,6 +69,7 @@ def test_feeds_are_split_at_the_widest_decode_width_measured_batch_invariant(mon
     assert lm.decode_width == 16 and asked == [32, 16, 24, 20, 18, 17]  # bisection
     assert lm.verify_gap([2, 4]) == (0.0, 2) and lm.verify_gap([2, 20]) == (0.25, 20)
     batch = lm.new_batch(2, row_context=256)
+    batch.clear_row(1)  # the batch's context for both rows
     sizes = []
     assert lm.pool.size == 1  # every handle below is alone, on the pool's one context
     for context in (*lm.pool.contexts(), batch.context):
@@ -370,6 +371,7 @@ def test_batched_rows_and_concurrent_handles_see_solo_logits_and_a_shared_cell_p
 
     def streams(n):
         batch = lm.new_batch(n, 256)
+        batch.clear_row(n - 1)  # every row made
         return (lambda feeds: batch.forward(feeds, [len(f) for f in feeds])), batch.rows
 
     def shared_pool(n):  # every handle, the solo replay's too, a sequence of one context
@@ -405,7 +407,11 @@ def test_the_models_own_context_is_llama_cpp_context_at_most_its_training_one():
     assert len(small.generate(prompt_ids=[1] * 200, max_new_tokens=4).token_ids) == 4
     trained = _pipe("llama_cpp.context=null", "target.source.context_length=512", drafter="ngram")
     assert trained.target.context_length == 512
-    assert _pipe("llama_cpp.context=4096", "target.source.context_length=512", drafter="ngram").target.context_length == 512
+    auto = _pipe("llama_cpp.context=auto", "target.source.context_length=512", drafter="ngram")
+    assert auto.target.context_length == 512
+    with pytest.raises(ConfigError, match=r"^llama_cpp\.context=4096 is more than target's training context \(512 "
+                                          r"tokens\); use at most 512, null \(the training context\) or auto$"):
+        _pipe("llama_cpp.context=4096", "target.source.context_length=512", drafter="ngram")
 
 
 def test_an_online_row_longer_than_the_batch_row_context_is_refused_alone():
@@ -444,3 +450,43 @@ def test_backend_auto_picks_llama_cpp_for_a_gguf_target_on_a_cpu_only():
     assert choose_backend({**gguf, "backend": "torch"}, cpu) == "torch"
     with pytest.raises(ConfigError, match="backend='onnx' is not one of torch, llama_cpp, auto"):
         choose_backend({**gguf, "backend": "onnx"}, cpu)
+
+
+def test_a_batch_context_grows_with_the_rows_used_and_moved_rows_keep_their_solo_logits():
+    """A batch holds one row's KV cache until more rows are used; rows already holding tokens are
+    moved to the larger context and their next logits still equal a solo replay bit for bit."""
+    lm = load_llama_cpp(TINY_SOURCE | {"hidden_size": 64, "num_layers": 3}, name="t", threads=1).lm
+    batch = lm.new_batch(5, 256)
+    assert batch.capacity == 1 and batch.context.length == 256  # nothing for the rows not used yet
+    rng = random.Random(0)
+    histories: list[list[int]] = [[] for _ in range(5)]
+    worst = 0.0
+    for used in (1, 2, 3, 5, 5):  # rows 1, 2 and 4 join while the earlier ones hold tokens
+        batch.clear_row(used - 1)
+        histories[used - 1] = []
+        feeds = [[rng.randrange(lm.vocab_size) for _ in range(rng.randint(1, 4))] for _ in range(used)]
+        outs = batch.forward(feeds, [len(f) for f in feeds])
+        for r, feed in enumerate(feeds):
+            histories[r].extend(feed)
+            alone = lm.new_cache()
+            solo = lm.forward(alone, histories[r], keep=len(feed))  # [len(feed), vocab]
+            alone.release()
+            worst = max(worst, float((outs[r] - solo).abs().max()))
+    assert batch.capacity == 5 and worst == 0.0
+    assert [len(row) for row in batch.rows] == [len(h) for h in histories]
+
+
+def test_a_batch_whose_full_rows_exceed_the_memory_available_is_refused_before_allocating(monkeypatch):
+    from specgen.models import llama_batch
+
+    lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm
+    opened = []
+    open_context = lm.open_context
+    monkeypatch.setattr(lm, "open_context", lambda *args: opened.append(args) or open_context(*args))
+    monkeypatch.setattr(llama_batch, "available_memory", lambda: 256 * lm.kv_bytes_per_token * 3)
+    with pytest.raises(ConfigError, match=r"a batch of 4 rows of 256 tokens needs .* lower batch_size"):
+        lm.new_batch(4, 256)
+    assert opened == []
+    monkeypatch.setattr(llama_batch, "available_memory", lambda: 256 * lm.kv_bytes_per_token * 4)
+    lm.new_batch(4, 256)
+    assert opened == [(256, 1)]

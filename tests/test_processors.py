@@ -167,3 +167,14 @@ def test_committed_counts_follow_commits_and_rollbacks_whenever_they_are_read():
             assert torch.equal(counts.seen, seen) and torch.equal(counts.generated, generated)
     with pytest.raises(ValueError, match="prompt"):
         counts.truncate(len(prompt) - 1)
+
+
+def test_a_target_that_builds_no_processor_names_the_entry_and_what_it_returned():
+    """A `_target_` whose result is neither a Processor nor callable: the message names the entry
+    (its index and target) and shows the value it returned, not just "not callable"."""
+    entries = [{"name": "top_k", "top_k": 3}, {"_target_": "builtins.dict", "a": 1}]
+    with pytest.raises(ConfigError) as caught:
+        build_stack(entries, greedy=False, eos_ids=[0], vocab_size=VOCAB)
+    message = str(caught.value)
+    assert "processors[1] (_target_: builtins.dict)" in message
+    assert "returned dict {'a': 1}" in message and "not callable" not in message

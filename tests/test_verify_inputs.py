@@ -185,3 +185,37 @@ def test_host_draws_catch_only_no_allowed_token(tmp_path, monkeypatch, raised, s
     else:
         with pytest.raises(NumericalError, match="NaN"):
             request.draft.propose(3)
+
+
+SHIPPED_EAGLE = "specgen/heads/trained/smollm2-135m/eagle.safetensors"
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"intermediate_size": 1_000_000}, r"tensor block\.down\.weight is \[576, 1536\] but its specgen\.config metadata "
+                                       r"makes it \[576, 1000000\]"),
+    ({"hidden_size": 10**12}, r"forged\.safetensors: its specgen\.config metadata .*; the file is damaged"),
+    ({"intermediate_size": -5}, r"its specgen\.config metadata does not describe a head"),
+])
+def test_forged_head_metadata_is_refused_before_a_head_is_allocated(tmp_path, monkeypatch, change, match):
+    """A copy of the shipped EAGLE head whose metadata sizes differ from its tensors: one line, and no
+    head of the metadata's sizes is ever built (it would take gigabytes)."""
+    import json
+    import pathlib
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from specgen.heads import store
+
+    with safe_open(str(pathlib.Path(specgen.__file__).parent.parent / SHIPPED_EAGLE), framework="pt") as f:
+        tensors, meta = {n: f.get_tensor(n) for n in f.keys()}, dict(f.metadata())
+    built = []
+    monkeypatch.setattr(store, "build_head", lambda *args: built.append(args))
+    store.check_shapes("shipped", HeadConfig.from_json(meta["specgen.config"]),
+                       {n: t.shape for n, t in tensors.items()}, "x")  # the negative control: the shipped head fits
+    forged = tmp_path / "forged.safetensors"
+    save_file(tensors, str(forged), metadata=meta | {"specgen.config": json.dumps(
+        json.loads(meta["specgen.config"]) | change)})
+    with pytest.raises(ModelLoadError, match=match) as caught:
+        store.load_head(forged, None, check_fingerprint=False)
+    assert "\n" not in str(caught.value) and built == []

@@ -119,8 +119,12 @@ class Batch:
         slot is free by then). draining: no request waits for a free row (a batch job's tail:
         its end is what counts, not its throughput; a server keeps False, each request's own
         latency counting)."""
-        live = [(r, row) for r, row in enumerate(self.slots) if row is not None]
-        for r, events in step(self.kv, live, self.costs, draining):
+        live = [(r, row) for r, row in enumerate(self.slots) if row is not None and row.request.finish_reason is None]
+        for row in self.rows():
+            if row.request.finish_reason is not None:  # ended when admitted (echo with max_new_tokens=0)
+                self.remove(row)
+                yield row, finish(row.request, row.spec, row.ctx.stats, row.start)
+        for r, events in step(self.kv, live, self.costs, draining) if live else ():
             row = self.slots[r]
             record(row.ctx.stats, events, row.start)
             for event in events:

@@ -63,7 +63,7 @@ from safetensors.torch import save_file
 
 from specgen.errors import ConfigError, ModelLoadError
 from specgen.heads.fingerprint import refuse_other_target
-from specgen.heads.kinds import build_head, fill_head
+from specgen.heads.kinds import build_head, check_shapes, fill_head
 from specgen.heads.modules import HeadConfig
 from specgen.outputs import replace_atomically, write_failure
 from specgen.paths import check_output_dir
@@ -265,6 +265,8 @@ def load_eagle3_dir(path, target, *, device: torch.device | None = None, dtype: 
     bad = [n for n, v in [*state.items(), ("lm_head.weight", lm_rows)] if not bool(torch.isfinite(v.float()).all())]
     if bad:
         raise ModelLoadError(f"{path}: weights {', '.join(sorted(bad)[:3])} hold NaN or Inf values")
+    check_shapes(path, cfg, {name: value.shape for name, value in {**state, "vocab_ids": vocab_ids}.items()},
+                 "its config.json")
     head = fill_head(path, build_head(cfg, vocab_ids), {**state, "vocab_ids": vocab_ids}, "its config.json",
                      "an EAGLE-3 head")
     device = device or next(target.parameters()).device

@@ -34,6 +34,8 @@ from specgen.models import packed_linear
 from specgen.models.causal_lm import select_features
 
 
+#: The most Medusa heads (head k predicts the token k + 1 ahead: more than a round's draft tokens are unused).
+MAX_MEDUSA_HEADS = 64
 #: Config fields only one kind reads: left out of other kinds' JSON (and so of their files and signatures).
 _KIND_FIELDS = {"block_size": "dspark", "markov_rank": "dspark"}
 

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from specgen.errors import ModelLoadError
 from specgen.heads.fingerprint import refuse_other_target
-from specgen.heads.kinds import build_head, fill_head
+from specgen.heads.kinds import build_head, check_shapes, fill_head
 from specgen.heads.modules import DraftHead, HeadConfig
 from specgen.models import packed_linear
 from specgen.outputs import replace_atomically
@@ -88,6 +88,7 @@ def load_head(path: str | pathlib.Path, target: torch.nn.Module, *, kind: str | 
                              f"{' or '.join(f'a {k}' for k in kinds)} head")
     if check_fingerprint:
         refuse_other_target(path, cfg.kind, expected, target)
+    check_shapes(path, cfg, _tensor_shapes(path), "its specgen.config metadata")
     state = _read_tensors(path)
     _check_tensors(path, cfg, state, vocab_size=int(target.get_input_embeddings().weight.shape[0]))
     head = fill_head(path, build_head(cfg, state["vocab_ids"]), state, f"its {cfg.kind} head config",
@@ -97,6 +98,15 @@ def load_head(path: str | pathlib.Path, target: torch.nn.Module, *, kind: str | 
     head.attach(target.get_input_embeddings().weight, target.get_output_embeddings().weight,
                 packed=packed_linear.enabled_in(target))
     return head, meta
+
+
+def _tensor_shapes(path) -> dict[str, list[int]]:
+    """Each stored tensor's shape, read from the file's header (no tensor data)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: f.get_slice(name).get_shape() for name in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise ModelLoadError(f"{path}: cannot read the head's tensors ({exc}); the file is damaged") from exc
 
 
 def _read_tensors(path) -> dict[str, torch.Tensor]:

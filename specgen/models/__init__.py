@@ -133,12 +133,12 @@ def load_model(source: Mapping, *, name: str, dtype: torch.dtype, device: torch.
 def load_llama_cpp(source: Mapping, *, name: str, threads: int, extra_eos: tuple[int, ...] = (),
                    progress: bool = True, sequences: int = 64, tiny_type: str = "Q8_0", batch_row_context: int = 4096,
                    flash_attention: str = "auto", vocab_size: int | None = None, repack: str = "auto",
-                   context: int | None = None) -> LoadedModel:
+                   context: int | str | None = "auto") -> LoadedModel:
     """The model of a GGUF-kind (or ``tiny``) ``source`` on the llama.cpp backend
     (:mod:`specgen.models.llama_cpp`), with specgen's tokenizer for it; a tiny model is
     written as a GGUF in ``tiny_type`` first (:mod:`specgen.models.gguf_write`).
     ``vocab_size``: as for :func:`load_model`; ``context``: the KV cells of each of the model's
-    contexts (one per live KV handle), at most its training context (None: that)."""
+    contexts (one per live KV handle), as :class:`~specgen.models.llama_cpp.LlamaCppLM` takes them."""
     from specgen.models.llama_cpp import LlamaCppLM
     from specgen.models.loading import gguf_file, load_tokenizer, writable_cache_dir
 

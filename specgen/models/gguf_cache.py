@@ -102,14 +102,30 @@ def say(progress: bool, message: str) -> None:
         print(f"specgen: {message}", file=sys.stderr, flush=True)
 
 
+#: The fewest bytes a GGUF header spends on one tensor's entry (name length, dims, type, offset) and on
+#: one metadata entry (key length, value type, a value): counts beyond what a file's size allows are corrupt.
+GGUF_TENSOR_MIN_BYTES, GGUF_KV_MIN_BYTES = 8 + 4 + 8 + 4 + 8, 8 + 4 + 1
+
+
 def check_gguf_file(path: pathlib.Path) -> None:
-    """Raise :class:`ModelLoadError` unless ``path`` is an existing GGUF file."""
-    if not path.is_file():
+    """Raise :class:`ModelLoadError` unless ``path`` is an existing regular file with the GGUF magic
+    bytes and header counts (tensors, metadata entries) that a file of its size can hold."""
+    if not path.exists():
         raise ModelLoadError(f"GGUF file {path} does not exist; fix 'path' in the model source")
+    if not path.is_file():
+        what = "a directory" if path.is_dir() else "not a regular file"
+        raise ModelLoadError(f"GGUF file {path} is {what}; give the path of a .gguf file")
     with open(path, "rb") as handle:
-        magic = handle.read(4)
-    if magic != b"GGUF":
+        header = handle.read(24)
+    if header[:4] != b"GGUF":
         raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the 'GGUF' magic bytes)")
+    if len(header) < 24:
+        return  # cut inside its header: reading the header says so
+    tensors, entries = struct.unpack_from("<QQ", header, 8)
+    size = path.stat().st_size
+    if tensors * GGUF_TENSOR_MIN_BYTES + entries * GGUF_KV_MIN_BYTES > size:
+        raise ModelLoadError(f"{path} is a corrupt GGUF file: its header counts {tensors} tensors and {entries} "
+                             f"metadata entries, more than its {size} bytes can hold")
 
 
 def file_sha256(path: pathlib.Path) -> str:

@@ -10,12 +10,20 @@ goes in that step too, in decodes of its own that end with its first kept row, a
 request's prompt does alone. Nothing is padded
 and rows never share cells, so there is nothing to compact or cut back: a rolled-back
 row frees its own cells.
+
+The context grows with the rows in use, not with the batch's size: it is opened for
+one row and, when a row beyond it is first used, reopened for twice as many (at most
+``size``), each row's sequence moved over byte for byte
+(:meth:`~specgen.models.llama_context.LlamaContext.take`). A batch whose every row at
+full length would not fit in the memory available is refused before anything is allocated.
 """
 
 from __future__ import annotations
 
 import torch
 
+from specgen.errors import ConfigError
+from specgen.machine import available_memory, format_bytes
 from specgen.models.llama_context import LlamaKV
 
 #: Row contexts are a multiple of this many tokens (llama.cpp pads its KV cache to it).
@@ -26,8 +34,11 @@ class LlamaBatch:
     """``size`` rows of ``row_context`` tokens on a context of ``lm``'s model, behind the
     interface of :class:`specgen.batch.BatchKV`.
 
-    rows: one LlamaKV handle per row; width: the longest row, in tokens (the cells a
+    rows: one LlamaKV handle per row the context holds so far (:attr:`capacity`; a row
+    beyond is made when first used); width: the longest row, in tokens (the cells a
     row's attention reads at most); row_context: the most tokens a row may hold.
+    ConfigError, nothing allocated, where ``size`` full rows need more KV cache than the
+    memory available.
     """
 
     #: Each row attends only to its own cells (see :meth:`compact`).
@@ -38,10 +49,37 @@ class LlamaBatch:
     prefills_apart = False
 
     def __init__(self, lm, size: int, row_context: int):
-        self.lm = lm
+        self.lm, self.size = lm, int(size)
         self.row_context = -(-int(row_context) // ROW_ALIGN) * ROW_ALIGN
-        self.context = lm.open_context(self.row_context * size, size)
-        self.rows: list[LlamaKV] = [self.context.new_handle() for _ in range(size)]
+        check_fits(lm, self.size, self.row_context)
+        self.context = lm.open_context(self.row_context, 1)
+        self.rows: list[LlamaKV] = [self.context.new_handle()]
+
+    @property
+    def capacity(self) -> int:
+        """Rows the current context holds (its KV cache is ``capacity * row_context`` tokens)."""
+        return len(self.rows)
+
+    def _reach(self, r: int) -> None:
+        """Make row ``r`` exist: reopen the context for twice the rows (or r + 1, at most ``size``),
+        every row's sequence moved to it. On failure the batch is as before."""
+        if r < len(self.rows):
+            return
+        if not 0 <= r < self.size:
+            raise IndexError(f"row {r} of a batch of {self.size}")
+        rows = min(self.size, max(r + 1, 2 * len(self.rows)))
+        context = self.lm.open_context(self.row_context * rows, rows)
+        try:
+            for handle in self.rows:
+                context.take(handle)
+        except BaseException:
+            for handle in self.rows:
+                handle.bind(self.context)  # its entries never left the old context
+            context.close()
+            raise
+        self.context.close()
+        self.context = context
+        self.rows.extend(context.new_handle() for _ in range(rows - len(self.rows)))
 
     @property
     def width(self) -> int:
@@ -52,6 +90,7 @@ class LlamaBatch:
         prefilled rows; a batch step feeds a fresh prompt itself, see :attr:`prefills_apart`);
         -> False, doing nothing, when the row already holds tokens or ``tokens`` is empty.
         ``reuse`` has no effect (rows never share cells)."""
+        self._reach(r)
         row = self.rows[r]
         if len(row) or not tokens:
             return False
@@ -60,6 +99,7 @@ class LlamaBatch:
 
     def clear_row(self, r: int) -> LlamaKV:
         """Forget row ``r``'s tokens (a refill): its cells are freed."""
+        self._reach(r)
         self.rows[r].crop(0)
         return self.rows[r]
 
@@ -68,6 +108,7 @@ class LlamaBatch:
         ``keeps[r]`` raw logits rows [keeps[r], vocab] (None where keeps[r] == 0). On
         success each row gains its feed; on failure no row changes."""
         live = [r for r, feed in enumerate(feeds) if feed]
+        self._reach(max(live, default=0))
         logits = self.context.forward_rows([self.rows[r] for r in live], [feeds[r] for r in live],
                                            [keeps[r] for r in live])
         out: list[torch.Tensor | None] = [None] * len(feeds)
@@ -83,6 +124,17 @@ class LlamaBatch:
 
     def maybe_compact(self) -> None:
         """See :meth:`compact`."""
+
+
+def check_fits(lm, size: int, row_context: int) -> None:
+    """ConfigError where ``size`` rows of ``row_context`` tokens need more KV cache than the memory
+    available now (:func:`specgen.machine.available_memory`; not checked where that is unknown)."""
+    need = size * row_context * lm.kv_bytes_per_token
+    free = available_memory()
+    if free is not None and need > free:
+        raise ConfigError(f"a batch of {size} rows of {row_context} tokens needs {format_bytes(need)} of KV cache "
+                          f"when full ({format_bytes(row_context * lm.kv_bytes_per_token)} a row) but "
+                          f"{format_bytes(free)} is available; lower batch_size or llama_cpp.batch_row_context")
 
 
 def batch_gap(lm, rows: int = 4) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import struct
 import threading
 import weakref
 
@@ -36,6 +37,8 @@ PREFILL_TOKENS = 512
 #: llama.cpp's flash-attention switch by name (its enum: 0 off, 1 on; llama.cpp's own -1 "auto" is
 #: not used: LlamaCppLM chooses by measurement).
 FLASH = {"off": 0, "on": 1}
+#: Bytes before the stream count in llama.cpp's saved state of one sequence (llama_state_seq_get_data).
+STATE_HEADER = 8
 
 _INITIALISED = False
 _LOG_CALLBACK = None  # kept referenced: llama.cpp calls it for every log line
@@ -92,6 +95,12 @@ class LlamaKV(TokenCache):
         :class:`~specgen.models.llama_pool.ContextPool`, whose refusal makes a prefix cache give one back)."""
         return 0
 
+    def bind(self, context: LlamaContext) -> None:
+        """Make this handle one of ``context``'s (same sequence id; its entries already there)."""
+        self._release.detach()
+        self.context = context
+        self._release = weakref.finalize(self, context.release, self.seq)
+
     def _truncate(self, length: int) -> None:
         self.context.remove(self.seq, length)
 
@@ -134,6 +143,7 @@ class LlamaContext:
         self.prefill_tokens = min(PREFILL_TOKENS, int(cparams.n_batch))
         self._batch = lib.llama_batch_init(self.prefill_tokens, 0, 1)
         self._sequences = int(sequences)
+        self._streams = 1 if unified else self._sequences  # KV streams
         self._free = list(range(self._sequences))
         self._lock = threading.RLock()
         self._closer = weakref.finalize(self, _free_context, lib, self._ctx, self._batch)
@@ -149,6 +159,42 @@ class LlamaContext:
                 raise SpecgenError(f"{self.name}: every llama.cpp sequence of this context is in use "
                                    f"({self._sequences}); finish a request first")
             return LlamaKV(self, self._free.pop(0))  # a pooled sequence is empty: release clears it
+
+    def take(self, handle: LlamaKV) -> None:
+        """Move ``handle``'s sequence from its context to the same sequence id of this empty-stream
+        context: its KV entries copied byte for byte (llama.cpp's sequence state), laid from the
+        stream's first cell in position order as they were; the handle then belongs to this context."""
+        old, seq = handle.context, handle.seq
+        with old._lock, self._lock:
+            if seq not in self._free:
+                raise SpecgenError(f"{self.name}: sequence {seq} of this llama.cpp context is in use")
+            if len(handle):
+                state = self._restreamed(old._sequence_state(seq), old._streams)
+                if int(self._lib.llama_state_seq_set_data(self._ctx, state, len(state), seq)) != len(state):
+                    raise SpecgenError(f"{self.name}: llama.cpp could not move a sequence of {len(handle)} tokens "
+                                       "to a larger context")
+            self._free.remove(seq)
+        handle.bind(self)
+
+    def _sequence_state(self, seq: int) -> bytes:
+        """llama.cpp's saved state of sequence ``seq`` (its KV entries)."""
+        size = int(self._lib.llama_state_seq_get_size(self._ctx, seq))
+        state = (ctypes.c_uint8 * size)()
+        written = int(self._lib.llama_state_seq_get_data(self._ctx, state, size, seq))
+        return bytes(state[:written])
+
+    def _restreamed(self, state: bytes, streams: int):
+        """A sequence state saved by a context of ``streams`` KV streams, for this context's: llama.cpp
+        writes a header of STATE_HEADER bytes, the stream count, then per stream a cell count (0 for
+        every stream but the sequence's own) and that stream's cells, and reads the cells into the
+        sequence's own stream whatever their place; so the count is rewritten and the missing streams'
+        empty counts appended. SpecgenError where the state is not laid out so."""
+        at = STATE_HEADER
+        if len(state) < at + 4 or struct.unpack_from("=I", state, at)[0] != streams or self._streams < streams:
+            raise SpecgenError(f"{self.name}: a llama.cpp sequence state of an unexpected layout cannot be moved")
+        data = (state[:at] + struct.pack("=I", self._streams) + state[at + 4:]
+                + bytes(4 * (self._streams - streams)))
+        return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
 
     def release(self, seq: int) -> None:
         with self._lock:

@@ -39,6 +39,8 @@ BATCH_GAP_ROWS = 4
 REPACK_MIN_WIDTH = 8
 #: Tokens of the fixed prefix that the batch-invariance measurements feed first.
 GAP_PREFIX = 16
+#: The KV cells of a handle's context under llama_cpp.context=auto (fewer where the model was trained on fewer).
+AUTO_CONTEXT = 4096
 #: llama_cpp.flash_attention: llama.cpp's attention paths, or ``auto`` (off unless only on is batch invariant).
 FLASH_MODES = ("auto", "off", "on")
 #: llama_cpp.repack: weights in llama.cpp's repacked CPU buffers (``on``), as stored (``off``), or
@@ -50,8 +52,9 @@ class LlamaCppLM:
     """A GGUF model on llama.cpp, implementing :class:`specgen.models.target.Target` for chains.
 
     vocab_size: the tokenizer's size (logits are cut to it); threads: llama.cpp's threads;
-    context_length: the KV cache of each handle's context, in tokens (None: the model's
-    training context); sequences: how many KV handles may be live at once, each on a context
+    context_length: the KV cache of each handle's context, in tokens, at most the model's training
+    context (ConfigError beyond it); None: the training context; ``"auto"``: AUTO_CONTEXT or the
+    training context, the smaller; sequences: how many KV handles may be live at once, each on a context
     of its own (:class:`~specgen.models.llama_pool.ContextPool`; :attr:`context_kv_bytes` each);
     batch_row_context: the tokens a row of :meth:`new_batch` holds unless the caller sizes it;
     flash_attention: one of FLASH_MODES: llama.cpp's flash attention ``on`` or ``off``, or ``auto``:
@@ -67,7 +70,7 @@ class LlamaCppLM:
     hf_model = None
 
     def __init__(self, path, *, vocab_size: int, name: str = "model", threads: int = 1,
-                 context_length: int | None = None, sequences: int = 64, flash_attention: str = "auto",
+                 context_length: int | str | None = "auto", sequences: int = 64, flash_attention: str = "auto",
                  batch_row_context: int = 4096, repack: str = "auto"):
         if flash_attention not in FLASH_MODES:
             raise ConfigError(f"llama_cpp.flash_attention={flash_attention!r} is not one of {', '.join(FLASH_MODES)}")
@@ -104,7 +107,12 @@ class LlamaCppLM:
         if not self._model:
             raise ModelLoadError(f"llama.cpp cannot load {self.path} (not a GGUF it supports)")
         trained = int(lib.llama_model_n_ctx_train(self._model))
-        self._context = min(trained, int(context_length)) if context_length else trained
+        if context_length not in (None, "auto") and int(context_length) > trained:
+            lib.llama_model_free(self._model)
+            raise ConfigError(f"llama_cpp.context={context_length} is more than {self.name}'s training context "
+                              f"({trained} tokens); use at most {trained}, null (the training context) or auto")
+        self._context = (trained if context_length is None else min(trained, AUTO_CONTEXT)
+                         if context_length == "auto" else int(context_length))
         self.vocab_size, self.decode_width = vocab_size, BATCH_TOKENS
         try:
             first = self._open_own()
@@ -160,13 +168,16 @@ class LlamaCppLM:
         return self._pool
 
     @property
-    def context_kv_bytes(self) -> int:
-        """The KV cache of one handle's context in bytes: every layer's keys and values of
-        :attr:`context_length` tokens, in llama.cpp's default f16 cache type."""
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes per token: every layer's keys and values in llama.cpp's default f16 cache type."""
         lib, model = self._lib, self._model
         head = int(lib.llama_model_n_embd(model)) // int(lib.llama_model_n_head(model))
-        per_token = 2 * int(lib.llama_model_n_layer(model)) * int(lib.llama_model_n_head_kv(model)) * head
-        return 2 * per_token * self._context
+        return 2 * 2 * int(lib.llama_model_n_layer(model)) * int(lib.llama_model_n_head_kv(model)) * head
+
+    @property
+    def context_kv_bytes(self) -> int:
+        """The KV cache of one handle's context in bytes (:attr:`context_length` tokens)."""
+        return self.kv_bytes_per_token * self._context
 
     def _describe_model(self) -> str:
         buffer = ctypes.create_string_buffer(256)

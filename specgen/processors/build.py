@@ -54,19 +54,25 @@ def _builtin(name: str, args: Mapping, *, eos_ids: Sequence[int], vocab_size: in
     )
 
 
-def _custom(entry: Mapping) -> Processor:
+def _custom(entry: Mapping, index: int) -> Processor:
+    """The user processor of ``processors[index]``; ConfigError naming the entry when it cannot be
+    built or builds something that is neither a Processor nor a callable."""
     from hydra.utils import instantiate
 
     spec = {k: v for k, v in entry.items() if k != "pure"}
+    where = f"processors[{index}] (_target_: {entry.get('_target_')})"
     try:
         obj = instantiate(spec)
     except Exception as exc:  # hydra wraps import and argument errors
-        raise ConfigError(f"cannot instantiate processor {entry.get('_target_')}: {exc}") from exc
+        raise ConfigError(f"cannot instantiate {where}: {exc}") from exc
     if isinstance(obj, Processor):
         return obj
     if callable(obj):
         return HFProcessorAdapter(obj, pure=bool(entry.get("pure", False)))
-    raise ConfigError(f"processor {entry.get('_target_')} is not callable")
+    shown = repr(obj)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    raise ConfigError(f"{where} returned {type(obj).__name__} {shown}, not a processor: _target_ must build "
+                      "a specgen Processor or a callable HF LogitsProcessor (input_ids, scores) -> scores")
 
 
 def build_stack(
@@ -78,10 +84,10 @@ def build_stack(
     non-finite number (``temperature: inf``).
     """
     processors: list[Processor] = []
-    for entry in entries:
+    for index, entry in enumerate(entries):
         entry = dict(entry)
         if "_target_" in entry:
-            processors.append(_custom(entry))
+            processors.append(_custom(entry, index))
             continue
         name = entry.pop("name", None)
         if name is None:

@@ -80,15 +80,15 @@ class ProcessorStack:
     def argmax(self, raw_logits: torch.Tensor, history: History) -> list[int]:
         """[N, vocab] -> N greedy tokens, read back in one transfer (NoAllowedToken for
         a row with nothing allowed)."""
-        return argmax_tokens(self._read_only(raw_logits, history))
+        return argmax_tokens(self.read_only(raw_logits, history))
 
     def argmax_or_none(self, raw_logits: torch.Tensor, history: History) -> list[int | None]:
         """[N, vocab] -> N greedy tokens in one transfer, None for a row with nothing
         allowed (a dead end; the verifiers decide what it means, see
         :func:`specgen.sampling.verify_chain_greedy`)."""
-        return argmax_or_none(self._read_only(raw_logits, history))
+        return argmax_or_none(self.read_only(raw_logits, history))
 
-    def _read_only(self, raw_logits: torch.Tensor, history: History) -> torch.Tensor:
+    def read_only(self, raw_logits: torch.Tensor, history: History) -> torch.Tensor:
         """Processed logits for a consumer that only reads them: the raw float32 rows
         themselves where no processor is active (no copy)."""
         if not self._active and raw_logits.dtype == torch.float32:

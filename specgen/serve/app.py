@@ -106,6 +106,7 @@ class Server:
         self.scheduler = scheduler or make_scheduler(pipe, batch_size)
         self.metrics = Metrics(self.model, pipe.guarantee)
         self.use_template = uses_template(pipe)
+        self.decode = pipe.tokenizer.decode
 
     def submit(self, req: GenRequest) -> tuple[Job, asyncio.Queue]:
         """Queue ``req``; its events arrive on the returned asyncio queue."""
@@ -162,7 +163,7 @@ class Server:
                 return _error(item.error)
             self.metrics.generation(item.generation)
             self.metrics.request(endpoint, "ok")
-            return JSONResponse(protocol.response(req, self.model, item.generation))
+            return JSONResponse(protocol.response(req, self.model, item.generation, self.decode))
         except _Disconnected:
             return Response(status_code=499)  # nobody reads it: the client has gone
         finally:
@@ -196,13 +197,15 @@ class Server:
     async def _events(self, request: Request, req: GenRequest, job: Job, items: asyncio.Queue,
                       item: object) -> AsyncIterator[str]:
         """The SSE body: text chunks, a last chunk with the finish reason and ``specgen``, [DONE]."""
-        endpoint, outcome = request.url.path, "cancelled"
+        endpoint, outcome, offset = request.url.path, "cancelled", 0  # offset: the next token's text_offset
         try:
             if req.kind == "chat":
                 yield _sse(protocol.chunk(req, self.model, None, first=True))
             while True:
-                if isinstance(item, TokenEvent) and item.text:
-                    yield _sse(protocol.chunk(req, self.model, item.text))
+                if isinstance(item, TokenEvent) and (item.text or item.logprob is not None):
+                    yield _sse(protocol.chunk(req, self.model, item.text, event=item, decode=self.decode,
+                                              offset=offset))
+                    offset += len(self.decode([item.token_id])) if item.logprob is not None else 0
                 elif isinstance(item, FinishEvent):
                     gen = item.generation
                     self.metrics.generation(gen)  # finished, whether or not the client reads the rest

@@ -17,18 +17,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from specgen.errors import SpecgenError
-from specgen.events import Generation
+from specgen.events import Generation, TokenEvent
 from specgen.options import RequestOptions, check_prompt, check_temperature, parse_int, parse_seed, parse_stop
+from specgen.serve.logprobs import (Decode, LogprobRequest, chat_logprobs, completion_logprobs, merge,
+                                    parse_chat_logprobs, parse_completion_logprobs)
 
+#: Bits of a seed the server draws for a request without one: below 2**53, so a JSON client that reads
+#: the reported seed as a double (JavaScript, many JSON libraries) can send it back unchanged to replay.
+DRAWN_SEED_BITS = 53
 #: Fields accepted but with no effect on the output (OpenAI bookkeeping).
 _NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier"})
 #: Fields accepted when they hold their neutral value (the value the OpenAI API documents as "off").
-_NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
+_NEUTRAL = {"n": 1, "best_of": 1, "suffix": None,
             "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None,
             "tool_choice": None, "parallel_tool_calls": None}
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "seed", "stop", "temperature", "top_p",
            "response_format"}
-_FIELDS = {"completion": _COMMON | {"prompt"}, "chat": _COMMON | {"messages", "max_completion_tokens"}}
+_FIELDS = {"completion": _COMMON | {"prompt", "logprobs", "echo"},
+           "chat": _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}}
 #: specgen finish reasons as OpenAI's: a stop string, EOS or a grammar dead end -> "stop"; a token or context
 #: limit -> "length" (the response's ``specgen.finish_reason`` keeps specgen's own).
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "dead_end": "stop"}
@@ -77,6 +83,7 @@ class GenRequest:
     seed: int
     stream: bool = False
     include_usage: bool = False
+    logprobs: LogprobRequest = LogprobRequest()
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -150,7 +157,7 @@ def _guarded(parse, *args, param: str):
         raise _fail(str(exc), param) from None
 
 
-def _common(body: Mapping, kind: str, max_tokens_name: str) -> dict:
+def _common(body: Mapping, kind: str, max_tokens_name: str, logprobs: LogprobRequest) -> dict:
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -160,22 +167,23 @@ def _common(body: Mapping, kind: str, max_tokens_name: str) -> dict:
     if not isinstance(usage, Mapping) or not isinstance(usage.get("include_usage", False), bool):
         raise _fail("stream_options must be an object like {\"include_usage\": true}", "stream_options")
     seed = body.get("seed")
-    seed = secrets.randbits(63) if seed is None else _guarded(parse_seed, seed, "seed", param="seed")
+    seed = secrets.randbits(DRAWN_SEED_BITS) if seed is None else _guarded(parse_seed, seed, "seed", param="seed")
     max_tokens = body.get(max_tokens_name)
     options = RequestOptions(seed=seed, stop=_guarded(parse_stop, body.get("stop"), "stop", param="stop"),
-                             schema=_schema(body),
-                             max_new_tokens=None if max_tokens is None else _max_tokens(max_tokens, max_tokens_name))
+                             schema=_schema(body), logprobs=logprobs.top, echo=logprobs.echo or None,
+                             max_new_tokens=None if max_tokens is None
+                             else _max_tokens(max_tokens, max_tokens_name, 0 if logprobs.echo else 1))
     temperature = _number(body, "temperature", 0.0, None, low_allowed=True)
     if temperature is not None:
         _guarded(check_temperature, temperature, param="temperature")
     sampling = Sampling(temperature, _number(body, "top_p", 0.0, 1.0, low_allowed=False))
     return {"kind": kind, "options": options, "sampling": sampling, "seed": seed, "stream": stream,
-            "include_usage": stream and bool(usage.get("include_usage", False))}
+            "include_usage": stream and bool(usage.get("include_usage", False)), "logprobs": logprobs}
 
 
-def _max_tokens(value: object, name: str) -> int:
+def _max_tokens(value: object, name: str, minimum: int) -> int:
     try:
-        return parse_int(value, name, minimum=1)
+        return parse_int(value, name, minimum=minimum)
     except SpecgenError as exc:
         raise _fail(str(exc), name) from None
 
@@ -195,7 +203,7 @@ def parse_completion(body: object, model: str) -> GenRequest:
                     "(one prompt per request)", "prompt")
     else:
         _guarded(check_prompt, prompt, "prompt", param="prompt")
-    common = _common(body, "completion", "max_tokens")
+    common = _common(body, "completion", "max_tokens", parse_completion_logprobs(body, _fail))
     common["options"] = replace(common["options"], chat=False)
     return GenRequest(prompt=prompt, prompt_ids=prompt_ids, **common)
 
@@ -207,6 +215,19 @@ def _message_text(content: object, index: int) -> str:
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
     raise _fail(f"messages[{index}].content must be a string or a list of text parts", "messages")
+
+
+def _message(message: Mapping, index: int) -> dict:
+    """One message as the pipeline takes it: role, content and, when given, ``name`` (a participant's
+    name: handed to the chat template, which renders it where it reads ``message.name``, as vLLM does;
+    a transcript writes it after the role). 400 for a name that is not a non-empty string."""
+    out = {"role": message.get("role"), "content": _message_text(message.get("content"), index)}
+    name = message.get("name")
+    if name is not None:
+        if not isinstance(name, str) or not name.strip() or "\n" in name:
+            raise _fail(f"messages[{index}].name must be a non-empty one-line string, got {name!r}", "messages")
+        out["name"] = name
+    return out
 
 
 def parse_chat(body: object, model: str, *, use_template: bool) -> GenRequest:
@@ -223,14 +244,13 @@ def parse_chat(body: object, model: str, *, use_template: bool) -> GenRequest:
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise _fail(f"messages[{index}] must be an object with role and content", "messages")
-    messages = [{"role": m.get("role"), "content": _message_text(m.get("content"), i)}
-                for i, m in enumerate(messages)]
+    messages = [_message(m, i) for i, m in enumerate(messages)]
     try:
         messages = check_prompt(messages, "messages")
     except SpecgenError as exc:
         raise _fail(str(exc), "messages") from None
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    common = _common(body, "chat", name)
+    common = _common(body, "chat", name, parse_chat_logprobs(body, _fail))
     history = ChatHistory(use_template, messages)
     options = common["options"]
     common["options"] = replace(options, stop=history.stop_strings(options.stop), chat=use_template)
@@ -264,23 +284,37 @@ def _envelope(req: GenRequest, model: str, chunk: bool) -> dict:
     return {"id": f"cmpl-{req.id}", "object": "text_completion", "created": req.created, "model": model}
 
 
-def response(req: GenRequest, model: str, gen: Generation) -> dict:
-    """The whole (non-streaming) response for a finished generation."""
+def response(req: GenRequest, model: str, gen: Generation, decode: Decode) -> dict:
+    """The whole (non-streaming) response for a finished generation (``decode``: the tokenizer's,
+    for echo and the logprobs' token strings)."""
     choice = {"index": 0, "finish_reason": finish_reason(gen.finish_reason), "logprobs": None}
     if req.kind == "chat":
         choice["message"] = {"role": "assistant", "content": gen.text}
+        if req.logprobs.top is not None:
+            choice["logprobs"] = chat_logprobs(decode, gen.logprobs)
     else:
-        choice["text"] = gen.text
+        prompt = (req.prompt if req.prompt is not None else decode(gen.prompt_ids)) if req.logprobs.echo else ""
+        choice["text"] = prompt + gen.text
+        if req.logprobs.top is not None:
+            choice["logprobs"] = completion_logprobs(decode, gen.logprobs, gen.token_ids, len(prompt))
+            if req.logprobs.echo:
+                echoed = completion_logprobs(decode, gen.prompt_logprobs, gen.prompt_ids)
+                choice["logprobs"] = merge(echoed, choice["logprobs"])
     return {**_envelope(req, model, False), "choices": [choice], "usage": usage(gen),
             "specgen": specgen_field(gen, req.seed)}
 
 
 def chunk(req: GenRequest, model: str, text: str | None, *, first: bool = False,
-          gen: Generation | None = None) -> dict:
-    """One streaming chunk: ``text`` (chat: the first chunk also carries the role); the last one (``gen``
-    given) carries the finish reason and the ``specgen`` field."""
+          gen: Generation | None = None, event: TokenEvent | None = None, decode: Decode | None = None,
+          offset: int = 0) -> dict:
+    """One streaming chunk: ``text`` (chat: the first chunk also carries the role), with ``event``'s
+    logprob when it has one (``decode``: the tokenizer's; ``offset``: its token's text_offset); the
+    last one (``gen`` given) carries the finish reason and the ``specgen`` field."""
     choice = {"index": 0, "finish_reason": None if gen is None else finish_reason(gen.finish_reason),
               "logprobs": None}
+    if event is not None and event.logprob is not None and req.logprobs.top is not None:
+        choice["logprobs"] = (chat_logprobs(decode, [event.logprob]) if req.kind == "chat"
+                              else completion_logprobs(decode, [event.logprob], [event.token_id], offset))
     if req.kind == "chat":
         delta = {"role": "assistant"} if first else {}
         if text:

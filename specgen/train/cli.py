@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 
 from specgen.config import compose, conf_dir, exits_on_error, run_console, to_container
 from specgen.drafters.base import MAX_NUM_TOKENS
+from specgen.heads.modules import MAX_MEDUSA_HEADS
 from specgen.errors import ConfigError, OutputError
 from specgen.options import parse_int
 from specgen.outputs import write_failure, write_stdout
@@ -84,6 +85,9 @@ def head_settings(cfg: dict) -> tuple[str, dict]:
         arch[key] = int(arch[key])
         if arch[key] < 1:
             raise ConfigError(f"train.head.{key} must be >= 1, got {arch[key]}")
+    if kind == "medusa" and arch["num_heads"] > MAX_MEDUSA_HEADS:
+        raise ConfigError(f"train.head.num_heads must be at most {MAX_MEDUSA_HEADS} (a Medusa head per draft "
+                          f"position), got {arch['num_heads']}")
     if arch.get("block_size", 0) > MAX_NUM_TOKENS:
         raise ConfigError(f"train.head.block_size must be at most {MAX_NUM_TOKENS} (the most draft tokens a round "
                           f"verifies), got {arch['block_size']}")
@@ -188,6 +192,28 @@ def _load_target(job: _Job):
     return loaded, model, target_fingerprint(model), layers
 
 
+#: Bytes a trained parameter takes: float32 weight, gradient and Adam's two moments.
+TRAIN_BYTES_PER_PARAMETER = 16
+
+
+def check_head_memory(job: _Job, model) -> None:
+    """ConfigError where the head these settings make for ``model`` needs more memory to train (its
+    weights, gradients and optimiser state, :data:`TRAIN_BYTES_PER_PARAMETER` each) than the device
+    has available; counted on a meta-device head, so nothing is allocated."""
+    from specgen.heads.kinds import meta_head
+    from specgen.machine import available_memory, format_bytes
+
+    arch = job.arch
+    cfg = _head_config(job, model, min(arch["draft_vocab_size"], int(model.config.vocab_size)))
+    need = sum(p.numel() for p in meta_head(cfg).parameters()) * TRAIN_BYTES_PER_PARAMETER
+    free = torch.cuda.mem_get_info(job.device)[0] if job.device.type == "cuda" else available_memory()
+    if free is not None and need > free:
+        sizes = ", ".join(f"{key}={arch[key]}" for key in _SIZES if key in arch)
+        raise ConfigError(f"a {job.kind} head with {sizes} needs {format_bytes(need)} to train (weights, gradients "
+                          f"and optimiser state) but {format_bytes(free)} is available on {job.device}; "
+                          "lower train.head.* sizes")
+
+
 def _split_features(job: _Job, loaded, model, fingerprint: dict, layers: list[int]):
     """-> (corpora, features, extraction info), each keyed by "train" and "eval"."""
     from specgen.models.loading import writable_cache_dir
@@ -226,21 +252,28 @@ def _split_features(job: _Job, loaded, model, fingerprint: dict, layers: list[in
 def _new_head(job: _Job, model, loaded, corpus):
     """-> (head float32 on the device, attached; target id -> draft index lookup)."""
     from specgen.heads.kinds import build_head
-    from specgen.heads.modules import HeadConfig
     from specgen.train.data import draft_vocab
     from specgen.train.loop import draft_lookup
 
     vocab_size, arch = loaded.lm.vocab_size, job.arch
     vocab_ids = draft_vocab(corpus.sequences, arch["draft_vocab_size"], vocab_size, loaded.tokenizer.eos_ids)
-    head_cfg = HeadConfig(kind=job.kind, hidden_size=int(model.config.hidden_size), draft_vocab_size=len(vocab_ids),
-                          feature_layers=arch["feature_layers"], intermediate_size=arch["intermediate_size"],
-                          num_heads=arch["num_heads"], **_kind_fields(job.kind, arch, model.config))
+    head_cfg = _head_config(job, model, len(vocab_ids))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(job.settings.seed)
         head = build_head(head_cfg, vocab_ids)
     head = head.to(device=job.device, dtype=torch.float32)
     head.attach(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
     return head, draft_lookup(vocab_ids, vocab_size)
+
+
+def _head_config(job: _Job, model, draft_vocab_size: int):
+    """The HeadConfig of the head ``job``'s settings make for ``model``."""
+    from specgen.heads.modules import HeadConfig
+
+    arch = job.arch
+    return HeadConfig(kind=job.kind, hidden_size=int(model.config.hidden_size), draft_vocab_size=draft_vocab_size,
+                      feature_layers=arch["feature_layers"], intermediate_size=arch["intermediate_size"],
+                      num_heads=arch["num_heads"], **_kind_fields(job.kind, arch, model.config))
 
 
 def _save(job: _Job, head, fingerprint, result, metrics, corpora, speeds, command: str) -> tuple[Path, dict]:
@@ -316,6 +349,7 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
     out = sys.stdout if out is None else out
     job = _prepare(cfg, sys.stderr if err is None else err)
     loaded, model, fingerprint, layers = _load_target(job)
+    check_head_memory(job, model)
     corpora, feats, speeds = _split_features(job, loaded, model, fingerprint, layers)
     if job.train.get("train_tokens") is not None:
         corpora["train"], feats["train"] = first_tokens(corpora["train"], feats["train"], int(job.train["train_tokens"]))

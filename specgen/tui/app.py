@@ -87,8 +87,16 @@ class ConfigScreen(ModalScreen[None]):
         yield text
 
 
+#: Narrower than this (columns), the side panel starts hidden so the conversation keeps the width.
+PANEL_MIN_WIDTH = 80
+
+
 class ChatApp(App[int]):
-    """The chat. ``cfg``: the composed config; ``pipeline``: an already built one (tests)."""
+    """The chat. ``cfg``: the composed config; ``pipeline``: an already built one (tests).
+
+    The side panel shows on terminals at least :data:`PANEL_MIN_WIDTH` columns wide and hides on
+    narrower ones; Ctrl+O shows or hides it whatever the width (the choice then holds).
+    """
 
     CSS_PATH = "chat.tcss"
     TITLE = "specgen-chat"
@@ -99,6 +107,7 @@ class ChatApp(App[int]):
         Binding("ctrl+q", "quit", "Quit", priority=True),
         Binding("escape", "cancel_reply", "Cancel reply"),
         Binding("ctrl+n", "new_chat", "New chat", priority=True),
+        Binding("ctrl+o", "toggle_panel", "Panel", priority=True),
         Binding("ctrl+t", "toggle_speculation", "Speculation on/off", priority=True),
         Binding("ctrl+g", "show_config", "Config", priority=True),
     ]
@@ -114,6 +123,7 @@ class ChatApp(App[int]):
         self.replies = 0
         self.load_error: str | None = None
         self.queued: deque[UserMessage] = deque()
+        self.panel_choice: bool | None = None  # Ctrl+O's show (True) / hide (False); None: by width
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="main"):
@@ -124,6 +134,7 @@ class ChatApp(App[int]):
         yield Footer()
 
     def on_mount(self) -> None:
+        self._fit_panel()
         self.query_one("#chat", VerticalScroll).anchor()
         self.query_one("#prompt", Input).focus()
         if self.pipe is not None:
@@ -137,6 +148,25 @@ class ChatApp(App[int]):
     @property
     def panel(self) -> StatsPanel:
         return self.query_one("#panel", StatsPanel)
+
+    def on_resize(self) -> None:
+        self._fit_panel()
+
+    def _fit_panel(self) -> None:
+        """Show the panel as Ctrl+O chose, else when the terminal is wide enough for it and the chat."""
+        shown = self.size.width >= PANEL_MIN_WIDTH if self.panel_choice is None else self.panel_choice
+        self.panel.display = shown
+
+    def action_toggle_panel(self) -> None:
+        """Ctrl+O: show or hide the side panel (from then on, whatever the width)."""
+        self.panel_choice = not self.panel.display
+        self._fit_panel()
+
+    def _show_error(self, text: str) -> None:
+        """Add an error to the chat and scroll to it, also when the user had scrolled up."""
+        chat = self.query_one("#chat", VerticalScroll)
+        chat.mount(ErrorMessage(text))
+        chat.anchor()
 
     @work(thread=True, group="load")
     def _load(self) -> None:
@@ -163,8 +193,7 @@ class ChatApp(App[int]):
     def _load_failed(self, message: str) -> None:
         self.load_error = message
         self.panel.show_banner("error", "could not start")
-        chat = self.query_one("#chat", VerticalScroll)
-        chat.mount(ErrorMessage(f"{message}\nFix the override and restart; Ctrl+Q quits."))
+        self._show_error(f"{message}\nFix the override and restart; Ctrl+Q quits.")
         prompt = self.query_one("#prompt", Input)
         prompt.placeholder = "unavailable: the models did not load"
         prompt.disabled = True
@@ -259,7 +288,7 @@ class ChatApp(App[int]):
             elif update.error:
                 self.history.drop_last()
             if update.error:
-                self.query_one("#chat", VerticalScroll).mount(ErrorMessage(update.error))
+                self._show_error(update.error)
         self._send_queued()
 
     def on_reply_view_token_selected(self, message: ReplyView.TokenSelected) -> None:
@@ -283,7 +312,9 @@ class ChatApp(App[int]):
             self.history.clear()
             self.panel.show_snapshot(PanelSnapshot(self.pipe.guarantee, self.pipe.speculative))
         self.panel.show_token(None)
-        self.query_one("#chat", VerticalScroll).remove_children()
+        chat = self.query_one("#chat", VerticalScroll)
+        chat.remove_children()
+        chat.anchor()  # the new chat follows its replies again, also if the old one was scrolled up
         self.query_one("#prompt", Input).focus()
 
     def action_toggle_speculation(self) -> None:
