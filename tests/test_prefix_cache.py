@@ -59,6 +59,16 @@ def test_later_turns_start_from_the_cache_and_give_the_fresh_pipelines_tokens(pa
     assert cached.prefix_cache.stats.hits == 2 and cached.prefix_cache.stats.hit_rate == pytest.approx(2 / 3)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_logprobs_after_a_hit_equal_the_fresh_pipelines_bit_for_bit(path):
+    cached, fresh = pipe_pair(path)
+    first = cached.generate(prompt_ids=TURN[0], max_new_tokens=6)
+    ids = TURN[0] + first.token_ids + TURN[1]
+    got, want = (pipe.generate(prompt_ids=ids, max_new_tokens=8, logprobs=3) for pipe in (cached, fresh))
+    assert got.stats.prefill_reused > 7 and got.token_ids == want.token_ids
+    assert got.logprobs == want.logprobs and len(want.logprobs) == 8
+
+
 def swap_one_token(cache: PrefixCache, ids: list[int]) -> None:
     """Negative control: the parked handle claims the next prompt's id 3 at position 3 while its
     entry there is the KV of another token (as if an entry were written for the wrong id)."""
