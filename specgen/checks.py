@@ -94,6 +94,12 @@ def check_run_config(cfg: Mapping) -> dict:
     check_components(cfg)
     if "llama_cpp" in cfg:
         cfg["llama_cpp"] = check_llama_cpp(cfg["llama_cpp"] or {})
+    if "prefix_cache" in cfg:
+        from specgen.models.prefix_cache import DEFAULTS
+
+        section = dict(cfg["prefix_cache"] or {})
+        cfg["prefix_cache"] = {key: parse_int(section.get(key, default), f"prefix_cache.{key}", minimum=0)
+                               for key, default in DEFAULTS.items()}
     return cfg
 
 

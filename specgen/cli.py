@@ -195,11 +195,14 @@ def _read_text(stream, name: str, limit: int | None = None, context_length: int 
 
 
 def summary_line(gen: Generation) -> str:
-    """One line: guarantee, speed, tokens per target call, acceptance by draft position, the planner's
-    γ and, under a grammar, its share of wall time and mask time per position."""
+    """One line: guarantee, speed, tokens per target call, prompt tokens the prefix cache gave (when it gave
+    any), acceptance by draft position, the planner's γ and, under a grammar, its share of wall time and mask
+    time per position."""
     s = gen.stats
     parts = [f"[{gen.guarantee}]", f"{s.new_tokens} tokens in {s.wall:.2f} s = {s.tokens_per_s:.1f} tok/s",
              f"tau {s.tokens_per_target_call:.2f} tokens/target call"]
+    if s.prefill_reused:
+        parts.append(f"prompt {s.prompt_tokens} tokens: {s.prefill_reused} cached, {s.prefill_computed} prefilled")
     if s.drafted:
         per_position = " ".join(f"{a:.2f}" for a in s.acceptance_per_position)
         parts.append(f"acceptance by draft position: {per_position}")

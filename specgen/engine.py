@@ -22,6 +22,7 @@ from specgen.errors import ConfigError, DeadEndError, PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.guarantee import Guarantee
 from specgen.models import CausalLM, TokenizerInfo
+from specgen.models.prefix_cache import DEFAULTS, PrefixCache, common_prefix
 from specgen.models.target import TokenCache
 from specgen.options import (RequestOptions, check_prompt, check_prompt_ids, check_prompt_size, parse_chat, parse_int,
                              parse_optional_text, parse_seed, parse_stop, request_options, with_overrides)
@@ -71,6 +72,9 @@ class Pipeline:
     nothing, rounds do less arithmetic instead (see :class:`specgen.round.RoundContext`).
     observed: the verify timings its requests' rounds record and plan through once the
     cost table is loaded (:mod:`specgen.planning.observed`; None: plans read the table alone).
+    prefix_cache: finished requests' target KV handles, which later requests start from
+    (:mod:`specgen.models.prefix_cache`; sized by the config's ``prefix_cache`` group, off where
+    the target does not declare ``prefix_reuse``).
     """
 
     def __init__(self, *, target: CausalLM, tokenizer: TokenizerInfo, drafter: Drafter | None,
@@ -87,6 +91,7 @@ class Pipeline:
         self.read_once = torch.device(self.device).type != "cpu"
         self.observed: ObservedCosts | None = None
         self._costs_lock = threading.RLock()
+        self.prefix_cache = prefix_cache_for(target, config)
 
     def cost_table(self, *, refresh: bool = False) -> CostTable:
         """The planner's cost table for this pipeline (measured once, cached on disk; see specgen.planning.store)."""
@@ -227,7 +232,8 @@ class Pipeline:
                      stack: ProcessorStack | None = None, stats: Stats | None = None,
                      target_cache: TokenCache | None = None) -> tuple[Request, RoundContext]:
         """Fresh request state and round context (the engine loop's setup; tests drive rounds with it).
-        target_cache: the request's KV handle (None: a new one of the target's).
+        target_cache: the request's KV handle (None: a new one of the target's); the ids it already holds
+        of ``ids`` count as ``stats.prefill_reused``.
 
         The round context and the draft session share one stack: ``stack`` (default the
         pipeline's) with its grammar metered by this request's clock and stats
@@ -241,6 +247,8 @@ class Pipeline:
                           eos_ids=self.tokenizer.eos_ids, max_new_tokens=max_new_tokens, seed=seed)
         stats = Stats() if stats is None else stats
         stats.prompt_tokens = len(ids)
+        stats.prefill_reused = min(common_prefix(cache.tokens, ids), len(ids) - 1)  # what the first forward skips
+        stats.prefill_computed = len(ids) - stats.prefill_reused
         clock = Clock(self.device)
         stack = stack.with_timer(GrammarTimer(clock, stats.mask_seconds))
         ctx = RoundContext(self.target, stack, stats, clock, read_once=self.read_once, observed=self.observed)
@@ -292,7 +300,8 @@ class Pipeline:
         return [None, *token_logprobs(raw, ids[1:], top)]
 
     def _run(self, plan: RequestPlan) -> Iterator[TokenEvent | FinishEvent]:
-        request, ctx = self.open_plan(plan)
+        request, ctx = self.open_plan(plan, target_cache=self.prefix_cache.acquire(plan.ids)[0])
+        done = None
         if request.draft is not None and plan.gamma == AUTO:
             ctx.costs = self.cost_table()  # measured once per machine and cached; not part of this request's time
             ctx.observed = self.observed
@@ -310,6 +319,16 @@ class Pipeline:
                 record(ctx.stats, events, start)
                 yield from events
             done = finish(request, plan, ctx.stats, start)
-        finally:
-            request.release()  # also when the stream is closed early or a round fails
+        finally:  # also when the stream is closed early or a round fails: then the handle is released
+            request.release(keep_target=done is not None)
+            if done is not None:
+                self.prefix_cache.park(request.target_cache)
         yield done
+
+
+def prefix_cache_for(target: CausalLM, config) -> PrefixCache:
+    """The prefix cache a pipeline on ``target`` keeps: the config's ``prefix_cache`` group (absent:
+    its defaults), off when the target does not declare ``prefix_reuse``."""
+    section = {**DEFAULTS, **((config or {}).get("prefix_cache") or {})}
+    entries = section["entries"] if target.capabilities.prefix_reuse else 0
+    return PrefixCache(target.new_cache, entries=entries, max_bytes=section["bytes"])

@@ -55,6 +55,10 @@ class DeadEndError(SpecgenError):
     """
 
 
+class CacheExhausted(SpecgenError):
+    """A model cannot open another KV handle now (every one it may hold is live); releasing one makes room."""
+
+
 class OutputError(SpecgenError):
     """An output could not be written (a full disk, a closed stdout); the message names the file and
     what was kept. The commands exit with status 74 (sysexits' EX_IOERR), not 2: the input was fine."""

@@ -87,10 +87,12 @@ class Request:
         self.finish_reason = snap.finish_reason
         del self.logprobs[snap.length - self.committed.num_prompt:]
 
-    def release(self) -> None:
+    def release(self, keep_target: bool = False) -> None:
         """The request is over (finished, failed or closed): its KV handles go back to their
-        models (:meth:`~specgen.models.target.TokenCache.release`); nothing is read after."""
-        self.target_cache.release()
+        models (:meth:`~specgen.models.target.TokenCache.release`); nothing is read after.
+        keep_target: the target handle is left to the caller (to park in a prefix cache)."""
+        if not keep_target:
+            self.target_cache.release()
         if self.draft is not None:
             self.draft.close()
 

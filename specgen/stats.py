@@ -184,7 +184,8 @@ class Stats:
     speculative rounds that verified n draft tokens (tree nodes) -- the verify
     pass's size minus one. mask_seconds: under a grammar, the seconds of each masked
     position, target and drafter sides (see :class:`GrammarTimer`; :meth:`to_dict`
-    gives its count and percentiles instead).
+    gives its count and percentiles instead). prefill_reused / prefill_computed: prompt tokens
+    whose KV a prefix cache gave the request / that it fed (their sum is ``prompt_tokens``).
     """
 
     rounds: int = 0
@@ -193,6 +194,8 @@ class Stats:
     accepted: int = 0
     new_tokens: int = 0
     prompt_tokens: int = 0
+    prefill_reused: int = 0
+    prefill_computed: int = 0
     proposed_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     timings: Timings = field(default_factory=Timings)

@@ -110,6 +110,7 @@ def llama_report(overrides: list[str]) -> dict:
                         "interleaved": interleaved(pipe, PROMPTS, **options),
                         "solo": solo(pipe, PROMPTS, **options)}
     pool = greedy.target.pool
+    greedy.prefix_cache.clear()  # the finished requests' parked handles give their contexts back
     before = pool.size
     report["closed"] = {"streams": closed_midway(greedy, PROMPTS), "before": before, "size": pool.size,
                         "idle": pool.idle}

@@ -73,7 +73,10 @@ def test_a_llama_stream_closed_midway_gives_its_contexts_back():
     for lm in models:
         assert lm.pool.idle == lm.pool.size <= 2
     ended = pipe.generate(prompt_ids=TINY_PROMPTS[0], max_new_tokens=4)
-    assert ended.token_ids and all(lm.pool.idle == lm.pool.size for lm in models)
+    assert ended.token_ids and len(pipe.prefix_cache) == 1  # a finished request's target handle is parked
+    assert pipe.target.pool.idle == pipe.target.pool.size - 1 and models[1].pool.idle == models[1].pool.size
+    pipe.prefix_cache.clear()
+    assert all(lm.pool.idle == lm.pool.size for lm in models)
 
 
 @needs_llama

@@ -61,6 +61,16 @@ class KVCache(TokenCache):
                 layer.values = layer.values.index_select(-2, where[device])
         self.tokens = self.tokens[:prefix] + [self.tokens[prefix + r] for r in rows]
 
+    def held_bytes(self) -> int:
+        """Bytes of the storages behind every layer's keys and values (a growing layer's spare room included)."""
+        storages = {}
+        for layer in self.cache.layers:
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(tensor, torch.Tensor):
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
 
 def select_features(hidden_states: tuple[torch.Tensor, ...], layers: list[int]) -> torch.Tensor:
     """A draft head's input feature from a transformers ``hidden_states`` tuple
@@ -149,7 +159,9 @@ class CausalLM:
     """
 
     backend = "torch"
-    capabilities = Capabilities(trees=True, features=True, batches=True)
+    #: prefix_reuse off: float matmuls may round a row differently by how many rows are fed with it, so
+    #: logits after a prefix fed apart need not equal a fresh prefill's bit for bit (tests/test_prefix_cache.py)
+    capabilities = Capabilities(trees=True, features=True, batches=True, prefix_reuse=False)
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, name: str = "model", packed: bool = True):
         self.model = model

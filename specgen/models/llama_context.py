@@ -89,6 +89,12 @@ class LlamaKV(TokenCache):
         """Empty the sequence and give its id back to the context now (once; the handle is not used after)."""
         self._release()
 
+    def held_bytes(self) -> int:
+        """0: the context's cells stay allocated in its model's pool whether this handle is live, parked in
+        a prefix cache or released, so parking it holds no more memory (it holds a context: see
+        :class:`~specgen.models.llama_pool.ContextPool`, whose refusal makes a prefix cache give one back)."""
+        return 0
+
     def bind(self, context: LlamaContext) -> None:
         """Make this handle one of ``context``'s (same sequence id; its entries already there)."""
         self._release.detach()

@@ -21,11 +21,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from specgen.errors import SpecgenError
+from specgen.errors import CacheExhausted
 from specgen.models.llama_context import LlamaContext, LlamaKV
 
 
-class PoolExhausted(SpecgenError):
+class PoolExhausted(CacheExhausted):
     """Every context a model may open holds a live KV handle (``llama_cpp.sequences``)."""
 
 

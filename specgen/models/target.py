@@ -34,12 +34,17 @@ class Capabilities:
 
     trees: a forward over a draft tree with an ancestor mask (``forward_tree``);
     features: hidden states of chosen layers for learned drafters;
-    batches: ragged multi-request forwards (``forward_batch``, :mod:`specgen.batch`).
+    batches: ragged multi-request forwards (``forward_batch``, :mod:`specgen.batch`);
+    prefix_reuse: a handle synced to a prefix of a new request's ids, then fed the rest, gives
+    the logits of a fresh handle fed every id, bit for bit (measured per backend, see
+    tests/test_prefix_cache.py): the pipeline's prefix cache (:mod:`specgen.models.prefix_cache`)
+    is on only where it holds.
     """
 
     trees: bool
     features: bool
     batches: bool
+    prefix_reuse: bool = True
 
 
 class TokenCache:
@@ -93,6 +98,11 @@ class TokenCache:
             return
         self._truncate(length)
         del self.tokens[length:]
+
+    def held_bytes(self) -> int:
+        """Bytes of KV memory this handle holds (0: not known to the backend; then only the
+        prefix cache's entry bound limits it)."""
+        return 0
 
     def release(self) -> None:
         """Give the handle's entries back now (a pooled backend reuses them for another request);

@@ -56,6 +56,8 @@ class Metrics:
             self._tokens["completion"] += len(gen.token_ids)
             self._tokens["drafted"] += gen.stats.drafted
             self._tokens["accepted"] += gen.stats.accepted
+            self._tokens["cached"] += gen.stats.prefill_reused
+            self._tokens["prefix_hits"] += gen.stats.prefill_reused > 0
 
     def stopped(self, new_tokens: int) -> None:
         with self._lock:
@@ -67,7 +69,8 @@ class Metrics:
             return self._requests[(endpoint, outcome)]
 
     def total(self, name: str) -> int:
-        """A token total: prompt, completion, drafted, accepted, stopped_generations or stopped_tokens."""
+        """A token total: prompt, cached (prompt tokens a prefix cache gave), prefix_hits (generations that
+        started from one), completion, drafted, accepted, stopped_generations or stopped_tokens."""
         with self._lock:
             return self._tokens[name]
 
@@ -91,6 +94,13 @@ class Metrics:
                [({"guarantee": g}, n) for g, n in sorted(generations.items())])
         family("specgen_prompt_tokens_total", "counter", "Prompt tokens of finished generations.",
                [({}, tokens.get("prompt", 0))])
+        family("specgen_prompt_cached_tokens_total", "counter",
+               "Prompt tokens of finished generations taken from the prefix cache, not prefilled.",
+               [({}, tokens.get("cached", 0))])
+        finished = sum(generations.values())
+        family("specgen_prefix_cache_hit_ratio", "gauge",
+               "Finished generations that started from a cached prefix / finished generations.",
+               [({}, tokens.get("prefix_hits", 0) / finished if finished else 0.0)])
         family("specgen_completion_tokens_total", "counter", "Generated tokens of finished generations.",
                [({}, tokens.get("completion", 0))])
         family("specgen_draft_tokens_total", "counter", "Draft tokens proposed and verified.", [({}, drafted)])

@@ -271,8 +271,10 @@ def specgen_field(gen: Generation, seed: int) -> dict:
 
 
 def usage(gen: Generation) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache gave."""
     prompt, completion = len(gen.prompt_ids), len(gen.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": gen.stats.prefill_reused}}
 
 
 def _envelope(req: GenRequest, model: str, chunk: bool) -> dict:

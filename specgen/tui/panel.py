@@ -88,11 +88,12 @@ def timing_content(snapshot: PanelSnapshot, palette: Palette) -> Content:
 
 
 def numbers_content(snapshot: PanelSnapshot) -> Content:
-    """τ, speed, rounds, target calls, tokens and finish reason."""
+    """τ, speed, rounds, target calls, prompt tokens cached / prefilled, tokens and finish reason."""
     finish = f" · {snapshot.finish_reason}" if snapshot.finish_reason else " · streaming"
     return Content.assemble(
         ("τ ", "bold"), f"{snapshot.tau:.2f}/call  ", f"{snapshot.tokens_per_s:.1f} tok/s\n",
         ("rounds ", "bold"), f"{snapshot.rounds}  ", ("calls ", "bold"), f"{snapshot.target_calls}\n",
+        ("prompt ", "bold"), f"{snapshot.prefill_reused} cached · {snapshot.prefill_computed} prefilled\n",
         ("tokens ", "bold"), f"{snapshot.new_tokens}{finish if snapshot.rounds else ''}",
     )
 

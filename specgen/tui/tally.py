@@ -22,7 +22,8 @@ class PanelSnapshot:
     """What the side panel shows for the reply in progress (or the last one).
 
     tau: new tokens per target call. acceptance[i]: share of drafts at draft
-    position i + 1 that were accepted. timings: (label, seconds) per stage, empty
+    position i + 1 that were accepted. prefill_reused / prefill_computed: prompt tokens the
+    prefix cache gave / the request prefilled. timings: (label, seconds) per stage, empty
     while unknown. finish_reason: None while the reply streams.
     """
 
@@ -36,6 +37,8 @@ class PanelSnapshot:
     acceptance: tuple[float, ...] = ()
     timings: tuple[tuple[str, float], ...] = ()
     finish_reason: str | None = None
+    prefill_reused: int = 0
+    prefill_computed: int = 0
 
     @classmethod
     def from_stats(cls, stats: Stats, guarantee: Guarantee, speculative: bool, *,
@@ -45,7 +48,8 @@ class PanelSnapshot:
         return cls(guarantee=guarantee, speculative=speculative, new_tokens=stats.new_tokens, rounds=stats.rounds,
                    target_calls=stats.target_calls, tau=stats.tokens_per_target_call,
                    tokens_per_s=stats.tokens_per_s, acceptance=tuple(stats.acceptance_per_position),
-                   timings=timings, finish_reason=finish_reason)
+                   timings=timings, finish_reason=finish_reason, prefill_reused=stats.prefill_reused,
+                   prefill_computed=stats.prefill_computed)
 
 
 class Tally:

@@ -36,6 +36,9 @@ class QuantKV(TokenCache):
     def _truncate(self, length: int) -> None:
         pass
 
+    def held_bytes(self) -> int:
+        return self.buffers.keys.nbytes + self.buffers.values.nbytes
+
 
 class QuantizedLM:
     """A Llama-family model on quantized linears (:mod:`specgen.models.quantized.kernels`).

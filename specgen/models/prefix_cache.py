@@ -1,0 +1,140 @@
+"""A pipeline's prefix cache: finished requests' KV handles, parked for the next request to start from.
+
+When a request ends normally its target handle (a :class:`~specgen.models.target.TokenCache`
+holding only committed entries: every commit syncs it to the committed ids) is parked
+here instead of released. A new request takes the parked handle whose ``tokens`` share
+the longest common prefix with its prompt ids (ties: the most recently parked), syncs it
+to them (:meth:`TokenCache.sync` crops the rest) and prefills only what is not cached.
+
+Contract: a handle is owned by exactly one request at a time. :meth:`PrefixCache.acquire`
+removes the handle it returns from the cache, so a request's rollbacks and crops never
+touch entries another request reads; nothing is shared between live requests.
+
+Bounds: at most ``entries`` handles and ``max_bytes`` bytes of KV
+(:meth:`TokenCache.held_bytes`) are parked; the least recently parked go first and are
+released (:meth:`TokenCache.release`). ``entries=0`` turns the cache off (every handle is
+released at once, every request starts empty). A backend whose logits after a cached
+prefix are not bit for bit those of a fresh prefill declares ``Capabilities.prefix_reuse``
+False: the cache is then off on it. Every method is thread safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from specgen.errors import CacheExhausted
+from specgen.models.target import TokenCache
+
+#: The config group ``prefix_cache``'s defaults: parked handles, and the KV bytes they may hold.
+DEFAULTS = {"entries": 4, "bytes": 256 << 20}
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counts since the cache was made: lookups (requests), hits (started from a parked handle),
+    reused / computed (prompt tokens taken from the cache / left to prefill)."""
+
+    lookups: int = 0
+    hits: int = 0
+    reused: int = 0
+    computed: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.lookups if self.lookups else None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    limit = min(len(a), len(b))
+    if list(a[:limit]) == list(b[:limit]):
+        return limit
+    n = 0
+    while a[n] == b[n]:
+        n += 1
+    return n
+
+
+class PrefixCache:
+    """Parked handles of one target, in parking order (oldest first).
+
+    new_cache: makes an empty handle (the target's ``new_cache``); it may raise
+    :class:`~specgen.errors.CacheExhausted`, and then a parked handle is released to make room.
+    """
+
+    def __init__(self, new_cache: Callable[[], TokenCache], *, entries: int, max_bytes: int):
+        self._new_cache = new_cache
+        self.entries, self.max_bytes = int(entries), int(max_bytes)
+        self._parked: list[TokenCache] = []
+        self._lock = threading.Lock()
+        self.stats = PrefixCacheStats()
+
+    @property
+    def enabled(self) -> bool:
+        return self.entries > 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._parked)
+
+    def acquire(self, ids: Sequence[int]) -> tuple[TokenCache, int]:
+        """A handle for a request whose prompt is ``ids``, owned by the caller, and how many of
+        ``ids`` it already holds (at most ``len(ids) - 1``: the last prompt token is always fed,
+        for its logits). The handle is synced to ``ids``: it holds exactly those ``reused`` ids."""
+        with self._lock:
+            best, best_len = None, 0
+            for i, handle in enumerate(self._parked):
+                n = common_prefix(handle.tokens, ids)
+                if n > 0 and n >= best_len:  # later entries are more recent: ties go to them
+                    best, best_len = i, n
+            handle = self._parked.pop(best) if best is not None else None
+        if handle is None:
+            handle = self._fresh()
+        handle.sync(list(ids))
+        handle.crop(max(len(ids) - 1, 0))
+        reused = len(handle.tokens)
+        with self._lock:
+            self.stats.lookups += 1
+            self.stats.hits += reused > 0
+            self.stats.reused += reused
+            self.stats.computed += len(ids) - reused
+        return handle, reused
+
+    def park(self, handle: TokenCache) -> None:
+        """Give back a handle whose request ended normally (its ``tokens`` name exactly its
+        committed entries); released at once when the cache is off or the handle is empty."""
+        if not self.enabled or not handle.tokens:
+            handle.release()
+            return
+        with self._lock:
+            self._parked.append(handle)
+            evicted = self._over_bounds()
+        for old in evicted:
+            old.release()
+
+    def clear(self) -> None:
+        """Release every parked handle."""
+        with self._lock:
+            evicted, self._parked = self._parked, []
+        for old in evicted:
+            old.release()
+
+    def _over_bounds(self) -> list[TokenCache]:
+        evicted = []
+        while self._parked and (len(self._parked) > self.entries
+                                or sum(h.held_bytes() for h in self._parked) > self.max_bytes):
+            evicted.append(self._parked.pop(0))
+        return evicted
+
+    def _fresh(self) -> TokenCache:
+        while True:
+            try:
+                return self._new_cache()
+            except CacheExhausted:
+                with self._lock:
+                    if not self._parked:
+                        raise
+                    old = self._parked.pop(0)
+                old.release()
