@@ -41,8 +41,6 @@ def _unserved(cfg: Mapping, device: torch.device) -> str | None:
         return f"drafter={drafter} needs the target's hidden states and tree forwards"
     if cfg.get("compile"):
         return "compile=true compiles a torch model"
-    if cfg.get("invariant_verify"):
-        return "invariant_verify=true runs a torch model's layers row by row"
     if str(cfg.get("dtype", "auto")) not in ("auto", "float32", "fp32"):
         return f"dtype={cfg.get('dtype')} is a torch dtype (a GGUF keeps its own weight types)"
     return None
