@@ -75,7 +75,7 @@ def cuda_condition(guarantee: Guarantee, device: torch.device, dtype: torch.dtyp
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto': float32 on CPU (token-exact verification); on CUDA bfloat16 where the
+    """'auto': float32 on CPU (the dtype whose verify pass is measured for exactness); on CUDA bfloat16 where the
     device computes it natively, else float16; any other name as named."""
     if name == "auto":
         if device.type != "cuda":
