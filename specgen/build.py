@@ -122,13 +122,14 @@ def _decide_guarantee(cfg: Mapping, drafter: Drafter | None, target: LoadedModel
 def verify_shapes(drafter: Drafter) -> tuple[list[int], list[int] | None]:
     """What a run with ``drafter`` verifies: every chain width from 2 tokens (the last committed
     token and one draft) to ``max_tokens + 1``, and, where its rounds go through tree forwards
-    (a tree drafter, or one that reads target features), the parents of a probe tree of
-    ``tree_width`` branches ``max_tokens`` deep, cut to the MAX_NUM_TOKENS nodes a round may
-    verify (None: chains)."""
+    (a tree drafter, or one that reads target features), the parents of a probe tree of the
+    drafter's ``max_nodes`` (at most MAX_NUM_TOKENS) spread over ``max_tokens`` levels (None: chains)."""
     widths = list(range(2, drafter.max_tokens + 2))
     if drafter.shape != "tree" and drafter.feature_layers is None:
         return widths, None
-    return widths, probe_tree(max(1, drafter.tree_width), drafter.max_tokens)[:MAX_NUM_TOKENS]
+    nodes = max(1, min(drafter.max_nodes, MAX_NUM_TOKENS))
+    depth = max(1, drafter.max_tokens)
+    return widths, probe_tree(-(-nodes // depth), depth)[:nodes]
 
 
 def _measured(guarantee: Guarantee, lm: Target, drafter: Drafter, name: str) -> Guarantee:

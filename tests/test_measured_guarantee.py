@@ -11,6 +11,7 @@ import torch
 from specgen.build import verify_shapes
 from specgen.models.causal_lm import CausalLM
 from specgen.models.invariance import probe_tree, worst
+from specgen.sampling import tree_depths
 
 from conftest import tiny_pipeline
 
@@ -101,7 +102,8 @@ def test_a_tree_drafter_is_measured_on_tree_forwards(measured, tiny_eagle_head):
     pipe = tiny_pipeline("target.source.vocab_size=8", f"drafter.head_file={tiny_eagle_head}", drafter="eagle")
     widths, parents, (gap, _) = measured[0]
     assert (widths, parents) == verify_shapes(pipe.drafter) and parents is not None
-    assert len(parents) == min(pipe.drafter.tree_width * pipe.drafter.max_tokens, 64)
+    assert len(parents) == pipe.drafter.max_nodes == min(pipe.drafter.nodes, 64)
+    assert max(tree_depths(parents)) == pipe.drafter.max_tokens  # every depth a round may verify
     assert gap == 0.0 and str(pipe.guarantee) == "greedy"
 
 
