@@ -147,7 +147,7 @@ class CausalLM:
     probability on every side.
     packed: on a CPU, run linear layers on oneDNN-packed weights where that applies
     (:mod:`specgen.models.packed_linear`: float32 and bfloat16); False keeps PyTorch's
-    ``linear``. A model on another device keeps its layers as they are.
+    ``linear``. A model on another device keeps its layers as they are unless ``invariant``.
     invariant: compute every fed position as a single-token step computes it (linear layers
     row by row, attention query by query: :func:`packed_linear.set_rowwise`,
     :func:`attention.set_per_query`), so that verify logits can equal single-token logits bit
@@ -161,8 +161,8 @@ class CausalLM:
     def __init__(self, model: torch.nn.Module, vocab_size: int, name: str = "model", packed: bool = True,
                  invariant: bool = False):
         self.model = model
-        if next(model.parameters()).device.type == "cpu":  # elsewhere linear layers stay as they are
-            packed_linear.install(model)
+        if next(model.parameters()).device.type == "cpu" or invariant:  # else linear layers stay as they are
+            packed_linear.install(model)  # off the CPU a PackedLinear runs F.linear (row by row where invariant)
             packed_linear.set_enabled(model, packed)
         packed_linear.set_rowwise(model, invariant)
         attention.set_per_query(model, invariant)
