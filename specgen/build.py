@@ -5,10 +5,16 @@ The :class:`~specgen.guarantee.Guarantee` is decided here, once, before any gene
 * ``off: <reason>`` -- speculation disabled (by the user, no drafter, or p and q
   cannot be aligned: different tokenizers, an impure processor);
 * ``greedy`` -- temperature 0: output equals plain greedy decoding token for token;
-* ``exact`` -- sampling: every output sequence has exactly the target's distribution.
+* ``exact`` -- sampling: every output sequence has exactly the target's distribution;
+* ``approximate: <reason>`` -- speculation runs, but the target's verify pass does not
+  compute the logits single-token steps compute (a reduced-precision dtype, or a
+  measured gap), so near-ties can flip.
 
-On CUDA in float32 the claim names its condition (TF32 off, which the build
-sets; see :func:`specgen.models.cuda_condition`): ``greedy: on CUDA float32 ...``.
+``greedy``/``exact`` are measured, never assumed: the target's ``verify_gap`` feeds the
+chains (or trees) the run verifies and compares every position's logits with the same
+positions fed one token at a time; any difference makes the run ``approximate``,
+naming it. On CUDA in float32 the claim names its condition too (TF32 off, which the
+build sets; see :func:`specgen.models.cuda_condition`): ``greedy: on CUDA float32 ...``.
 """
 
 from __future__ import annotations
@@ -20,13 +26,16 @@ import torch
 from specgen.checks import check_run_config, parse_threads
 from specgen.config import to_container
 from specgen.drafters import Drafter, DrafterRuntime
+from specgen.drafters.base import MAX_NUM_TOKENS
 from specgen.engine import Defaults, Pipeline
 from specgen.errors import ConfigError, SpecgenError
 from specgen.guarantee import Guarantee
 from specgen.models import (LoadedModel, cuda_condition, load_llama_cpp, load_model, load_quantized, resolve_device,
                             resolve_dtype)
 from specgen.models.backends import choose_backend, draft_backend, quantized_dtype
+from specgen.models.invariance import probe_tree
 from specgen.models.quantized import QUANT_DTYPES
+from specgen.models.target import Target
 from specgen.models.threads import resolve_auto_threads
 from specgen.grammar import grammar_processor
 from specgen.processors import build_stack
@@ -108,21 +117,37 @@ def _decide_guarantee(cfg: Mapping, drafter: Drafter | None, target: LoadedModel
     if dtype in REDUCED_PRECISION:
         name = str(dtype).removeprefix("torch.")
         return Guarantee("approximate", f"{name} rounds a multi-token verify pass differently from single-token "
-                         "steps, so near-ties can flip; use dtype=float32 for the exact guarantee"), drafter
+                         "steps, so near-ties can flip; exact/greedy need dtype=float32, measured at load"), drafter
     return Guarantee("greedy" if stack.greedy else "exact"), drafter
 
 
-def _batch_invariance(guarantee: Guarantee, lm, max_tokens: int) -> Guarantee:
-    """An ``exact``/``greedy`` claim on a backend whose verify logits are measured, not assumed:
-    kept where every verify width's logits equal single-token logits bit for bit, else approximate."""
-    if not guarantee.unconditional:
+def verify_shapes(drafter: Drafter) -> tuple[list[int], list[int] | None]:
+    """What a run with ``drafter`` verifies: every chain width from 2 tokens (the last committed
+    token and one draft) to ``max_tokens + 1``, and, where its rounds go through tree forwards
+    (a tree drafter, or one that reads target features), the parents of a probe tree of the
+    drafter's ``max_nodes`` (at most MAX_NUM_TOKENS) spread over ``max_tokens`` levels (None: chains)."""
+    widths = list(range(2, drafter.max_tokens + 2))
+    if drafter.shape != "tree" and drafter.feature_layers is None:
+        return widths, None
+    nodes = max(1, min(drafter.max_nodes, MAX_NUM_TOKENS))
+    depth = max(1, drafter.max_tokens)
+    return widths, probe_tree(-(-nodes // depth), depth)[:nodes]
+
+
+def _measured(guarantee: Guarantee, lm: Target, drafter: Drafter, name: str) -> Guarantee:
+    """An ``exact``/``greedy`` claim as measured on ``lm`` (:meth:`Target.verify_gap` over what the
+    run verifies): kept where every verify pass's logits equal single-token logits bit for bit,
+    else ``approximate`` naming the largest difference and where it occurs (``name``: the target's)."""
+    if not guarantee.exact:
         return guarantee
-    widths = sorted({2, min(4, max_tokens + 1), max_tokens + 1})
-    gap, width = lm.verify_gap(widths)
+    widths, parents = verify_shapes(drafter)
+    gap, width = lm.verify_gap(widths) if parents is None else lm.verify_gap(widths, parents=parents)
     if gap == 0.0:
         return guarantee
-    return Guarantee("approximate", f"{lm.name} on {lm.backend} ({lm.describe()['dtype']}) computes {width}-token "
-                     f"verify logits up to {gap:.2g} away from single-token ones, so near-ties can flip")
+    shape = f"{width}-token verify logits" if parents is None else f"tree verify logits ({width} tokens fed)"
+    dtype = str(lm.describe()["dtype"]).removeprefix("torch.")
+    return Guarantee("approximate", f"{name} on {lm.backend} ({dtype}) computes {shape} up to {gap:.2g} away "
+                     "from single-token ones, so near-ties can flip")
 
 
 def _repack(setting: str, name: str) -> str:
@@ -144,6 +169,7 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
     dtype = torch.float32 if quant else resolve_dtype(str(cfg.get("dtype", "auto")), device, QUANT_DTYPES)
     target_cfg = cfg["target"]
     packed = cfg.get("packed_weights", True)
+    invariant = cfg.get("invariant_verify", False)
     extra_eos = tuple(target_cfg.get("eos_ids") or ())
     llama = dict(cfg.get("llama_cpp") or {})
 
@@ -158,7 +184,7 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
                                   flash_attention=str(llama.get("flash_attention", "auto")), vocab_size=vocab_size,
                                   repack=_repack(str(llama.get("repack", "auto")), name))
         return load_model(source, name=name, dtype=dtype, device=device, extra_eos=extra_eos, progress=progress,
-                          packed=packed, vocab_size=vocab_size)
+                          packed=packed, vocab_size=vocab_size, invariant=invariant and name == "target")
 
     target = load(target_cfg["source"], name="target")
     if cfg["compile"]:
@@ -175,8 +201,8 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
     if cfg["speculative"]:
         drafter = _build_drafter(cfg, DrafterRuntime(target=target, load=load))
     guarantee, drafter = _decide_guarantee(cfg, drafter, target, stack, dtype)
-    guarantee = cuda_condition(guarantee, device, dtype)
-    if drafter is not None and callable(getattr(target.lm, "verify_gap", None)):  # measured, not assumed
-        guarantee = _batch_invariance(guarantee, target.lm, drafter.max_tokens)
+    guarantee = cuda_condition(guarantee, device, dtype)  # TF32 off before the measurement
+    if drafter is not None:
+        guarantee = _measured(guarantee, target.lm, drafter, str(target_cfg.get("name") or target.lm.name))
     return Pipeline(target=target.lm, tokenizer=target.tokenizer, drafter=drafter, stack=stack,
                     guarantee=guarantee, defaults=Defaults.from_config(cfg), config=cfg)

@@ -62,6 +62,7 @@ def check_run_config(cfg: Mapping) -> dict:
     cfg["speculative"] = parse_bool(cfg.get("speculative", True), "speculative")
     cfg["compile"] = parse_bool(cfg.get("compile", False), "compile")
     cfg["packed_weights"] = parse_bool(cfg.get("packed_weights", True), "packed_weights")
+    cfg["invariant_verify"] = parse_bool(cfg.get("invariant_verify", False), "invariant_verify")
     cfg["observe_costs"] = parse_bool(cfg.get("observe_costs", True), "observe_costs")
     cfg["chat"] = parse_chat(cfg.get("chat", "auto"))
     cfg["max_new_tokens"] = parse_int(cfg.get("max_new_tokens", 128), "max_new_tokens", minimum=1)

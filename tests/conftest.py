@@ -9,7 +9,9 @@ import pytest
 import specgen
 from specgen.planning import BatchCostTable, CostTable
 
-TINY = ("target=tiny", "threads=1", "dtype=float32")
+#: invariant_verify=true: the tiny float32 models verify exactly as single-token steps compute (measured
+#: at load), so tests of exactness run an `exact`/`greedy` path; without it the fast path is approximate.
+TINY = ("target=tiny", "threads=1", "dtype=float32", "invariant_verify=true")
 #: The cost table every test pipeline plans with (num_tokens=auto): fixed, so plans never depend on
 #: this machine's speed, and cheap enough that the planner speculates. test_costmodel measures for real.
 TEST_COSTS = CostTable(chain=tuple(1 + 0.05 * n for n in range(17)), tree=tuple(1 + 0.05 * n for n in range(17)),

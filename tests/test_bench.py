@@ -311,8 +311,8 @@ def test_settings_reject_unknown_hf_kernels():
 
 
 def test_bench_runs_tiny_matrix_end_to_end(tmp_path):
-    cfg = compose_bench([*TINY, "drafter=tiny", "bench.gammas=[2,3]", "bench.temperatures=[0,0.8]",
-                         f"bench.out_dir={tmp_path}"])
+    cfg = compose_bench([*TINY, "drafter=tiny", "invariant_verify=true", "bench.gammas=[2,3]",
+                         "bench.temperatures=[0,0.8]", f"bench.out_dir={tmp_path}"])
     out, err = io.StringIO(), io.StringIO()
     result = run_bench(cfg, {"target": "tiny", "drafter": "tiny"}, out=out, err=err)
     methods = {(r["method"], r["gamma"]) for r in result.rows}

@@ -46,6 +46,16 @@ def test_greedy_speculative_equals_plain_on_default_model(pipes, prompt):
     assert spec.stats.target_calls <= plain.stats.target_calls
 
 
+def test_the_fast_torch_path_declares_its_measured_gap():
+    """backend=torch without invariant_verify: the verify pass is one multi-row forward; the label
+    is whatever the load-time measurement found, naming the gap where there is one."""
+    pipe = specgen.pipeline("threads=1", "backend=torch", "drafter=ngram", progress=False)
+    gap, width = pipe.target.verify_gap(range(2, pipe.drafter.max_tokens + 2))
+    expected = "greedy" if gap == 0.0 else (f"approximate: smollm2-135m on torch (float32) computes {width}-token "
+                                           f"verify logits up to {gap:.2g} away from single-token ones")
+    assert str(pipe.guarantee).startswith(expected)
+
+
 def test_sampling_runs_with_declared_guarantee(pipes):
     pipe = specgen.pipeline("threads=1", "drafter=ngram", "sampling.temperature=0.7", "sampling.top_p=0.95",
                             "max_new_tokens=24", progress=False)
@@ -58,7 +68,8 @@ def test_sampling_runs_with_declared_guarantee(pipes):
 @pytest.mark.parametrize("kind", ["eagle", "medusa", "mtp"])
 def test_shipped_heads_load_and_keep_greedy_output(kind):
     """The heads in specgen/heads/trained match the packaged target's fingerprint and draft for it."""
-    pipe = specgen.pipeline("threads=1", "dtype=float32", f"drafter={kind}", "sampling.temperature=0", progress=False)
+    pipe = specgen.pipeline("threads=1", "dtype=float32", "invariant_verify=true", f"drafter={kind}",
+                            "sampling.temperature=0", progress=False)  # the torch path measured exact
     assert str(pipe.guarantee) == "greedy"
     plain = pipe.generate(PROMPTS[0], max_new_tokens=32, seed=0, speculative=False)
     planned = pipe.generate(PROMPTS[0], max_new_tokens=32, seed=0)  # num_tokens=auto: may choose plain steps

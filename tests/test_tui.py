@@ -33,8 +33,8 @@ from specgen.tui.reply import ErrorMessage, Notice, ReplyView, UserMessage, toke
 from specgen.tui.session import ReplyRequest, ReplyUpdate, UpdateInbox, fit_history, run_reply
 from specgen.tui.tally import PanelSnapshot, Tally
 
-TINY = ["target=tiny", "drafter=tiny", "threads=1", "sampling.temperature=0.8",
-        "sampling.min_new_tokens=40", "max_new_tokens=60"]
+TINY = ["target=tiny", "drafter=tiny", "threads=1", "invariant_verify=true", "sampling.temperature=0.8",
+        "sampling.min_new_tokens=40", "max_new_tokens=60"]  # invariant_verify: an exact path, as conftest's TINY
 LONG = [*TINY[:-2], "sampling.min_new_tokens=5000", "max_new_tokens=5000"]
 SIZE = (80, 24)
 
@@ -653,5 +653,5 @@ def test_chat_samples_by_default_and_greedy_is_one_override_away():
 
 
 def test_chat_default_sampling_keeps_speculation_exact():
-    pipe = build_pipeline(chat_config(["target=tiny", "drafter=tiny", "threads=1"]))
+    pipe = build_pipeline(chat_config(["target=tiny", "drafter=tiny", "threads=1", "invariant_verify=true"]))
     assert pipe.speculative and str(pipe.guarantee) == "exact"

@@ -182,6 +182,11 @@ class Drafter(ABC):
     def max_tokens(self) -> int:
         return self.auto_max_tokens if self.num_tokens == "auto" else self.num_tokens
 
+    @property
+    def max_nodes(self) -> int:
+        """The most candidates one round's proposal holds (a tree's nodes; a chain's max_tokens)."""
+        return self.tree_width * self.max_tokens
+
     @abstractmethod
     def session(self, ctx: DraftContext) -> DraftSession:
         """Open a session for one request."""

@@ -215,6 +215,10 @@ class EagleDrafter(LearnedDrafter):
             self.session_class = Eagle3Session
         self.tree_width = min(self.top_k * self.expand, self.nodes)
 
+    @property
+    def max_nodes(self) -> int:
+        return min(self.nodes, self.tree_width * self.max_tokens)
+
 
 def build(*, runtime, head_file: str, num_tokens: int = 5, tree=None, kind: str = "eagle", head=None,
           dtype=None) -> EagleDrafter:

@@ -116,6 +116,10 @@ class MedusaDrafter(LearnedDrafter):
         if self.width > head.cfg.draft_vocab_size:
             raise ConfigError(f"drafter.tree asks for rank {self.width - 1}, beyond the draft vocabulary")
 
+    @property
+    def max_nodes(self) -> int:
+        return len(self.tree)
+
 
 def build(*, runtime, head_file: str, num_tokens: int = 4, tree=None, kind: str = "medusa", head=None,
           dtype=None) -> MedusaDrafter:

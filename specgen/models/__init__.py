@@ -65,20 +65,18 @@ def cuda_condition(guarantee: Guarantee, device: torch.device, dtype: torch.dtyp
     """The guarantee as declared on ``device``: on CUDA float32 it turns TF32 off
     (process-wide: TF32 rounds matmul inputs to 10 mantissa bits) and names the
     condition an ``exact``/``greedy`` claim holds under; elsewhere it is unchanged.
-
-    Proven on the CPU; on CUDA the verify pass and single-token steps may pick
-    different kernels, which ``scripts/gpu_check.sh`` measures."""
+    The build then measures the verify pass against single-token steps as on every
+    device (``Target.verify_gap``) and keeps the claim only where they are equal."""
     if device.type != "cuda" or dtype != torch.float32 or not guarantee.unconditional:
         return guarantee
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    return Guarantee(guarantee.kind, "on CUDA float32 with TF32 off (specgen turns it off); proven on the CPU, on "
-                     "CUDA token identity of the verify pass with single-token steps is measured by "
-                     "scripts/gpu_check.sh")
+    return Guarantee(guarantee.kind, "on CUDA float32 with TF32 off (specgen turns it off), verify logits measured "
+                     "equal to single-token ones at load; scripts/gpu_check.sh checks token identity end to end")
 
 
 def resolve_dtype(name: str, device: torch.device, also: tuple[str, ...] = ()) -> torch.dtype:
-    """'auto': float32 on CPU (token-exact verification); on CUDA bfloat16 where the
+    """'auto': float32 on CPU (the dtype whose verify pass is measured for exactness); on CUDA bfloat16 where the
     device computes it natively, else float16; any other name as named. ``also``: further
     names the caller serves elsewhere, listed in the ConfigError for an unknown one."""
     if name == "auto":
@@ -109,15 +107,15 @@ def resolve_drafter_dtype(name, target_dtype: torch.dtype, device: torch.device)
 
 def load_model(source: Mapping, *, name: str, dtype: torch.dtype, device: torch.device,
                extra_eos: tuple[int, ...] = (), progress: bool = True, packed: bool = True,
-               vocab_size: int | None = None) -> LoadedModel:
-    """Build or load the model described by a config ``source`` mapping (``packed``: as for :class:`CausalLM`;
-    ``vocab_size``: the logits kept, None = its tokenizer's, a draft model's is the target's)."""
+               vocab_size: int | None = None, invariant: bool = False) -> LoadedModel:
+    """Build or load the model described by a config ``source`` mapping (``packed``, ``invariant``: as for
+    :class:`CausalLM`; ``vocab_size``: the logits kept, None = its tokenizer's, a draft model's is the target's)."""
     kind = source.get("kind")
     if kind == "tiny":
         args = {k: v for k, v in source.items() if k != "kind"}
         model = build_tiny_model(**args).to(device=device, dtype=dtype)
         tokenizer = TinyTokenizer(model.config.vocab_size)
-        return LoadedModel(CausalLM(model, vocab_size or len(tokenizer), name, packed),
+        return LoadedModel(CausalLM(model, vocab_size or len(tokenizer), name, packed, invariant),
                            TokenizerInfo(tokenizer, extra_eos))
     from specgen.models.loading import load_model_and_tokenizer
 
@@ -127,7 +125,7 @@ def load_model(source: Mapping, *, name: str, dtype: torch.dtype, device: torch.
     if gen_eos is not None:
         eos.extend(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
     info = TokenizerInfo(tokenizer, eos)
-    return LoadedModel(CausalLM(model, vocab_size or info.vocab_size, name, packed), info)
+    return LoadedModel(CausalLM(model, vocab_size or info.vocab_size, name, packed, invariant), info)
 
 
 def load_llama_cpp(source: Mapping, *, name: str, threads: int, extra_eos: tuple[int, ...] = (),

@@ -20,6 +20,10 @@ Within :func:`row_lengths` each row's query is cut to its own real tokens and
 attended in a call of its own (views, no copies), so the padding costs no
 attention; a row's real outputs are the same arithmetic as in the padded call.
 What both save: docs/benchmarks.md, "Batching", and CHANGELOG.md, 2026-12-03.
+
+:func:`set_per_query` switches a model to the batch-invariant path (``invariant_verify=true``):
+every query token, also a single-token step's, attends in a call of its own to the keys it
+sees, so its output is the same whichever tokens it is fed with (:func:`_per_query`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import torch.nn.functional as F
 NAME = "specgen_sdpa"
 
 _UNSUPPORTED = ("s_aux", "sinks", "softcap", "position_bias")
+#: The attribute :func:`set_per_query` sets on a model's modules.
+PER_QUERY = "specgen_per_query"
 
 #: Set by :func:`row_lengths`: each batch row's real query tokens (a prefix of the row).
 _LENGTHS: ContextVar[tuple[int, ...] | None] = ContextVar("specgen_row_lengths", default=None)
@@ -73,6 +79,9 @@ def packed_gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if getattr(module, PER_QUERY, False):
+        out = _per_query(module, query, key, value, attention_mask, dropout, scaling, kwargs)  # [B, w, H, d]
+        return out, None
     lengths = _LENGTHS.get()
     if lengths is not None and (len(lengths) != query.shape[0] or max(lengths) > query.shape[2]
                                 or min(lengths) == query.shape[2]):
@@ -106,6 +115,50 @@ def _grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attent
     mask = mask.reshape(mask_batch, 1, groups * width, slots)  # [B or 1, 1, groups·w, S]
     out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     return out.reshape(batch, heads, width, dim)
+
+
+def set_per_query(model: torch.nn.Module, enabled: bool) -> None:
+    """Switch :func:`packed_gqa_sdpa`'s per-query path on or off for every attention module of ``model``."""
+    for module in model.modules():
+        setattr(module, PER_QUERY, bool(enabled))
+
+
+def _per_query(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, dropout: float, scaling: float | None, kwargs) -> torch.Tensor:
+    """Each query token attends in a call of its own, unmasked, to a copy of the keys its mask row
+    lets it see: the call a single-token step makes for that token, so its output does not depend
+    on the tokens fed with it. A query that sees no key (padding) stays zero.
+    query: [B, H, w, d]; key, value: [B, kv, S, d]; -> [B, w, H, d]."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, width, dim = query.shape
+    slots = key.shape[2]
+    seen = _visible(attention_mask, batch, width, slots, query.device)  # [B, w, S] bool
+    out = query.new_zeros(batch, width, heads, dim)  # [B, w, H, d]
+    for b in range(batch):
+        for i in range(width):
+            keep = seen[b, i].nonzero().squeeze(1)  # [S_i]
+            if not keep.numel():
+                continue
+            keys, values = key[b: b + 1], value[b: b + 1]  # [1, kv, S, d]
+            if keep.numel() < slots:
+                keys, values = keys.index_select(2, keep), values.index_select(2, keep)  # [1, kv, S_i, d]
+            row, _ = sdpa_attention_forward(module, query[b: b + 1, :, i: i + 1], keys, values, None,
+                                            dropout=dropout, scaling=scaling, is_causal=False, **kwargs)
+            out[b, i] = row[0, 0]  # [H, d]
+    return out
+
+
+def _visible(attention_mask: torch.Tensor | None, batch: int, width: int, slots: int,
+             device: torch.device) -> torch.Tensor:
+    """[B, w, S] bool: which keys each query sees, from a boolean keep-mask or an additive
+    mask [B or 1, 1, w, S]; None: causal, the w queries being the last w of the S slots."""
+    if attention_mask is None:
+        last = torch.arange(slots - width, slots, device=device)  # [w]
+        return (torch.arange(slots, device=device)[None] <= last[:, None]).expand(batch, width, slots)
+    mask = attention_mask[:, 0, -width:, -slots:]  # [B or 1, w, S]
+    seen = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    return seen.expand(batch, width, slots)
 
 
 def attention_implementation() -> str:

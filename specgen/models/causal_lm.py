@@ -8,6 +8,7 @@ common prefix of the cached tokens and the committed sequence, drop the rest.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ from specgen.models import attention, packed_linear
 from specgen.models.compiled import (BUCKETS, FIRST_CAPACITY, CompiledDecoder, bucket_for, grown, keep_static_rows,
                                      new_static_cache)
 from specgen.models.growing_cache import growing_cache
+from specgen.models.invariance import GAP_PREFIX, chain_gaps, tree_gaps, worst
 from specgen.models.target import PENDING, Capabilities, TokenCache
 
 
@@ -155,7 +157,12 @@ class CausalLM:
     probability on every side.
     packed: on a CPU, run linear layers on oneDNN-packed weights where that applies
     (:mod:`specgen.models.packed_linear`: float32 and bfloat16); False keeps PyTorch's
-    ``linear``. A model on another device keeps its layers as they are.
+    ``linear``. A model on another device keeps its layers as they are unless ``invariant``.
+    invariant: compute every fed position as a single-token step computes it (linear layers
+    row by row, attention query by query: :func:`packed_linear.set_rowwise`,
+    :func:`attention.set_per_query`), so that verify logits can equal single-token logits bit
+    for bit, at the cost of a verify pass that grows with its width. :meth:`verify_gap` measures
+    whether they do, with or without it.
     """
 
     backend = "torch"
@@ -163,11 +170,14 @@ class CausalLM:
     #: logits after a prefix fed apart need not equal a fresh prefill's bit for bit (tests/test_prefix_cache.py)
     capabilities = Capabilities(trees=True, features=True, batches=True, prefix_reuse=False)
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int, name: str = "model", packed: bool = True):
+    def __init__(self, model: torch.nn.Module, vocab_size: int, name: str = "model", packed: bool = True,
+                 invariant: bool = False):
         self.model = model
-        if next(model.parameters()).device.type == "cpu":  # elsewhere linear layers stay as they are
-            packed_linear.install(model)
+        if next(model.parameters()).device.type == "cpu" or invariant:  # else linear layers stay as they are
+            packed_linear.install(model)  # off the CPU a PackedLinear runs F.linear (row by row where invariant)
             packed_linear.set_enabled(model, packed)
+        packed_linear.set_rowwise(model, invariant)
+        attention.set_per_query(model, invariant)
         self.vocab_size = int(vocab_size)
         self.name = name
         self.config = model.config
@@ -215,6 +225,25 @@ class CausalLM:
         """What this backend's costs and numerics depend on: backend, dtype, attention kernel."""
         return {"backend": self.backend, "dtype": str(self.dtype),
                 "attention": getattr(self.config, "_attn_implementation", None)}
+
+    def verify_gap(self, widths: Iterable[int], parents: list[int] | None = None,
+                   prefix: int = GAP_PREFIX) -> tuple[float, int]:
+        """Batch invariance as this model's runs verify, in its dtype, with its packed weights,
+        attention and compiled path as they are now (:mod:`specgen.models.invariance`): chains of
+        each of ``widths`` tokens through :meth:`forward`, or, with ``parents``, :meth:`forward_tree`
+        over that tree and its level-ordered prefixes of ``width - 1`` nodes, its rows read as
+        rounds read them. -> (largest |logit| difference from single-token steps, tokens fed there)."""
+        if parents is None:
+            return worst(chain_gaps(self, widths, prefix))
+        sizes = [w - 1 for w in widths] + [len(parents)]
+        return worst(tree_gaps(self, parents, sizes, self._tree_rows, prefix))
+
+    def _tree_rows(self, out: TreeOutput, n: int) -> torch.Tensor:
+        """The [n + 1, vocab] rows of a tree forward as a round reads them: in one LM-head call off
+        the CPU (the engine's read_once), row by row on it."""
+        if self.device.type != "cpu":
+            return out.all_logits()
+        return torch.cat([out.logits(row) for row in range(n + 1)])
 
     def new_cache(self) -> KVCache:
         if self.compiled is not None:

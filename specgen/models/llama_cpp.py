@@ -26,6 +26,7 @@ import torch
 
 from specgen.errors import ConfigError, ModelLoadError
 from specgen.models.llama_batch import LlamaBatch, batch_gap
+from specgen.models.invariance import GAP_PREFIX, chain_gap_probe, worst
 from specgen.models.llama_context import BATCH_TOKENS, FLASH, LlamaContext, LlamaKV, available, library
 from specgen.models.llama_pool import ContextPool
 from specgen.models.target import Capabilities
@@ -37,8 +38,6 @@ BATCH_GAP_ROWS = 4
 #: Repacked weights are kept (llama_cpp.repack=auto) only where decodes of at least this many tokens
 #: give single-token logits: a verify of up to 7 drafts in one decode, prefills not cut too fine.
 REPACK_MIN_WIDTH = 8
-#: Tokens of the fixed prefix that the batch-invariance measurements feed first.
-GAP_PREFIX = 16
 #: The KV cells of a handle's context under llama_cpp.context=auto (fewer where the model was trained on fewer).
 AUTO_CONTEXT = 4096
 #: llama_cpp.flash_attention: llama.cpp's attention paths, or ``auto`` (off unless only on is batch invariant).
@@ -137,7 +136,7 @@ class LlamaCppLM:
     def _widest_invariant(self) -> int | None:
         """The widest decode of 2..BATCH_TOKENS tokens whose logits equal single-token decodes, by
         bisection (llama.cpp's CPU kernels switch paths above some width); None where 2 already differ."""
-        probe = self._gap_probe(GAP_PREFIX, BATCH_TOKENS)
+        probe = chain_gap_probe(self, GAP_PREFIX, BATCH_TOKENS)
 
         def invariant(width: int) -> bool:
             return self._gaps_after(GAP_PREFIX, [width], probe)[width] == 0.0
@@ -241,41 +240,26 @@ class LlamaCppLM:
             raise ValueError(f"that KV handle belongs to another model than {self.name}")
         return cache.context.forward_rows([cache], [ids], [keep], check=check)[0]
 
-    def verify_gap(self, widths, prefix: int = GAP_PREFIX) -> tuple[float, int]:
-        """Batch invariance: the largest |logit| difference between positions fed ``width`` at a time
-        and the same positions fed one by one, over ``widths`` and :attr:`decode_width` (the width
-        longer feeds are split into); -> (max difference, its width)."""
-        gaps = self._gaps_after(prefix, sorted({*widths, self.decode_width}))
-        at = max(gaps, key=lambda w: (gaps[w], -w))
-        return gaps[at], at
+    def verify_gap(self, widths, parents: list[int] | None = None, prefix: int = GAP_PREFIX) -> tuple[float, int]:
+        """Batch invariance (:mod:`specgen.models.invariance`): the largest |logit| difference between
+        positions fed ``width`` at a time and the same positions fed one by one, over ``widths`` and
+        :attr:`decode_width` (the width longer feeds are split into); -> (max difference, its width).
+        ``parents``: a tree, which this backend does not verify (ValueError)."""
+        if parents is not None:
+            raise ValueError("llama.cpp verifies chains, not trees")
+        return worst(self._gaps_after(prefix, sorted({*widths, self.decode_width})))
 
     def _gaps_after(self, prefix: int, widths: list[int], probe=None) -> dict[int, float]:
         """{width: max |logit| difference between ``width`` tokens fed together and one by one},
         after a fixed ``prefix``-token context (kept for the default prefix); ``probe``: a
-        :meth:`_gap_probe` of that prefix, long enough for every width, to measure with."""
+        :func:`~specgen.models.invariance.chain_gap_probe` of that prefix, long enough for every
+        width, to measure with."""
         memo = self._gaps if prefix == GAP_PREFIX else {}
         todo = [w for w in widths if w not in memo]
         if todo:
-            probe = probe or self._gap_probe(prefix, max(todo))
+            probe = probe or chain_gap_probe(self, prefix, max(todo))
             memo.update((width, probe(width)) for width in todo)
         return {w: memo[w] for w in widths}
-
-    def _gap_probe(self, prefix: int, length: int):
-        """-> gap(width) for width <= ``length``: on one KV handle, ``prefix`` fixed tokens are fed
-        once and ``length`` tokens after them one by one; gap feeds the first ``width`` of those
-        together after the prefix and compares. One handle throughout: where a sequence's cells
-        lie in the context's pool changes the logits too, which is not what is measured."""
-        tokens = [(7919 * i + 11) % self.vocab_size for i in range(prefix + length)]
-        cache = self.new_cache()
-        self.forward(cache, tokens[:prefix], keep=1)
-        alone = torch.cat([self.forward(cache, [t], keep=1) for t in tokens[prefix:]])  # [length, vocab]
-
-        def gap(width: int) -> float:
-            cache.crop(prefix)
-            together = self.forward(cache, tokens[prefix: prefix + width], keep=width)  # [width, vocab]
-            return float((together - alone[:width]).abs().max())
-
-        return gap
 
 
 def _has_amx_kernels(lib) -> bool:

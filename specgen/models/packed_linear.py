@@ -119,6 +119,8 @@ class PackedLinear(torch.nn.Linear):
     ``enabled`` switches the packed path off for this layer."""
 
     enabled: bool = True
+    #: Multiply one row at a time (:func:`set_rowwise`).
+    rowwise: bool = False
 
     @classmethod
     def of(cls, linear: torch.nn.Linear) -> PackedLinear:
@@ -143,6 +145,13 @@ class PackedLinear(torch.nn.Linear):
         return self._product(x)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rowwise and x.numel() > x.shape[-1]:  # each row as a single-token step multiplies it
+            flat = x.reshape(-1, x.shape[-1])  # [rows, in]
+            out = torch.cat([self._row_product(flat[i: i + 1]) for i in range(flat.shape[0])])  # [rows, out]
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+        return self._row_product(x)
+
+    def _row_product(self, x: torch.Tensor) -> torch.Tensor:
         out = packed_product(x, self.weight, self.bias, self.packed) if self.enabled else None
         return F.linear(x, self.weight, self.bias) if out is None else out
 
@@ -168,6 +177,15 @@ def set_enabled(model: torch.nn.Module, enabled: bool) -> None:
             module.enabled = bool(enabled)
             if not enabled:
                 module.packed.drop()
+
+
+def set_rowwise(model: torch.nn.Module, rowwise: bool) -> None:
+    """Make every :class:`PackedLinear` in ``model`` multiply a feed of several rows one row at a time
+    (``rowwise``), as a single-token step multiplies its row, so a row's output does not depend on the
+    rows fed with it (batch invariance, at the cost of reading the weights once per row), or not."""
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.rowwise = bool(rowwise)
 
 
 @contextmanager

@@ -17,6 +17,7 @@ combination a backend cannot serve is refused before loading
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -121,7 +122,8 @@ class Target(Protocol):
     logits of the last ``keep`` fed positions, [keep, vocab_size] float32, appending
     the fed tokens to ``cache``; ``check`` refuses NaN (NumericalError naming the
     model). For ``exact``/``greedy`` to hold, the logits of a position must not depend
-    on how many tokens were fed with it (measured per backend).
+    on how many tokens were fed with it: ``verify_gap`` measures that, and the build
+    declares ``exact``/``greedy`` only where it returns 0.0.
     """
 
     name: str
@@ -152,3 +154,11 @@ class Target(Protocol):
                 check: bool = True) -> torch.Tensor: ...
 
     def describe(self) -> dict: ...
+
+    def verify_gap(self, widths: Iterable[int], parents: list[int] | None = None) -> tuple[float, int]:
+        """Batch invariance as this target's runs verify (:mod:`specgen.models.invariance`): the
+        largest |logit| difference between positions fed together and the same positions fed one
+        token at a time, over chains of each of ``widths`` tokens, or, with ``parents``, tree
+        forwards over that tree and its level-ordered prefixes; -> (max difference, the tokens
+        fed where it occurs). 0.0 for ``exact``/``greedy``; a backend without trees refuses
+        ``parents`` (ValueError)."""

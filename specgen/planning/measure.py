@@ -45,6 +45,7 @@ from typing import Protocol
 
 import torch
 
+from specgen.models.invariance import probe_tokens
 from specgen.models.target import Target
 from specgen.planning.costs import BatchCostTable, CostTable
 from specgen.planning.fit import fit_forwards
@@ -133,6 +134,7 @@ def facts(subject: Subject, max_tokens: int = MAX_TOKENS) -> dict:
         "device": str(device), "hardware": hardware, "threads": torch.get_num_threads(),
         "torch": torch.__version__, "context": CONTEXT_TOKENS, "max_tokens": max_tokens,
         "compile": bool(config.get("compile", False)), "packed_weights": bool(config.get("packed_weights", True)),
+        "invariant_verify": bool(config.get("invariant_verify", False)),
         "unit": UNIT_METHOD,
     }
 
@@ -146,7 +148,7 @@ def calibration_context(subject: Subject, max_tokens: int) -> list[int]:
     """The fixed synthetic context every measurement runs on."""
     vocab = subject.vocab_size
     length = max(2, min(CONTEXT_TOKENS, subject.target.context_length - max_tokens - 2))
-    return [(7919 * i + 11) % vocab for i in range(length)]
+    return probe_tokens(vocab, length)
 
 
 def measure(subject: Subject, *, clock: Callable[[], float] | None = None, repeats: int = 2,

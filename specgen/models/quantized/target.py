@@ -17,12 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from specgen.errors import NumericalError
+from specgen.models.invariance import GAP_PREFIX, chain_gaps, worst
 from specgen.models.quantized.kernels import KERNELS
 from specgen.models.quantized.model import Feed, KVBuffers, LeanLlama
 from specgen.models.target import Capabilities, TokenCache
-
-#: Tokens of the fixed prefix :meth:`QuantizedLM.verify_gap` feeds first.
-GAP_PREFIX = 16
 
 
 @dataclass
@@ -119,24 +117,17 @@ class QuantizedLM:
             cache.tokens.extend(feed)
         return list(logits.split(list(keeps)))
 
-    def verify_gap(self, widths, prefix: int = GAP_PREFIX) -> tuple[float, int]:
-        """Batch invariance: the largest |logit| difference between positions fed ``width`` at a
-        time and the same positions fed one by one, over ``widths``; -> (max difference, its width).
-        Widths are measured once per process (for the default prefix)."""
+    def verify_gap(self, widths, parents: list[int] | None = None, prefix: int = GAP_PREFIX) -> tuple[float, int]:
+        """Batch invariance (:mod:`specgen.models.invariance`): the largest |logit| difference between
+        positions fed ``width`` at a time and the same positions fed one by one, over ``widths``;
+        -> (max difference, its width). Widths are measured once per process (for the default
+        prefix). ``parents``: a tree, which this target does not verify (ValueError)."""
+        if parents is not None:
+            raise ValueError("the quantized target verifies chains, not trees")
         widths = sorted({int(w) for w in widths})
         memo = self._gaps if prefix == GAP_PREFIX else {}
-        todo = [w for w in widths if w not in memo]
-        if todo:
-            tokens = [(7919 * i + 11) % self.vocab_size for i in range(prefix + max(todo))]
-            cache = self.new_cache()
-            self.forward(cache, tokens[:prefix], keep=1)
-            alone = torch.cat([self.forward(cache, [t], keep=1) for t in tokens[prefix:]])  # [max, vocab]
-            for width in todo:
-                cache.crop(prefix)
-                together = self.forward(cache, tokens[prefix:prefix + width], keep=width)  # [width, vocab]
-                memo[width] = float((together - alone[:width]).abs().max())
-        at = max(widths, key=lambda w: (memo[w], -w))
-        return memo[at], at
+        memo.update(chain_gaps(self, [w for w in widths if w not in memo], prefix))
+        return worst({w: memo[w] for w in widths})
 
 
 class QuantBatch:
