@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_pipeline
+from conftest import TINY, tiny_pipeline
 
 from specgen.errors import ConfigError, PromptError
 from specgen.events import FinishEvent
@@ -214,7 +214,7 @@ def test_jsonl_rows_and_the_override_put_logprobs_in_the_record(tmp_path):
 
     def run(*extra):
         out = tmp_path / f"out{len(extra)}.jsonl"
-        cfg = to_container(compose(["target=tiny", "threads=1", "dtype=float32", "drafter=tiny", "max_new_tokens=5",
+        cfg = to_container(compose([*TINY, "drafter=tiny", "max_new_tokens=5",
                                     "chat=false", f"prompt_file={rows}", f"output={out}", *extra]))
         try:
             cli.run(cfg, out=io.StringIO(), err=io.StringIO())

@@ -186,7 +186,7 @@ def test_a_missing_kernel_falls_back_to_float_linears_and_says_so(monkeypatch):
     pipe = _pipe("int8", drafter="ngram")
     words = pipe.target.describe()["dtype"]
     assert words.startswith("float32 linear (fallback: ") and "has no torch._weight_int8pack_mm" in words
-    assert str(pipe.guarantee).startswith("approximate: target on torch_quant (float32 linear (fallback")
+    assert str(pipe.guarantee).startswith("approximate: tiny on torch_quant (float32 linear (fallback")
 
 
 def test_a_layer_the_kernel_cannot_take_runs_float_and_is_named():
