@@ -75,9 +75,11 @@ class Batch:
     at most ``row_context`` tokens where the backend sizes rows, None: the target's context).
     Rows are added and removed only between steps, so a removed row is always at its last commit."""
 
-    def __init__(self, pipe, size: int, row_context: int | None = None):
+    def __init__(self, pipe, size: int, row_context: int | None = None, *, chunked_prefill: bool = True):
         self.pipe = pipe
         self.kv = batch_cache(pipe.target, size, row_context)
+        #: Long prompts are prefilled a chunk per step (see :func:`prefill_chunks`); False: whole, in one step.
+        self.chunked_prefill = chunked_prefill
         self.slots: list[Row | None] = [None] * size
         self.costs: BatchCostTable | None = None  # loaded when a row first plans with num_tokens="auto"
 
@@ -120,7 +122,7 @@ class Batch:
         its end is what counts, not its throughput; a server keeps False, each request's own
         latency counting)."""
         live = [(r, row) for r, row in enumerate(self.slots) if row is not None]
-        for r, events in step(self.kv, live, self.costs, draining):
+        for r, events in step(self.kv, live, self.costs, draining, self.chunked_prefill):
             row = self.slots[r]
             record(row.ctx.stats, events, row.start)
             for event in events:
@@ -180,12 +182,41 @@ def admit(pipe, kv: BatchKV, r: int, spec: RowSpec) -> Row:
     return Row(spec, request, ctx, time.perf_counter())
 
 
-def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None = None, draining: bool = False
-         ) -> list[tuple[int, list[TokenEvent]]]:
+def prefill_chunks(kv, live: list[tuple[int, Row]], budget: int = 0) -> dict[int, list[int]]:
+    """The rows of ``live`` still prefilling a long prompt, each with what it feeds this step.
+
+    A row whose uncached tokens span more than one chunk of ``kv.prefill_chunk`` tokens (the
+    width its backend splits a prompt's decodes at, from the prompt's first token) is
+    prefilling: it feeds the rest of its current chunk, no logits read, so its prompt's
+    decodes, its last chunk's included, are those of its solo run; it drafts and commits
+    nothing until what is left fits one chunk, then steps as any row (its last chunk with its
+    first logits). Rows prefill in admission order while ``budget`` tokens last (at least one
+    chunk a step); the others wait, feeding nothing. {} when the backend does not chunk
+    (``kv.prefill_chunk`` None)."""
+    chunk = getattr(kv, "prefill_chunk", None)
+    if not chunk:
+        return {}
+    out: dict[int, list[int]] = {}
+    left = max(chunk, budget)
+    for r, row in sorted(live, key=lambda pair: pair[1].start):
+        request = row.request
+        pending = request.target_cache.uncached(request.committed.tokens)
+        if len(pending) <= chunk:
+            continue
+        take = chunk - len(request.target_cache) % chunk  # to the end of the solo run's chunk
+        out[r] = pending[:take] if left >= take else []
+        left -= take if left >= take else 0
+    return out
+
+
+def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None = None, draining: bool = False,
+         chunked: bool = True) -> list[tuple[int, list[TokenEvent]]]:
     """One batched step over the ``live`` (row index, Row) pairs, as one transaction;
-    -> (row index, events) for each live row. costs: the batched cost table the auto rows
-    are planned with (None: a stand-in from their single-request table); draining: no
-    request waits for a row (see :func:`specgen.batch.plan.plan_rows`)."""
+    -> (row index, events) for each live row (none for a row still prefilling). costs: the
+    batched cost table the auto rows are planned with (None: a stand-in from their
+    single-request table); draining: no request waits for a row (see
+    :func:`specgen.batch.plan.plan_rows`); chunked: long prompts feed a chunk a step
+    (:func:`prefill_chunks`), else each whole in its row's first step."""
     feeds: list[list[int]] = [[] for _ in kv.rows]
     keeps = [0] * len(kv.rows)
     results: list[tuple[int, Row, object]] = []
@@ -196,6 +227,10 @@ def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None 
             row.ctx.clock.take_laps()
             if not len(row.request.target_cache) and kv.prefills_apart:  # a fresh row: its prompt apart
                 kv.prefill(r, row.request.committed.tokens[:-1])
+        prefilling = prefill_chunks(kv, live) if chunked else {}
+        for r, tokens in prefilling.items():
+            feeds[r] = tokens
+        live = [(r, row) for r, row in live if r not in prefilling]
         drafted = plan_rows(None if costs is None else costs.at(kv.width), live, draining)  # lengths chosen together
         for r, row in live:
             request = row.request
@@ -219,7 +254,7 @@ def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None 
             except DeadEndError:
                 row.request.finish_reason = "dead_end"
                 results.append((r, row, None))
-    out = []
+    out = [(r, []) for r in prefilling]
     for r, row, result in results:  # emit, once every row has committed
         if result is None:
             out.append((r, []))
