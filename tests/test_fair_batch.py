@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import TINY
+from test_llama_cpp_backend import _decodes
 
 import specgen
 from specgen.batch import Batch, BatchScheduler, prepare
@@ -37,15 +38,7 @@ def pipe(monkeypatch):
 @pytest.fixture
 def decodes(monkeypatch) -> list[list[tuple[int, int, int, bool]]]:
     """Every llama_decode's entries (sequence, token, position, logits wanted), as they happen."""
-    calls: list[list[tuple[int, int, int, bool]]] = []
-    real = llama_context.LlamaContext._decode
-
-    def recorded(self, entries):
-        calls.append(list(entries))
-        return real(self, entries)
-
-    monkeypatch.setattr(llama_context.LlamaContext, "_decode", recorded)
-    return calls
+    return _decodes(monkeypatch)
 
 
 def _spec(pipe, ids, index):
