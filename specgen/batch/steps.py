@@ -182,30 +182,27 @@ def admit(pipe, kv: BatchKV, r: int, spec: RowSpec) -> Row:
     return Row(spec, request, ctx, time.perf_counter())
 
 
-def prefill_chunks(kv, live: list[tuple[int, Row]], budget: int = 0) -> dict[int, list[int]]:
+def prefill_chunks(kv, live: list[tuple[int, Row]]) -> dict[int, list[int]]:
     """The rows of ``live`` still prefilling a long prompt, each with what it feeds this step.
 
     A row whose uncached tokens span more than one chunk of ``kv.prefill_chunk`` tokens (the
-    width its backend splits a prompt's decodes at, from the prompt's first token) is
-    prefilling: it feeds the rest of its current chunk, no logits read, so its prompt's
-    decodes, its last chunk's included, are those of its solo run; it drafts and commits
-    nothing until what is left fits one chunk, then steps as any row (its last chunk with its
-    first logits). Rows prefill in admission order while ``budget`` tokens last (at least one
-    chunk a step); the others wait, feeding nothing. {} when the backend does not chunk
-    (``kv.prefill_chunk`` None)."""
+    width its backend splits a prompt's decodes at, from the prompt's first token, on every
+    path) is prefilling: it feeds the rest of its current chunk, no logits read, so its
+    prompt's decodes, its last chunk's included, are those of its solo run; it drafts and
+    commits nothing until what is left fits one chunk, then steps as any row (its last chunk
+    with its first logits). One chunk a step in all: the row admitted first prefills, the
+    others wait, feeding nothing; the rows that are not prefilling decode in the same step.
+    {} when the backend does not chunk (``kv.prefill_chunk`` None)."""
     chunk = getattr(kv, "prefill_chunk", None)
     if not chunk:
         return {}
     out: dict[int, list[int]] = {}
-    left = max(chunk, budget)
     for r, row in sorted(live, key=lambda pair: pair[1].start):
         request = row.request
         pending = request.target_cache.uncached(request.committed.tokens)
-        if len(pending) <= chunk:
-            continue
-        take = chunk - len(request.target_cache) % chunk  # to the end of the solo run's chunk
-        out[r] = pending[:take] if left >= take else []
-        left -= take if left >= take else 0
+        if len(pending) > chunk:
+            take = chunk - len(request.target_cache) % chunk  # to the end of the solo run's chunk
+            out[r] = [] if out else pending[:take]
     return out
 
 
