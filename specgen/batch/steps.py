@@ -192,18 +192,23 @@ def prefill_chunks(kv, live: list[tuple[int, Row]]) -> dict[int, list[int]]:
     commits nothing until what is left fits one chunk, then steps as any row (its last chunk
     with its first logits). One chunk a step in all: the row admitted first prefills, the
     others wait, feeding nothing; the rows that are not prefilling decode in the same step.
-    {} when the backend does not chunk (``kv.prefill_chunk`` None)."""
+    In a step where a fresh row (nothing cached yet) takes its whole prompt, which fits a
+    chunk, every prefilling row waits, so the fresh row's first token costs its own prefill
+    and the other rows' decodes, not a chunk more. {} when the backend does not chunk
+    (``kv.prefill_chunk`` None)."""
     chunk = getattr(kv, "prefill_chunk", None)
     if not chunk:
         return {}
     out: dict[int, list[int]] = {}
+    fresh = False
     for r, row in sorted(live, key=lambda pair: pair[1].start):
         request = row.request
         pending = request.target_cache.uncached(request.committed.tokens)
         if len(pending) > chunk:
             take = chunk - len(request.target_cache) % chunk  # to the end of the solo run's chunk
             out[r] = [] if out else pending[:take]
-    return out
+        fresh |= len(pending) <= chunk and not len(request.target_cache)
+    return {r: [] for r in out} if fresh else out
 
 
 def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None = None, draining: bool = False,
