@@ -4,6 +4,8 @@ equal its solo run's. Latency is counted in decoded tokens and steps, never time
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from conftest import TINY
 from test_llama_cpp_backend import _decodes
@@ -54,19 +56,26 @@ def _run(pipe, decodes, chunked: bool):
     admitted = {0: (0, 0), 1: (0, 0)}  # index -> (step, tokens decoded so far)
     tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
     first: dict[int, tuple[int, int, int]] = {}
+    ttfts: dict[int, float] = {}
+    began: dict[int, float] = {}  # when the step that gave a row's first token began
     steps = 0
     while batch.active:
         if steps == 2:
             rows.append(batch.add(_spec(pipe, SHORT[1], 2)))
             admitted[2] = (steps, sum(map(len, decodes)))
+        before = time.perf_counter()
         for row, event in list(batch.step()):
             i = row.spec.index
+            if isinstance(event, FinishEvent):
+                ttfts[i] = event.generation.stats.ttft
             if isinstance(event, TokenEvent):
                 tokens[i].append(event.token_id)
                 if i not in first:
+                    began[i] = before
                     step0, fed0 = admitted[i]
                     first[i] = (sum(map(len, decodes)) - fed0, steps + 1 - step0, len(rows[0].request.target_cache))
         steps += 1
+    assert ttfts[0] > began[0] - rows[0].start  # the long row's TTFT: its first token's step, not a prefill step
     return tokens, first
 
 

@@ -124,7 +124,8 @@ class Batch:
         live = [(r, row) for r, row in enumerate(self.slots) if row is not None]
         for r, events in step(self.kv, live, self.costs, draining, self.chunked_prefill):
             row = self.slots[r]
-            record(row.ctx.stats, events, row.start)
+            if events or row.request.finish_reason is not None:  # not a step that only prefilled
+                record(row.ctx.stats, events, row.start)
             for event in events:
                 yield row, event
             if row.request.finish_reason is not None:
