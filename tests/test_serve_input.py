@@ -200,3 +200,27 @@ def test_flags_get_the_override_to_write(args, hint):
     with pytest.raises(ConfigError, match="unrecognized arguments") as info:
         check_command_line(args, "serve")
     assert hint in str(info.value) and "--cfg job" not in str(info.value)
+
+
+def test_the_longest_token_is_known_only_where_no_character_can_be_dropped():
+    """A byte-level tokenizer's longest token bounds a text's tokens from below; a normalizer, a
+    whitespace pre-tokenizer or a split that removes its pattern may drop characters: unknown."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    from specgen.models.tokenizer import TokenizerInfo
+
+    pre, norm = tokenizers.pre_tokenizers, tokenizers.normalizers
+
+    def longest(pre_tokenizer, normalizer=None):
+        tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "bb": 1, "ccc": 2, "?": 3}, unk_token="?"))
+        tok.pre_tokenizer = pre_tokenizer
+        if normalizer is not None:
+            tok.normalizer = normalizer
+        return TokenizerInfo(PreTrainedTokenizerFast(tokenizer_object=tok)).longest_token_chars
+
+    assert longest(pre.ByteLevel(add_prefix_space=False)) == 3
+    assert longest(pre.Sequence([pre.Digits(), pre.ByteLevel()])) == 3
+    assert longest(pre.Whitespace()) is None
+    assert longest(pre.Split(" ", behavior="removed")) is None
+    assert longest(pre.ByteLevel(), norm.Lowercase()) is None
