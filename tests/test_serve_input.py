@@ -89,7 +89,7 @@ def test_a_body_nested_too_deeply_is_400_not_500(app):
      "messages[0] has the role 'wizard'; a role is one of system, user, assistant"),
     ({"messages": [{"role": "user", "content": ""}]}, "/v1/chat/completions", "messages has no user message with text"),
     ({"prompt": "  \n"}, "/v1/completions", "prompt holds only whitespace"),
-    ({"prompt": "a" * 3000}, "/v1/completions", "the prompt has 3000 tokens"),  # under the body limit: tokenised
+    ({"prompt": "a" * 3000}, "/v1/completions", "the prompt has 3,000 characters, so at least 3,000 tokens"),  # under the body limit: refused untokenised
     # a lone surrogate has no UTF-8 form: a real tokenizer raised TypeError, answered with a 500
     ({"prompt": "hi \ud800"}, "/v1/completions", "prompt is not valid Unicode text: a lone surrogate U+D800 at "
                                                   "character 3"),
@@ -126,6 +126,39 @@ def test_a_prompt_too_big_for_the_context_is_400_before_tokenising(monkeypatch):
     status, body, _ = call(app, [json.dumps({"model": "tiny", "prompt": prompt}).encode()])
     assert status == 400 and body["error"]["param"] == "prompt"
     assert body["error"]["message"].startswith("prompt is 131,073 characters; a prompt for this model's 512-token")
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_prompts_too_long_for_the_context_never_reach_the_scheduler(known, monkeypatch):
+    """64 prompts under the size bound but with more characters than the context has tokens (the tiny
+    tokenizer's tokens are one character each) are refused on the event loop, untokenised; a small
+    request after them is the scheduler's only job and its only tokenisation. Control (the tokenizer's
+    longest token not known): each refusal is made on the scheduler thread after tokenising the prompt,
+    64 tokenisations ahead of the small request's."""
+    from specgen.models.tokenizer import TokenizerInfo
+
+    if not known:
+        monkeypatch.setattr(TokenizerInfo, "longest_token_chars", None)
+    encoded: list[int] = []
+    real_encode = TokenizerInfo.encode_prompt
+    monkeypatch.setattr(TokenizerInfo, "encode_prompt",
+                        lambda self, prompt, **k: encoded.append(len(prompt)) or real_encode(self, prompt, **k))
+    app = create_app(tiny_pipeline("drafter.num_tokens=3", "max_new_tokens=2"))
+    scheduler = app.state.server.scheduler
+    jobs: list[object] = []
+    real_submit = scheduler.submit
+    monkeypatch.setattr(scheduler, "submit", lambda job: jobs.append(job) or real_submit(job))
+    try:
+        for i in range(64):
+            status, body, _ = call(app, [json.dumps({"model": "tiny", "prompt": "ab " * 700 + str(i)}).encode()])
+            assert status == 400, body
+            assert ("so at least 2,10" in body["error"]["message"]) is known, body
+        status, body, _ = call(app, [json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 2}).encode()])
+    finally:
+        scheduler.close()
+    assert status == 200, body
+    assert (len(jobs), encoded[-1]) == ((1, 5) if known else (65, 5))
+    assert len(encoded) == (1 if known else 65)
 
 
 def test_a_real_client_sees_the_413(app):
@@ -205,3 +238,27 @@ def test_a_template_that_reads_the_name_renders_it():
     info = TokenizerInfo(hf)
     ids = info.encode_prompt([{"role": "user", "content": "hi", "name": "ann"}], chat=True)
     assert hf.convert_ids_to_tokens(ids) == ["user", "ann", ":", "hi", "|", "assistant", ":"]
+
+
+def test_the_longest_token_is_known_only_where_no_character_can_be_dropped():
+    """A byte-level tokenizer's longest token bounds a text's tokens from below; a normalizer, a
+    whitespace pre-tokenizer or a split that removes its pattern may drop characters: unknown."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    from specgen.models.tokenizer import TokenizerInfo
+
+    pre, norm = tokenizers.pre_tokenizers, tokenizers.normalizers
+
+    def longest(pre_tokenizer, normalizer=None):
+        tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "bb": 1, "ccc": 2, "?": 3}, unk_token="?"))
+        tok.pre_tokenizer = pre_tokenizer
+        if normalizer is not None:
+            tok.normalizer = normalizer
+        return TokenizerInfo(PreTrainedTokenizerFast(tokenizer_object=tok)).longest_token_chars
+
+    assert longest(pre.ByteLevel(add_prefix_space=False)) == 3
+    assert longest(pre.Sequence([pre.Digits(), pre.ByteLevel()])) == 3
+    assert longest(pre.Whitespace()) is None
+    assert longest(pre.Split(" ", behavior="removed")) is None
+    assert longest(pre.ByteLevel(), norm.Lowercase()) is None

@@ -44,6 +44,9 @@ class BatchKV:
     shares_width = True
     #: A fresh row's prompt goes in a forward of its own (:meth:`prefill`) before its first step.
     prefills_apart = True
+    #: Prompts are not chunked across steps (:func:`specgen.batch.steps.prefill_chunks`): a chunked
+    #: prefill here would compute its keys/values in other shapes than a solo run's one forward.
+    prefill_chunk = None
 
     def __init__(self, lm: CausalLM, size: int):
         self.lm = lm

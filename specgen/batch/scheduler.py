@@ -79,14 +79,18 @@ class BatchScheduler:
 
     variants: maps a request's ``variant`` key to a pipeline sharing ``pipe``'s models
     (its processor stack and guarantee then plan the row); called on the scheduler thread.
+    chunked_prefill: a long prompt is prefilled a chunk per step while the other rows go on
+    decoding, where the backend chunks prompts (:func:`specgen.batch.steps.prefill_chunks`);
+    False: whole, in its row's first step (every other row waits for it).
     """
 
-    def __init__(self, pipe, batch_size: int = 8, *, variants: Callable[[Hashable], object] | None = None):
+    def __init__(self, pipe, batch_size: int = 8, *, variants: Callable[[Hashable], object] | None = None,
+                 chunked_prefill: bool = True):
         why = unbatched_reason(pipe)
         if why:
             raise ConfigError(f"the batch scheduler cannot run this pipeline: {why}")
         self.pipe, self.variants = pipe, variants
-        self.batch = Batch(pipe, parse_batch_size(batch_size))
+        self.batch = Batch(pipe, parse_batch_size(batch_size), chunked_prefill=chunked_prefill)
         self._waiting: queue.SimpleQueue[Handle | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None

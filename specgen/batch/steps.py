@@ -75,9 +75,11 @@ class Batch:
     at most ``row_context`` tokens where the backend sizes rows, None: the target's context).
     Rows are added and removed only between steps, so a removed row is always at its last commit."""
 
-    def __init__(self, pipe, size: int, row_context: int | None = None):
+    def __init__(self, pipe, size: int, row_context: int | None = None, *, chunked_prefill: bool = True):
         self.pipe = pipe
         self.kv = batch_cache(pipe.target, size, row_context)
+        #: Long prompts are prefilled a chunk per step (see :func:`prefill_chunks`); False: whole, in one step.
+        self.chunked_prefill = chunked_prefill
         self.slots: list[Row | None] = [None] * size
         self.costs: BatchCostTable | None = None  # loaded when a row first plans with num_tokens="auto"
 
@@ -124,9 +126,10 @@ class Batch:
             if row.request.finish_reason is not None:  # ended when admitted (echo with max_new_tokens=0)
                 self.remove(row)
                 yield row, finish(row.request, row.spec, row.ctx.stats, row.start)
-        for r, events in step(self.kv, live, self.costs, draining) if live else ():
+        for r, events in step(self.kv, live, self.costs, draining, self.chunked_prefill) if live else ():
             row = self.slots[r]
-            record(row.ctx.stats, events, row.start)
+            if events or row.request.finish_reason is not None:  # not a step that only prefilled
+                record(row.ctx.stats, events, row.start)
             for event in events:
                 yield row, event
             if row.request.finish_reason is not None:
@@ -184,12 +187,43 @@ def admit(pipe, kv: BatchKV, r: int, spec: RowSpec) -> Row:
     return Row(spec, request, ctx, time.perf_counter())
 
 
-def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None = None, draining: bool = False
-         ) -> list[tuple[int, list[TokenEvent]]]:
+def prefill_chunks(kv, live: list[tuple[int, Row]]) -> dict[int, list[int]]:
+    """The rows of ``live`` still prefilling a long prompt, each with what it feeds this step.
+
+    A row whose uncached tokens span more than one chunk of ``kv.prefill_chunk`` tokens (the
+    width its backend splits a prompt's decodes at, from the prompt's first token, on every
+    path) is prefilling: it feeds the rest of its current chunk, no logits read, so its
+    prompt's decodes, its last chunk's included, are those of its solo run; it drafts and
+    commits nothing until what is left fits one chunk, then steps as any row (its last chunk
+    with its first logits). One chunk a step in all: the row admitted first prefills, the
+    others wait, feeding nothing; the rows that are not prefilling decode in the same step.
+    In a step where a fresh row (nothing cached yet) takes its whole prompt, which fits a
+    chunk, every prefilling row waits, so the fresh row's first token costs its own prefill
+    and the other rows' decodes, not a chunk more. {} when the backend does not chunk
+    (``kv.prefill_chunk`` None)."""
+    chunk = getattr(kv, "prefill_chunk", None)
+    if not chunk:
+        return {}
+    out: dict[int, list[int]] = {}
+    fresh = False
+    for r, row in sorted(live, key=lambda pair: pair[1].start):
+        request = row.request
+        pending = request.target_cache.uncached(request.committed.tokens)
+        if len(pending) > chunk:
+            take = chunk - len(request.target_cache) % chunk  # to the end of the solo run's chunk
+            out[r] = [] if out else pending[:take]
+        fresh |= len(pending) <= chunk and not len(request.target_cache)
+    return {r: [] for r in out} if fresh else out
+
+
+def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None = None, draining: bool = False,
+         chunked: bool = True) -> list[tuple[int, list[TokenEvent]]]:
     """One batched step over the ``live`` (row index, Row) pairs, as one transaction;
-    -> (row index, events) for each live row. costs: the batched cost table the auto rows
-    are planned with (None: a stand-in from their single-request table); draining: no
-    request waits for a row (see :func:`specgen.batch.plan.plan_rows`)."""
+    -> (row index, events) for each live row (none for a row still prefilling). costs: the
+    batched cost table the auto rows are planned with (None: a stand-in from their
+    single-request table); draining: no request waits for a row (see
+    :func:`specgen.batch.plan.plan_rows`); chunked: long prompts feed a chunk a step
+    (:func:`prefill_chunks`), else each whole in its row's first step."""
     feeds: list[list[int]] = [[] for _ in kv.rows]
     keeps = [0] * len(kv.rows)
     results: list[tuple[int, Row, object]] = []
@@ -200,6 +234,10 @@ def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None 
             row.ctx.clock.take_laps()
             if not len(row.request.target_cache) and kv.prefills_apart:  # a fresh row: its prompt apart
                 kv.prefill(r, row.request.committed.tokens[:-1])
+        prefilling = prefill_chunks(kv, live) if chunked else {}
+        for r, tokens in prefilling.items():
+            feeds[r] = tokens
+        live = [(r, row) for r, row in live if r not in prefilling]
         drafted = plan_rows(None if costs is None else costs.at(kv.width), live, draining)  # lengths chosen together
         for r, row in live:
             request = row.request
@@ -223,7 +261,7 @@ def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None 
             except DeadEndError:
                 row.request.finish_reason = "dead_end"
                 results.append((r, row, None))
-    out = []
+    out = [(r, []) for r in prefilling]
     for r, row, result in results:  # emit, once every row has committed
         if result is None:
             out.append((r, []))

@@ -82,6 +82,12 @@ class LlamaBatch:
         self.rows.extend(context.new_handle() for _ in range(rows - len(self.rows)))
 
     @property
+    def prefill_chunk(self) -> int:
+        """The width a row's prompt is split at, from its first token, whatever feeds it (a solo run
+        included): a prompt fed in chunks ending on these splits is decoded as it is alone."""
+        return self.context.prefill_tokens
+
+    @property
     def width(self) -> int:
         return max((len(row) for row in self.rows), default=0)
 

@@ -24,6 +24,8 @@ class TinyTokenizer:
     """
 
     eos_token = "</s>"
+    #: Each character of a text is one token (see :attr:`specgen.models.tokenizer.TokenizerInfo.longest_token_chars`).
+    longest_token_chars = 1
 
     def __init__(self, vocab_size: int):
         if not 2 <= vocab_size <= len(ALPHABET) + 1:

@@ -6,6 +6,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable, Sequence
+from functools import cached_property
 
 from specgen.errors import PromptError
 
@@ -44,6 +45,24 @@ class TokenizerInfo:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", True)
         self._backend = backend if backend is not None and not cleans_up else None
+
+    @cached_property
+    def longest_token_chars(self) -> int | None:
+        """The most characters of a text one token of an encoding stands for, so a text of n
+        characters has at least n / longest_token_chars tokens; None when that is not known: the
+        tokenizer may drop characters before it splits them (a normalizer, a whitespace-dropping
+        pre-tokenizer, special tokens that strip their neighbours' whitespace). Known for fast
+        tokenizers without those (the longest text of one token, each decoded alone) and for
+        tokenizers that declare it (``longest_token_chars``)."""
+        declared = getattr(self.tokenizer, "longest_token_chars", None)
+        if declared is not None:
+            return int(declared)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or backend.normalizer is not None or _drops_text(backend.pre_tokenizer):
+            return None
+        if any(t.lstrip or t.rstrip for t in getattr(self.tokenizer, "added_tokens_decoder", {}).values()):
+            return None
+        return max(len(backend.decode([i], skip_special_tokens=False)) for i in range(self.vocab_size))
 
     @property
     def has_chat_template(self) -> bool:
@@ -112,3 +131,12 @@ class TokenizerInfo:
         if mine_special != theirs_special:
             return f"special tokens differ ({mine_special} vs {theirs_special})"
         return None
+
+
+def _drops_text(pre_tokenizer) -> bool:
+    """Whether a tokenizers pre-tokenizer may drop characters (whitespace splitting, a split that removes
+    its pattern) instead of only cutting the text into pieces."""
+    if pre_tokenizer is None:
+        return False
+    spec = json.dumps(json.loads(pre_tokenizer.__getstate__()))
+    return any(word in spec for word in ('"Whitespace', '"WhitespaceSplit', '"BertPreTokenizer', '"Removed"'))

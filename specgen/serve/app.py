@@ -95,6 +95,20 @@ async def _read_json(request: Request, limit: int) -> object:
         raise APIError(400, "the request body nests JSON arrays or objects too deeply to parse") from None
 
 
+def _too_many_tokens(prompt: str | list[dict], longest: int | None, context_length: int, name: str) -> None:
+    """APIError 400 when ``prompt`` has so many characters that, at ``longest`` characters a token at
+    most, it cannot fit the context (the engine would refuse it only after tokenising it); only
+    lengths are read. None: the tokenizer's longest token is not known, nothing is refused here."""
+    if longest is None:
+        return
+    chars = len(prompt.strip()) if isinstance(prompt, str) else sum(len(m["content"].strip()) for m in prompt)
+    fewest = -(-chars // longest)
+    if fewest >= context_length:
+        raise APIError(400, f"the {name} has {chars:,} characters, so at least {fewest:,} tokens (this tokenizer's "
+                            f"tokens span at most {longest} character{'s' if longest != 1 else ''}); the model's context is {context_length:,} "
+                            "tokens; shorten it", param=name)
+
+
 class Server:
     """Routes, the scheduler that owns the pipeline, and the metrics."""
 
@@ -103,6 +117,7 @@ class Server:
         self.model = model or served_model_name(pipe)
         self.max_request_bytes = max_request_bytes
         self.context_length = pipe.target.context_length
+        self.longest_token_chars = pipe.tokenizer.longest_token_chars  # read once: a pass over the vocabulary
         self.scheduler = scheduler or make_scheduler(pipe, batch_size)
         self.metrics = Metrics(self.model, pipe.guarantee)
         self.use_template = uses_template(pipe)
@@ -173,7 +188,9 @@ class Server:
 
     async def _parse(self, request: Request, kind: str) -> GenRequest:
         """The checked request (APIError otherwise), its prompt refused by its size alone when it
-        cannot fit the context (:func:`~specgen.options.check_prompt_size`)."""
+        cannot fit the context (:func:`~specgen.options.check_prompt_size`, then by the tokenizer's
+        longest token, :func:`_too_many_tokens`): such a prompt never reaches the scheduler, whose
+        thread would tokenise it between batched steps."""
         body = await _read_json(request, self.max_request_bytes)
         if kind == "chat":
             req = protocol.parse_chat(body, self.model, use_template=self.use_template)
@@ -184,6 +201,8 @@ class Server:
                 check_prompt_size(req.prompt, self.context_length, "messages" if kind == "chat" else "prompt")
             except SpecgenError as exc:
                 raise APIError(400, str(exc), param="messages" if kind == "chat" else "prompt") from None
+            _too_many_tokens(req.prompt, self.longest_token_chars, self.context_length,
+                             "messages" if kind == "chat" else "prompt")
         return req
 
     async def _next(self, request: Request, items: asyncio.Queue) -> object:

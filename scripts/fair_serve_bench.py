@@ -1,0 +1,127 @@
+"""Short requests' time to first token beside a long prompt's prefill, on the online batch (BatchScheduler).
+
+Usage: python scripts/fair_serve_bench.py [--long-tokens 3000] [--shorts 3] [--trials 5] [--gap 0.05]
+       [--threads 2] [--prefill-tokens N] [overrides ...]
+
+Three arms on one pipeline (the default model unless overrides say otherwise), interleaved trial by
+trial in one process:
+
+* solo: a short request alone on an idle scheduler;
+* chunked: a ``--long-tokens`` prompt is submitted, then ``--shorts`` short requests ``--gap`` seconds
+  apart while it prefills (a chunk per step, :func:`specgen.batch.steps.prefill_chunks`);
+* whole: the same with ``chunked_prefill=False`` (the long prompt prefilled in one step).
+
+Prints p50 / p99 TTFT (submission to first token) of each arm's short requests, their ratio to
+solo's p50, and whether every short and long output equals its solo run token for token.
+--prefill-tokens sets llama_context.PREFILL_TOKENS (the width a prompt's decodes are split at,
+solo and batched alike) before the model loads. Wall-clock numbers depend on machine load:
+report the load with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+import specgen
+from specgen.batch import BatchScheduler
+from specgen.events import FinishEvent, TokenEvent
+from specgen.models import llama_context
+
+SHORT = ["Name three colours.", "What is two plus two?", "Say hello in French.", "Give one word for happy."]
+
+
+class Timed:
+    """A request's submission time, first-token time and tokens (filled on the scheduler's thread)."""
+
+    def __init__(self):
+        self.sent = time.perf_counter()
+        self.first: float | None = None
+        self.tokens: list[int] = []
+        self.done = threading.Event()
+
+    def __call__(self, item) -> None:
+        if isinstance(item, TokenEvent):
+            if self.first is None:
+                self.first = time.perf_counter()
+            self.tokens.append(item.token_id)
+        elif isinstance(item, FinishEvent) or isinstance(item, BaseException) or item is not None:
+            self.done.set()
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.sent
+
+
+def _submit(scheduler: BatchScheduler, max_new: int, **request) -> Timed:
+    timed = Timed()
+    scheduler.submit(callback=timed, max_new_tokens=max_new, **request)
+    return timed
+
+
+def trial(scheduler: BatchScheduler, long_ids: list[int] | None, shorts: list[str], gap: float,
+          long_new: int) -> tuple[list[Timed], Timed | None]:
+    """The long prompt (if any), then each short ``gap`` seconds after the previous; waits for all."""
+    long = _submit(scheduler, long_new, prompt_ids=long_ids) if long_ids else None
+    out = []
+    for prompt in shorts:
+        time.sleep(gap)
+        out.append(_submit(scheduler, 4, prompt=prompt))
+    for timed in [*out, *([long] if long else [])]:
+        timed.done.wait()
+    return out, long
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--long-tokens", type=int, default=3000)
+    parser.add_argument("--shorts", type=int, default=3)
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--gap", type=float, default=0.05, help="seconds between submissions")
+    parser.add_argument("--threads", default="2")
+    parser.add_argument("--prefill-tokens", type=int, default=None)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    if args.prefill_tokens:
+        llama_context.PREFILL_TOKENS = args.prefill_tokens
+    pipe = specgen.pipeline(f"threads={args.threads}", "drafter=none", *args.overrides, progress=False)
+    text = " ".join(f"item {i}: the quick brown fox jumps over the lazy dog." for i in range(args.long_tokens))
+    long_ids = pipe.encode(text, chat=False)[: args.long_tokens]
+    shorts = (SHORT * args.shorts)[: args.shorts]
+    arms = {"chunked": BatchScheduler(pipe, 8), "whole": BatchScheduler(pipe, 8, chunked_prefill=False)}
+    ttft: dict[str, list[float]] = {"solo": [], "chunked": [], "whole": []}
+    solo_tokens = {p: pipe.generate(p, max_new_tokens=4).token_ids for p in shorts}
+    long_solo = pipe.generate(prompt_ids=long_ids, max_new_tokens=8).token_ids
+    same = True
+    try:
+        for _ in range(args.trials):
+            for prompt in shorts:  # solo: one short at a time on an idle scheduler
+                timed, _ = trial(arms["chunked"], None, [prompt], 0.0, 8)
+                ttft["solo"].append(timed[0].ttft)
+            for name in ("chunked", "whole"):
+                timed, long = trial(arms[name], long_ids, shorts, args.gap, 8)
+                ttft[name].extend(t.ttft for t in timed)
+                same &= all(t.tokens == solo_tokens[p] for t, p in zip(timed, shorts, strict=True))
+                same &= long.tokens == long_solo
+    finally:
+        for scheduler in arms.values():
+            scheduler.close()
+    base = statistics.median(ttft["solo"])
+    print(f"model {pipe.config['target'].get('name')}  long prompt {len(long_ids)} tokens  "
+          f"prefill split {llama_context.PREFILL_TOKENS}  shorts/trial {len(shorts)}  trials {args.trials}")
+    for name, values in ttft.items():
+        p50, p99 = statistics.median(values), percentile(values, 0.99)
+        print(f"{name:8s} n={len(values):3d}  p50 {p50 * 1e3:8.1f} ms  p99 {p99 * 1e3:8.1f} ms  "
+              f"p99/solo p50 {p99 / base:6.2f}x")
+    print(f"every output equals its solo run: {same}")
+
+
+if __name__ == "__main__":
+    main()
