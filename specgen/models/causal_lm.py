@@ -65,13 +65,9 @@ class KVCache(TokenCache):
 
     def held_bytes(self) -> int:
         """Bytes of the storages behind every layer's keys and values (a growing layer's spare room included)."""
-        storages = {}
-        for layer in self.cache.layers:
-            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if isinstance(tensor, torch.Tensor):
-                    storage = tensor.untyped_storage()
-                    storages[storage.data_ptr()] = storage.nbytes()
-        return sum(storages.values())
+        tensors = (getattr(layer, name, None) for layer in self.cache.layers for name in ("keys", "values"))
+        storages = (t.untyped_storage() for t in tensors if isinstance(t, torch.Tensor))
+        return sum({storage.data_ptr(): storage.nbytes() for storage in storages}.values())
 
 
 def select_features(hidden_states: tuple[torch.Tensor, ...], layers: list[int]) -> torch.Tensor:
@@ -228,19 +224,17 @@ class CausalLM:
 
     def verify_gap(self, widths: Iterable[int], parents: list[int] | None = None,
                    prefix: int = GAP_PREFIX) -> tuple[float, int]:
-        """Batch invariance as this model's runs verify, in its dtype, with its packed weights,
-        attention and compiled path as they are now (:mod:`specgen.models.invariance`): chains of
-        each of ``widths`` tokens through :meth:`forward`, or, with ``parents``, :meth:`forward_tree`
-        over that tree and its level-ordered prefixes of ``width - 1`` nodes, its rows read as
-        rounds read them. -> (largest |logit| difference from single-token steps, tokens fed there)."""
+        """Batch invariance as this model's runs verify (dtype, packed weights, attention, compiled path as
+        they are now; :mod:`specgen.models.invariance`): chains of each of ``widths`` tokens, or, with
+        ``parents``, :meth:`forward_tree` over that tree and its level-ordered prefixes of ``width - 1``
+        nodes, rows read as rounds read them. -> (largest |logit| gap to single-token steps, tokens fed)."""
         if parents is None:
             return worst(chain_gaps(self, widths, prefix))
         sizes = [w - 1 for w in widths] + [len(parents)]
         return worst(tree_gaps(self, parents, sizes, self._tree_rows, prefix))
 
     def _tree_rows(self, out: TreeOutput, n: int) -> torch.Tensor:
-        """The [n + 1, vocab] rows of a tree forward as a round reads them: in one LM-head call off
-        the CPU (the engine's read_once), row by row on it."""
+        """[n + 1, vocab] rows of a tree forward as rounds read them: one LM-head call off the CPU, row by row on it."""
         if self.device.type != "cpu":
             return out.all_logits()
         return torch.cat([out.logits(row) for row in range(n + 1)])
