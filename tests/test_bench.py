@@ -409,3 +409,17 @@ def test_costs_only_prints_the_cost_table():
     out = io.StringIO()
     result = run_bench(cfg, out=out, err=io.StringIO())
     assert "v(n) chain" in out.getvalue() and result.rows == [] and result.out_dir is None
+
+
+def test_bench_arms_prefill_from_scratch():
+    """Arms run the same prompts in turn: with the prefix cache on, every arm after the first would
+    start from the earlier arm's prompt KV, a prefill the baselines pay in full. Control: the config
+    the bench starts from has the cache on (int8: a path where the cache serves)."""
+    from specgen.bench.runner import build_variant
+
+    cfg = compose_bench([*TINY, "dtype=int8", "drafter=ngram", "bench.out_dir=null"])
+    assert cfg.prefix_cache.entries > 0
+    settings = Settings.from_config(dict(cfg["bench"]))
+    pipe = build_variant(cfg, 0.0, settings, progress=False)
+    assert not pipe.prefix_cache.enabled
+    assert cfg.prefix_cache.entries > 0  # the caller's config is left as it was

@@ -109,11 +109,14 @@ def hf_spec_method(pipe) -> str | None:
 
 
 def build_variant(cfg: DictConfig, temperature: float, settings: Settings, progress: bool):
-    """The pipeline for one temperature (EOS masked until max_new_tokens when ignore_eos)."""
+    """The pipeline for one temperature (EOS masked until max_new_tokens when ignore_eos), with its
+    prefix cache off: arms run the same prompts in turn, and a cached prompt would give every arm
+    after the first a prefill the baselines pay in full."""
     from specgen.build import build_pipeline
 
     variant = copy.deepcopy(cfg)
     OmegaConf.update(variant, "sampling.temperature", float(temperature))
+    OmegaConf.update(variant, "prefix_cache.entries", 0, force_add=True)
     if settings.ignore_eos:
         OmegaConf.update(variant, "sampling.min_new_tokens", settings.max_new_tokens)
     return build_pipeline(variant, progress=progress)
