@@ -15,7 +15,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import specgen
 from specgen.errors import ConfigError
 from specgen.models import load_model, load_quantized
-from specgen.models.quantized import QuantizedLM, choose_kernels, kernels, model
+from specgen.models.quantized import QuantizedLM, calibrate, choose_kernels, kernels, model
 from specgen.models.target import Target
 from specgen.sampling import rejection
 
@@ -80,15 +80,55 @@ def test_the_lean_forward_computes_the_transformers_model(quant, tolerance):
     assert (got - expected).abs().max() < tolerance
 
 
-def test_qwen2_biases_are_served():
+CALIBRATION_IDS = [(5 * i + 3) % 16 for i in range(40)]  # not the ids the tests below score
+
+
+def _qwen2_with_biases():
     config = Qwen2Config(vocab_size=16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     torch.manual_seed(0)
     hf = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():
         for layer in hf.model.layers:
-            layer.self_attn.q_proj.bias.normal_()
-            layer.self_attn.k_proj.bias.normal_()
+            for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                linear.bias.normal_()
+    return hf
+
+
+def _logit_error(hf, lm, ids=(1, 5, 2, 9, 3, 3, 7, 1, 12, 4)) -> float:
+    with torch.inference_mode():
+        expected = hf(torch.tensor([list(ids)])).logits[0]  # [n, vocab]
+    return float((lm.forward(lm.new_cache(), list(ids), keep=len(ids)) - expected).abs().max())
+
+
+@pytest.mark.parametrize("build", [_float_model, _qwen2_with_biases])
+@pytest.mark.parametrize("alpha", [0.5, 0.8])
+def test_smoothing_folds_leave_the_float_forward_unchanged(build, alpha):
+    """The factors folded into the norms, v_proj (with its bias) and up_proj cancel in exact arithmetic:
+    on float linears the smoothed forward computes the transformers model; the factors are far from 1
+    (else the test would pass without folding anything)."""
+    hf = build()
+    lm = QuantizedLM(hf, 16, kind="float", head_kind="float", smoothing=calibrate(hf, CALIBRATION_IDS, alpha))
+    assert (lm.net.layers[0].attention_norm - hf.model.layers[0].input_layernorm.weight).abs().max() > 0.1
+    assert _logit_error(hf, lm) < 1e-4
+
+
+def test_smoothing_recovers_w8a8_from_outlier_channels():
+    """Two input channels 30x larger than the rest (as trained models have) crush w8a8's per-row
+    activation scale; the calibrated factors move that range into the weights."""
+    hf = _float_model()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.input_layernorm.weight[:2] *= 30
+            layer.post_attention_layernorm.weight[:2] *= 30
+    plain = _logit_error(hf, QuantizedLM(hf, 16, kind="w8a8", head_kind="w8a8"))
+    smoothed = _logit_error(hf, QuantizedLM(hf, 16, kind="w8a8", head_kind="w8a8",
+                                            smoothing=calibrate(hf, CALIBRATION_IDS)))
+    assert smoothed < 0.5 * plain
+
+
+def test_qwen2_biases_are_served():
+    hf = _qwen2_with_biases()
     assert model.architecture_problem(hf) is None
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     with torch.inference_mode():
