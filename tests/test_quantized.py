@@ -113,6 +113,15 @@ def test_smoothing_folds_leave_the_float_forward_unchanged(build, alpha):
     assert _logit_error(hf, lm) < 1e-4
 
 
+def test_smoothing_skips_weight_only_layers_and_folds_into_a_w8a8_head():
+    """int4/int8 layers keep their own grids (a GGUF's Q4_1 blocks map onto int4's): no factors there."""
+    hf = _float_model()
+    lm = QuantizedLM(hf, 16, kind="int4", head_kind="w8a8", smoothing=calibrate(hf, CALIBRATION_IDS))
+    assert torch.equal(lm.net.layers[0].attention_norm, hf.model.layers[0].input_layernorm.weight)
+    assert (lm.net.norm - hf.model.norm.weight).abs().max() > 0.1
+    assert _logit_error(hf, lm) < 1.0
+
+
 def test_smoothing_recovers_w8a8_from_outlier_channels():
     """Two input channels 30x larger than the rest (as trained models have) crush w8a8's per-row
     activation scale; the calibrated factors move that range into the weights."""

@@ -35,6 +35,8 @@ from specgen.models.quantized.smooth import Smoothing
 
 #: transformers model types this forward serves.
 MODEL_TYPES = ("llama", "qwen2")
+#: Kernels that quantize weights only: smoothing is not folded into their layers.
+WEIGHT_ONLY = ("int8", "int4")
 #: Tokens a new KV buffer holds; it doubles when full (up to the context length).
 FIRST_CAPACITY = 256
 
@@ -118,7 +120,8 @@ def _fused(weights: list[torch.Tensor], biases: list[torch.Tensor | None], kind:
 class LeanLlama:
     """The forward of a Llama-family ``model`` (transformers, float32 weights on the CPU) on
     :class:`QuantLinear` layers of ``kind`` and an LM head of ``head_kind``; ``smoothing``
-    (:mod:`~specgen.models.quantized.smooth`) is folded into the weights first where given."""
+    (:mod:`~specgen.models.quantized.smooth`) is folded into the weights except those of
+    :data:`WEIGHT_ONLY` kernels (whose grids it would move: a GGUF's blocks map onto int4's own)."""
 
     def __init__(self, model: torch.nn.Module, kind: str, head_kind: str, smoothing: Smoothing | None = None):
         config = model.config
@@ -130,10 +133,11 @@ class LeanLlama:
         decoder = model.model
         with torch.no_grad():
             self.embedding = decoder.embed_tokens.weight.detach().float().clone()  # [vocab', d]
-            self.layers = [self._layer(block, kind, index, smoothing) for index, block in enumerate(decoder.layers)]
+            layer_smoothing = None if kind in WEIGHT_ONLY else smoothing  # weight-only kernels keep their grids
+            self.layers = [self._layer(block, kind, index, layer_smoothing) for index, block in enumerate(decoder.layers)]
             self.norm = decoder.norm.weight.detach().float().clone()  # [d]
             head = model.get_output_embeddings().weight.detach().float()  # [vocab', d]
-            if smoothing is not None:
+            if smoothing is not None and head_kind not in WEIGHT_ONLY:
                 self.norm, head = smoothing.apply_head(self.norm, head)
             self.head = QuantLinear(head, None, head_kind)
             positions = torch.arange(self.context_length)[None]  # [1, P]
