@@ -109,8 +109,8 @@ class QuantLinear:
         return self.native(x).float()
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [rows, in] float32 -> [rows, out] as the kernel returns it: bfloat16 from an int kernel
-        without a bias (exactly representable in float32, so a consumer that promotes, e.g.
+        """x: [rows, in] float32 -> [rows, out] as the kernel returns it: bfloat16 from a weight-only
+        int kernel without a bias (exactly representable in float32, so a consumer that promotes, e.g.
         ``float32 + bfloat16``, computes what it would on ``__call__``'s output), float32 otherwise."""
         if self.kind == "w8a8":
             row_scales = x.abs().amax(1, keepdim=True).clamp_min(1e-30) / 127  # [rows, 1]

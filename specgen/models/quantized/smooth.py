@@ -62,10 +62,12 @@ class Smoothing:
     alpha: float = ALPHA
 
     def factors(self, key: tuple[int | None, str], weight: torch.Tensor) -> torch.Tensor:
-        """weight [out, in] -> s [in]: ``a ** alpha / w ** (1 - alpha)`` (1 where a channel is unused)."""
-        activation = self.maxima[key].clamp_min(1e-5)  # [in]
-        column = weight.abs().amax(0).clamp_min(1e-5)  # [in]
-        return (activation ** self.alpha / column ** (1 - self.alpha)).clamp(1e-3, 1e3)
+        """weight [out, in] -> s [in]: ``a ** alpha / w ** (1 - alpha)``, within 1e-3..1e3."""
+        return self._ratio(self.maxima[key], weight.abs().amax(0))  # [in]
+
+    def _ratio(self, activation: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+        """Largest activations and weights per channel (same shape) -> the factors."""
+        return (activation.clamp_min(1e-5) ** self.alpha / column.clamp_min(1e-5) ** (1 - self.alpha)).clamp(1e-3, 1e3)
 
     def apply(self, index: int, weights: dict[str, torch.Tensor], heads: int, kv_heads: int) -> None:
         """Fold the factors into one layer's float32 ``weights`` in place (names: attention_norm,
@@ -74,7 +76,7 @@ class Smoothing:
         output = weights["output"]  # [d, heads * hd]
         per_head = self.maxima[(index, "output")].view(kv_heads, groups, -1).amax(1)  # [kv, hd]
         column = output.abs().amax(0).view(kv_heads, groups, -1).amax(1)  # [kv, hd]
-        s = (per_head.clamp_min(1e-5) ** self.alpha / column.clamp_min(1e-5) ** (1 - self.alpha)).clamp(1e-3, 1e3)
+        s = self._ratio(per_head, column)  # [kv, hd]
         weights["v"] = weights["v"] / s.reshape(-1, 1)
         if weights.get("v_bias") is not None:
             weights["v_bias"] = weights["v_bias"] / s.reshape(-1)
