@@ -1,4 +1,4 @@
-"""The quantized torch path (dtype=int8 / dtype=int4) on tiny models built in code: batch invariance as the
+"""The quantized torch path (dtype=int8 / int4 / w8a8) on tiny models built in code: batch invariance as the
 guarantee's measured basis (with a float negative control), the lean forward against transformers, greedy
 identity, distribution exactness, the kernel fallback and what the path refuses before loading."""
 
@@ -207,12 +207,13 @@ def test_greedy_speculation_equals_plain_decoding_token_for_token(quant, drafter
     assert assert_greedy_identity(pipe, PROMPTS, 24) > 0, "the drafter must propose for this test to mean anything"
 
 
-def _sampling_pipe():
-    return _pipe("int8", "target.source.vocab_size=8", "drafter.source.vocab_size=8", "sampling.temperature=1.0")
+def _sampling_pipe(quant: str = "int8"):
+    return _pipe(quant, "target.source.vocab_size=8", "drafter.source.vocab_size=8", "sampling.temperature=1.0")
 
 
-def test_speculative_sampling_matches_the_paths_distribution():
-    pipe = _sampling_pipe()
+@pytest.mark.parametrize("quant", ("int8", "w8a8"))
+def test_speculative_sampling_matches_the_paths_distribution(quant):
+    pipe = _sampling_pipe(quant)
     assert str(pipe.guarantee) == "exact"
     expected = exact_distribution(pipe, [1, 2, 3], 3)
     assert pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=3, seed=0).stats.drafted > 0
@@ -220,8 +221,9 @@ def test_speculative_sampling_matches_the_paths_distribution():
     assert p_value > 1e-3, f"chi-square p={p_value:.2e}, TV={tv:.3f}"
 
 
-def test_negative_control_the_same_test_catches_a_wrong_residual(monkeypatch):
-    pipe = _sampling_pipe()
+@pytest.mark.parametrize("quant", ("int8", "w8a8"))
+def test_negative_control_the_same_test_catches_a_wrong_residual(quant, monkeypatch):
+    pipe = _sampling_pipe(quant)
     expected = exact_distribution(pipe, [1, 2, 3], 3)
     monkeypatch.setattr(rejection, "positive_residual", lambda target_probs, draft_probs: target_probs)
     p_value, _ = goodness_of_fit(sample_counts(pipe, [1, 2, 3], 3, 1200), expected)
