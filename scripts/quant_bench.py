@@ -1,6 +1,6 @@
 """Step cost and quality of the quantized torch path beside llama.cpp and torch float32, in one process.
 
-    python scripts/quant_bench.py [--threads 1] [--repeats 8] [--prompts 4] [--new-tokens 64] [--arms float32,llama_cpp,int8,int4]
+    python scripts/quant_bench.py [--threads 1] [--repeats 8] [--prompts 4] [--new-tokens 64] [--arms float32,llama_cpp,int8,int4,w8a8]
 
 Every arm is the same packaged target (SmolLM2-135M) loaded through specgen's own loaders and driven
 through the target protocol (``forward(cache, tokens, keep)``):
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--arms", default="float32,llama_cpp,int8,int4")
+    parser.add_argument("--arms", default="float32,llama_cpp,int8,int4,w8a8")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     loaded = {arm: load(arm, args.threads) for arm in args.arms.split(",")}

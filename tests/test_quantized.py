@@ -1,4 +1,4 @@
-"""The quantized torch path (dtype=int8 / dtype=int4) on tiny models built in code: batch invariance as the
+"""The quantized torch path (dtype=int8 / int4 / w8a8) on tiny models built in code: batch invariance as the
 guarantee's measured basis (with a float negative control), the lean forward against transformers, greedy
 identity, distribution exactness, the kernel fallback and what the path refuses before loading."""
 
@@ -15,14 +15,14 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import specgen
 from specgen.errors import ConfigError
 from specgen.models import load_model, load_quantized
-from specgen.models.quantized import QuantizedLM, choose_kernels, kernels, model
+from specgen.models.quantized import QuantizedLM, calibrate, choose_kernels, kernels, model
 from specgen.models.target import Target
 from specgen.sampling import rejection
 
 TINY_SOURCE = dict(kind="tiny", seed=0, vocab_size=16, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                    context_length=512, init_scale=1.0)
 PROMPTS = [[1, 2, 3], [5, 4, 3, 2, 1, 5, 4, 3], [7, 7, 7, 1], [2, 9, 11, 2, 9, 11, 2]]
-QUANTS = ("int8", "int4")
+QUANTS = ("int8", "int4", "w8a8")
 
 
 def _pipe(quant: str, *overrides: str, drafter: str = "tiny"):
@@ -41,7 +41,7 @@ def test_verify_logits_equal_single_token_logits_at_widths_2_to_16(quant):
         assert lm.verify_gap([width]) == (0.0, width)
 
 
-@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("quant", ("int8", "int4"))  # the weight-only kernels; w8a8 returns float32
 def test_kernel_outputs_left_in_bfloat16_give_the_logits_of_float32_outputs(quant, monkeypatch):
     """The forward feeds the int kernels' bfloat16 outputs straight into float32 ops (RoPE, KV writes,
     residual adds); that must compute what casting each output to float32 first computes, bit for bit."""
@@ -63,7 +63,7 @@ def test_negative_control_float_linears_give_a_measurable_gap():
 
 
 def test_every_int_kernel_passes_its_probe_here():
-    assert [kernels.kernel_problem(kind) for kind in kernels.KERNELS] == [None, None]
+    assert [kernels.kernel_problem(kind) for kind in kernels.KERNELS] == [None, None, None]
     assert choose_kernels("int4") == ("int4", "int8", None)
 
 
@@ -80,15 +80,64 @@ def test_the_lean_forward_computes_the_transformers_model(quant, tolerance):
     assert (got - expected).abs().max() < tolerance
 
 
-def test_qwen2_biases_are_served():
+CALIBRATION_IDS = [(5 * i + 3) % 16 for i in range(40)]  # not the ids the tests below score
+
+
+def _qwen2_with_biases():
     config = Qwen2Config(vocab_size=16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     torch.manual_seed(0)
     hf = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():
         for layer in hf.model.layers:
-            layer.self_attn.q_proj.bias.normal_()
-            layer.self_attn.k_proj.bias.normal_()
+            for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                linear.bias.normal_()
+    return hf
+
+
+def _logit_error(hf, lm, ids=(1, 5, 2, 9, 3, 3, 7, 1, 12, 4)) -> float:
+    with torch.inference_mode():
+        expected = hf(torch.tensor([list(ids)])).logits[0]  # [n, vocab]
+    return float((lm.forward(lm.new_cache(), list(ids), keep=len(ids)) - expected).abs().max())
+
+
+@pytest.mark.parametrize("build", [_float_model, _qwen2_with_biases])
+@pytest.mark.parametrize("alpha", [0.5, 0.8])
+def test_smoothing_folds_leave_the_float_forward_unchanged(build, alpha):
+    """The factors folded into the norms, v_proj (with its bias) and up_proj cancel in exact arithmetic:
+    on float linears the smoothed forward computes the transformers model; the factors are far from 1
+    (else the test would pass without folding anything)."""
+    hf = build()
+    lm = QuantizedLM(hf, 16, kind="float", head_kind="float", smoothing=calibrate(hf, CALIBRATION_IDS, alpha))
+    assert (lm.net.layers[0].attention_norm - hf.model.layers[0].input_layernorm.weight).abs().max() > 0.1
+    assert _logit_error(hf, lm) < 1e-4
+
+
+def test_smoothing_skips_weight_only_layers_and_folds_into_a_w8a8_head():
+    """int4/int8 layers keep their own grids (a GGUF's Q4_1 blocks map onto int4's): no factors there."""
+    hf = _float_model()
+    lm = QuantizedLM(hf, 16, kind="int4", head_kind="w8a8", smoothing=calibrate(hf, CALIBRATION_IDS))
+    assert torch.equal(lm.net.layers[0].attention_norm, hf.model.layers[0].input_layernorm.weight)
+    assert (lm.net.norm - hf.model.norm.weight).abs().max() > 0.1
+    assert _logit_error(hf, lm) < 1.0
+
+
+def test_smoothing_recovers_w8a8_from_outlier_channels():
+    """Two input channels 30x larger than the rest (as trained models have) crush w8a8's per-row
+    activation scale; the calibrated factors move that range into the weights."""
+    hf = _float_model()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.input_layernorm.weight[:2] *= 30
+            layer.post_attention_layernorm.weight[:2] *= 30
+    plain = _logit_error(hf, QuantizedLM(hf, 16, kind="w8a8", head_kind="w8a8"))
+    smoothed = _logit_error(hf, QuantizedLM(hf, 16, kind="w8a8", head_kind="w8a8",
+                                            smoothing=calibrate(hf, CALIBRATION_IDS)))
+    assert smoothed < 0.5 * plain
+
+
+def test_qwen2_biases_are_served():
+    hf = _qwen2_with_biases()
     assert model.architecture_problem(hf) is None
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     with torch.inference_mode():
@@ -154,16 +203,17 @@ def test_batched_greedy_rows_equal_their_requests_run_alone(drafter):
 def test_greedy_speculation_equals_plain_decoding_token_for_token(quant, drafter, gamma):
     pipe = _pipe(quant, f"drafter.num_tokens={gamma}", drafter=drafter)
     assert str(pipe.guarantee) == "greedy" and pipe.target.backend == "torch_quant"
-    assert pipe.target.describe()["dtype"].startswith(f"{quant} (torch _weight_{quant}pack_mm")
+    assert pipe.target.describe()["dtype"].startswith(f"{quant} (torch {kernels.KERNELS[quant]}")
     assert assert_greedy_identity(pipe, PROMPTS, 24) > 0, "the drafter must propose for this test to mean anything"
 
 
-def _sampling_pipe():
-    return _pipe("int8", "target.source.vocab_size=8", "drafter.source.vocab_size=8", "sampling.temperature=1.0")
+def _sampling_pipe(quant: str = "int8"):
+    return _pipe(quant, "target.source.vocab_size=8", "drafter.source.vocab_size=8", "sampling.temperature=1.0")
 
 
-def test_speculative_sampling_matches_the_paths_distribution():
-    pipe = _sampling_pipe()
+@pytest.mark.parametrize("quant", ("int8", "w8a8"))
+def test_speculative_sampling_matches_the_paths_distribution(quant):
+    pipe = _sampling_pipe(quant)
     assert str(pipe.guarantee) == "exact"
     expected = exact_distribution(pipe, [1, 2, 3], 3)
     assert pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=3, seed=0).stats.drafted > 0
@@ -171,8 +221,9 @@ def test_speculative_sampling_matches_the_paths_distribution():
     assert p_value > 1e-3, f"chi-square p={p_value:.2e}, TV={tv:.3f}"
 
 
-def test_negative_control_the_same_test_catches_a_wrong_residual(monkeypatch):
-    pipe = _sampling_pipe()
+@pytest.mark.parametrize("quant", ("int8", "w8a8"))
+def test_negative_control_the_same_test_catches_a_wrong_residual(quant, monkeypatch):
+    pipe = _sampling_pipe(quant)
     expected = exact_distribution(pipe, [1, 2, 3], 3)
     monkeypatch.setattr(rejection, "positive_residual", lambda target_probs, draft_probs: target_probs)
     p_value, _ = goodness_of_fit(sample_counts(pipe, [1, 2, 3], 3, 1200), expected)

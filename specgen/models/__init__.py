@@ -159,10 +159,10 @@ def load_llama_cpp(source: Mapping, *, name: str, threads: int, extra_eos: tuple
 def load_quantized(source: Mapping, *, name: str, quant: str, extra_eos: tuple[int, ...] = (),
                    progress: bool = True, vocab_size: int | None = None) -> LoadedModel:
     """The model of ``source`` (a Llama-family model; tiny ones too) on the quantized torch path
-    (:mod:`specgen.models.quantized`) with ``quant`` (``int8``/``int4``) weights, on the CPU; its
+    (:mod:`specgen.models.quantized`) with ``quant`` (``int8``/``int4``/``w8a8``) weights, on the CPU; its
     float32 weights are read as :func:`load_model` reads them and quantized. ConfigError for an
     architecture the lean forward does not serve, naming the way that works."""
-    from specgen.models.quantized import QuantizedLM, architecture_problem, choose_kernels
+    from specgen.models.quantized import CALIBRATION_TEXT, QuantizedLM, architecture_problem, calibrate, choose_kernels
 
     loaded = load_model(source, name=name, dtype=torch.float32, device=torch.device("cpu"), extra_eos=extra_eos,
                         progress=progress, packed=False, vocab_size=vocab_size)
@@ -171,5 +171,10 @@ def load_quantized(source: Mapping, *, name: str, quant: str, extra_eos: tuple[i
     if problem is not None:
         raise ConfigError(f"dtype={quant} runs a lean Llama-family forward: {problem}; use dtype=float32")
     kind, head_kind, fallback = choose_kernels(quant)
-    lm = QuantizedLM(model, loaded.lm.vocab_size, kind=kind, head_kind=head_kind, name=name, fallback=fallback)
+    smoothing = None
+    if kind == "w8a8":  # per-channel smoothing, calibrated on fixed text (ids beyond a tiny vocabulary wrap)
+        ids = [i % model.config.vocab_size for i in loaded.tokenizer.encode_prompt(CALIBRATION_TEXT, chat=False)]
+        smoothing = calibrate(model, ids)
+    lm = QuantizedLM(model, loaded.lm.vocab_size, kind=kind, head_kind=head_kind, name=name, fallback=fallback,
+                     smoothing=smoothing)
     return LoadedModel(lm, loaded.tokenizer)

@@ -69,7 +69,7 @@ def choose_backend(cfg: Mapping, device: torch.device) -> BackendName:
 
 
 def quantized_dtype(cfg: Mapping, device: torch.device) -> str | None:
-    """The quantized path a checked run config asks for with ``dtype`` (``int8``/``int4``, served by
+    """The quantized path a checked run config asks for with ``dtype`` (``int8``/``int4``/``w8a8``, served by
     :mod:`specgen.models.quantized` on backend=torch), or None for a float dtype; ConfigError,
     before loading, for a run that path cannot serve, naming why and what works."""
     from specgen.models.quantized import QUANT_DTYPES

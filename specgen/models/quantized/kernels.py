@@ -12,11 +12,18 @@ float32, returning [rows, out] float32:
   grid is each group's own minimum and maximum split in 15 steps, so a weight
   dequantised from a GGUF Q4_1 block (``d * q + m``, q from 0 to 15) maps back onto
   its own block's grid (up to the bfloat16 rounding of scale and zero);
+* ``w8a8``: int8 weights with one float32 scale per output channel and int8
+  activations with one scale per row (that row's largest magnitude / 127),
+  ``torch._int_mm`` accumulating in int32, then both scales applied in float32.
+  Its cost barely grows with the rows fed (the weight-only kernels' grows in
+  proportion), but per-row activation scales lose outlier channels' neighbours:
+  the model folds per-channel smoothing into the weights first
+  (:mod:`~specgen.models.quantized.smooth`);
 * ``float``: ``F.linear`` on the float32 weight: the fallback where a kernel is
   missing, fails its probe, or cannot take a layer's shape. It is not batch
   invariant (its products' summation order depends on the row count).
 
-Batch invariance: both int kernels compute every row on its own (integer
+Batch invariance: the int kernels compute every row on its own (integer
 products, per-row work, no reduction across rows), so a row's output does not
 depend on how many rows are fed with it. :func:`kernel_problem` checks that
 on a probe before a kernel is used; the target measures it again on the whole
@@ -29,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 #: Quantized paths, by setting name (``dtype=int8`` / ``dtype=int4``), and the torch op each calls.
-KERNELS = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm_for_cpu"}
+KERNELS = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm_for_cpu", "w8a8": "_int_mm"}
 #: Inputs per int4 group (one scale and zero each).
 GROUP = 32
 #: The activations' dtype the int kernels read (the CPU kernels' fast path).
@@ -87,6 +94,8 @@ class QuantLinear:
             self.weight, self.scales = quantize_int8(weight)
         elif self.kind == "int4":
             self.weight, self.scales = quantize_int4(weight)
+        elif self.kind == "w8a8":
+            self.weight, self.scales = quantize_w8a8(weight)
         else:
             self.weight, self.scales = weight, None
 
@@ -100,9 +109,14 @@ class QuantLinear:
         return self.native(x).float()
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [rows, in] float32 -> [rows, out] as the kernel returns it: bfloat16 from an int kernel
-        without a bias (exactly representable in float32, so a consumer that promotes, e.g.
+        """x: [rows, in] float32 -> [rows, out] as the kernel returns it: bfloat16 from a weight-only
+        int kernel without a bias (exactly representable in float32, so a consumer that promotes, e.g.
         ``float32 + bfloat16``, computes what it would on ``__call__``'s output), float32 otherwise."""
+        if self.kind == "w8a8":
+            row_scales = x.abs().amax(1, keepdim=True).clamp_min(1e-30) / 127  # [rows, 1]
+            codes = torch.round(x / row_scales).to(torch.int8)  # [rows, in], each row on its own scale
+            out = torch._int_mm(codes, self.weight).float().mul_(row_scales * self.scales)  # [rows, out]
+            return out if self.bias is None else out.add_(self.bias)
         if self.kind == "int8":
             out = torch._weight_int8pack_mm(x.to(ACTIVATION), self.weight, self.scales)
         elif self.kind == "int4":
@@ -118,6 +132,14 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = (weight.abs().amax(1).clamp_min(1e-30) / 127).to(ACTIVATION)  # [out]
     quantized = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
     return quantized.contiguous(), scales
+
+
+def quantize_w8a8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (int8 [in, out], the layout ``torch._int_mm`` reads; float32 scales [out]):
+    symmetric, per output channel."""
+    scales = weight.abs().amax(1).clamp_min(1e-30) / 127  # [out]
+    quantized = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)  # [out, in]
+    return quantized.T.contiguous(), scales
 
 
 def int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

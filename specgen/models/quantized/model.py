@@ -31,9 +31,12 @@ import torch
 import torch.nn.functional as F
 
 from specgen.models.quantized.kernels import QuantLinear
+from specgen.models.quantized.smooth import Smoothing
 
 #: transformers model types this forward serves.
 MODEL_TYPES = ("llama", "qwen2")
+#: Kernels that quantize weights only: smoothing is not folded into their layers.
+WEIGHT_ONLY = ("int8", "int4")
 #: Tokens a new KV buffer holds; it doubles when full (up to the context length).
 FIRST_CAPACITY = 256
 
@@ -106,21 +109,21 @@ class Layer:
     down: QuantLinear  # intermediate -> d
 
 
-def _fused(linears: list[torch.nn.Linear], kind: str) -> QuantLinear:
-    """One QuantLinear computing ``linears`` side by side (per-output-channel and per-group
-    scales stay each row's own, so fusing changes no output)."""
-    weight = torch.cat([linear.weight for linear in linears])  # [sum out, in]
-    biases = [linear.bias for linear in linears]
+def _fused(weights: list[torch.Tensor], biases: list[torch.Tensor | None], kind: str) -> QuantLinear:
+    """One QuantLinear computing the [out_i, in] ``weights`` (with their [out_i] ``biases`` or None)
+    side by side (per-output-channel and per-group scales stay each row's own, so fusing changes no output)."""
     bias = None if all(b is None for b in biases) else torch.cat([
-        b if b is not None else torch.zeros(linear.out_features) for b, linear in zip(biases, linears)])
-    return QuantLinear(weight, bias, kind)
+        b if b is not None else torch.zeros(w.shape[0]) for b, w in zip(biases, weights)])
+    return QuantLinear(torch.cat(weights), bias, kind)
 
 
 class LeanLlama:
     """The forward of a Llama-family ``model`` (transformers, float32 weights on the CPU) on
-    :class:`QuantLinear` layers of ``kind`` and an LM head of ``head_kind``."""
+    :class:`QuantLinear` layers of ``kind`` and an LM head of ``head_kind``; ``smoothing``
+    (:mod:`~specgen.models.quantized.smooth`) is folded into the weights except those of
+    :data:`WEIGHT_ONLY` kernels (whose grids it would move: a GGUF's blocks map onto int4's own)."""
 
-    def __init__(self, model: torch.nn.Module, kind: str, head_kind: str):
+    def __init__(self, model: torch.nn.Module, kind: str, head_kind: str, smoothing: Smoothing | None = None):
         config = model.config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -130,22 +133,35 @@ class LeanLlama:
         decoder = model.model
         with torch.no_grad():
             self.embedding = decoder.embed_tokens.weight.detach().float().clone()  # [vocab', d]
-            self.layers = [self._layer(block, kind) for block in decoder.layers]
+            layer_smoothing = None if kind in WEIGHT_ONLY else smoothing  # weight-only kernels keep their grids
+            self.layers = [self._layer(block, kind, index, layer_smoothing) for index, block in enumerate(decoder.layers)]
             self.norm = decoder.norm.weight.detach().float().clone()  # [d]
-            self.head = QuantLinear(model.get_output_embeddings().weight, None, head_kind)
+            head = model.get_output_embeddings().weight.detach().float()  # [vocab', d]
+            if smoothing is not None and head_kind not in WEIGHT_ONLY:
+                self.norm, head = smoothing.apply_head(self.norm, head)
+            self.head = QuantLinear(head, None, head_kind)
             positions = torch.arange(self.context_length)[None]  # [1, P]
             cos, sin = decoder.rotary_emb(self.embedding[:1], positions)  # [1, P, head_dim] each
         half = self.head_dim // 2
         self.cos = cos[0].float().contiguous()  # [P, head_dim]
         self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).float().contiguous()  # [P, head_dim], signed
 
-    def _layer(self, block: torch.nn.Module, kind: str) -> Layer:
+    def _layer(self, block: torch.nn.Module, kind: str, index: int, smoothing: Smoothing | None) -> Layer:
         attention, mlp = block.self_attn, block.mlp
-        return Layer(attention_norm=block.input_layernorm.weight.detach().float().clone(),
-                     qkv=_fused([attention.q_proj, attention.k_proj, attention.v_proj], kind),
-                     output=_fused([attention.o_proj], kind),
-                     mlp_norm=block.post_attention_layernorm.weight.detach().float().clone(),
-                     gate_up=_fused([mlp.gate_proj, mlp.up_proj], kind), down=_fused([mlp.down_proj], kind))
+        modules = dict(attention_norm=block.input_layernorm, mlp_norm=block.post_attention_layernorm,
+                       q=attention.q_proj, k=attention.k_proj, v=attention.v_proj, output=attention.o_proj,
+                       gate=mlp.gate_proj, up=mlp.up_proj, down=mlp.down_proj)
+        w = {name: module.weight.detach().float().clone() for name, module in modules.items()}
+        bias = {name: None if modules[name].bias is None else modules[name].bias.detach().float()
+                for name in ("q", "k", "v")}
+        if smoothing is not None:
+            w["v_bias"] = bias["v"]
+            smoothing.apply(index, w, self.heads, self.kv_heads)
+            bias["v"] = w.pop("v_bias")
+        return Layer(attention_norm=w["attention_norm"], mlp_norm=w["mlp_norm"],
+                     qkv=_fused([w["q"], w["k"], w["v"]], [bias["q"], bias["k"], bias["v"]], kind),
+                     output=_fused([w["output"]], [attention.o_proj.bias], kind),
+                     gate_up=_fused([w["gate"], w["up"]], [None, None], kind), down=_fused([w["down"]], [None], kind))
 
     def linears(self) -> list[QuantLinear]:
         """Every QuantLinear, the LM head last."""

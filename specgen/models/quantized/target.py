@@ -20,6 +20,7 @@ from specgen.errors import NumericalError
 from specgen.models.invariance import GAP_PREFIX, chain_gaps, worst
 from specgen.models.quantized.kernels import KERNELS
 from specgen.models.quantized.model import Feed, KVBuffers, LeanLlama
+from specgen.models.quantized.smooth import Smoothing
 from specgen.models.target import Capabilities, TokenCache
 
 
@@ -43,8 +44,9 @@ class QuantizedLM:
 
     model: the transformers model whose float32 weights are quantized (it is not kept);
     vocab_size: the tokenizer's size (logits are cut to it); kind: the layers' kernel as chosen
-    (``int8``, ``int4`` or ``float``) and head_kind the LM head's; fallback: why the kind asked
-    for is not what runs (None when it is), stated in :meth:`describe`.
+    (``int8``, ``int4``, ``w8a8`` or ``float``) and head_kind the LM head's; fallback: why the kind asked
+    for is not what runs (None when it is), stated in :meth:`describe`; smoothing: the calibrated
+    per-channel factors folded into the weights (``w8a8``; None: none).
     """
 
     backend = "torch_quant"
@@ -55,8 +57,9 @@ class QuantizedLM:
     dtype = torch.float32  # the logits' (the weights are int8/int4 with bfloat16 scales)
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, *, kind: str, head_kind: str, name: str = "model",
-                 fallback: str | None = None):
-        self.net = LeanLlama(model, kind, head_kind)
+                 fallback: str | None = None, smoothing: Smoothing | None = None):
+        self.net = LeanLlama(model, kind, head_kind, smoothing)
+        self.smoothing = smoothing
         self.context_length = self.net.context_length
         self.vocab_size = int(vocab_size)
         self.name = name
@@ -79,11 +82,16 @@ class QuantizedLM:
         shapes = sorted({l.reason for l in self.net.linears() if l.reason})
         odd = f"; float linear where {'; '.join(shapes)}" if shapes else ""
         why = f" (fallback: {self.fallback})" if self.fallback else ""
-        return f"{layers}{head}{odd}{why}"
+        smooth = f"; smoothed, alpha {self.smoothing.alpha}" if self.smoothing is not None else ""
+        return f"{layers}{head}{smooth}{odd}{why}"
 
     @staticmethod
     def _words(kind: str) -> str:
-        return "float32 linear" if kind == "float" else f"{kind} (torch {KERNELS[kind]}, bfloat16 activations)"
+        if kind == "float":
+            return "float32 linear"
+        if kind == "w8a8":
+            return f"w8a8 (torch {KERNELS[kind]}, int8 activations per row)"
+        return f"{kind} (torch {KERNELS[kind]}, bfloat16 activations)"
 
     def new_cache(self) -> QuantKV:
         return QuantKV(self.net.new_buffers())
