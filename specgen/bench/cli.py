@@ -73,6 +73,8 @@ def run_bench(cfg: DictConfig, names: Mapping[str, str] | None = None, *, out=No
     settings = Settings.from_config(bench)
     if bench.get("costs_only"):
         return _show_costs(cfg, settings, out)
+    if settings.quality:
+        return _show_quality(cfg, resolved, settings, names or {}, out, err)
     if bench.get("out_dir"):
         check_output_dir(Path(str(bench["out_dir"])), "bench.out_dir")
     run = run_matrix(cfg, settings, progress=bool(bench.get("progress", True)))
@@ -142,6 +144,27 @@ def _show_costs(cfg: DictConfig, settings: Settings, out) -> BenchResult:
     text = describe(pipe.cost_table(refresh=settings.remeasure_costs))
     out.write(text + "\n")
     return BenchResult([], [], text, [], None)
+
+
+def _show_quality(cfg: DictConfig, resolved: Mapping, settings: Settings, names: Mapping[str, str], out,
+                  err) -> BenchResult:
+    """``bench.quality=true``: print the quality report of ``bench.quality_paths`` (:mod:`specgen.bench.quality`)."""
+    from specgen.bench.prompts import load_prompt_sets
+    from specgen.bench.quality import quality_markdown, quality_title, run_quality
+
+    notes: list[str] = []
+    prompts = load_prompt_sets(settings.prompts, settings.num_prompts, notice=notes.append)
+    results = run_quality(cfg, settings.quality_paths, [p.prompt for p in prompts], settings.max_new_tokens,
+                          notes.append, progress=bool(resolved["bench"].get("progress", True)))
+    target = names.get("target") or str(resolved["target"].get("name"))
+    title = quality_title(target, len(prompts), settings.max_new_tokens, resolved.get("threads"))
+    table = quality_markdown(results)
+    out.write(f"{title}\n\n{table}")
+    out.flush()
+    for note in notes:
+        err.write(f"specgen-bench: {note}\n")
+    rows = [{"path": path, **vars(q)} for path, q in results.items()]
+    return BenchResult(rows, [], table, notes, None)
 
 
 def _new_run_dir(root: Path, config: Mapping) -> Path:

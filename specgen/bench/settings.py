@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from specgen.bench.baselines import HF_KERNELS
 from specgen.bench.llama_baselines import LLAMA_METHODS
+from specgen.bench.quality import PATHS, parse_paths
 from specgen.errors import ConfigError
 from specgen.options import SEED_MAX, check_temperature, parse_batch_size, parse_bool, parse_int, parse_seed
 from specgen.planning import AUTO
@@ -40,12 +41,14 @@ class Settings:
     batch_sizes: list[int] = field(default_factory=list)
     batch_repeats: int = 2
     hf_kernels: str = "stock"
+    quality: bool = False
+    quality_paths: list[str] = field(default_factory=lambda: list(PATHS))
 
     @classmethod
     def from_config(cls, bench: Mapping) -> Settings:
         names = ("prompts", "num_prompts", "max_prompt_tokens", "max_new_tokens", "gammas", "temperatures",
                  "baselines", "warmup", "repeats", "ignore_eos", "seed", "calibration_repeats", "remeasure_costs",
-                 "batch_sizes", "batch_repeats", "hf_kernels")
+                 "batch_sizes", "batch_repeats", "hf_kernels", "quality", "quality_paths")
         settings = cls(**{name: bench[name] for name in names if name in bench})
         settings.batch_sizes = sorted({parse_batch_size(b, "bench.batch_sizes")
                                        for b in _as_list(settings.batch_sizes or [])})
@@ -76,6 +79,8 @@ class Settings:
         settings.hf_kernels = str(settings.hf_kernels).strip().lower()
         if settings.hf_kernels not in HF_KERNELS:
             raise ConfigError(f"bench.hf_kernels: unknown {settings.hf_kernels!r}; choose from {list(HF_KERNELS)}")
+        settings.quality = parse_bool(settings.quality, "bench.quality")
+        settings.quality_paths = parse_paths(settings.quality_paths)
         return settings
 
     def check_seeds(self, prompts: int) -> None:
