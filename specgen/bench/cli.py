@@ -157,7 +157,7 @@ def _show_quality(cfg: DictConfig, resolved: Mapping, settings: Settings, names:
     results = run_quality(cfg, settings.quality_paths, [p.prompt for p in prompts], settings.max_new_tokens,
                           notes.append, progress=bool(resolved["bench"].get("progress", True)))
     target = names.get("target") or str(resolved["target"].get("name"))
-    title = quality_title(target, len(prompts), settings.max_new_tokens, resolved.get("threads"))
+    title = quality_title(target, list(dict.fromkeys(p.task for p in prompts)), len(prompts), settings.max_new_tokens, resolved.get("threads"))
     table = quality_markdown(results)
     out.write(f"{title}\n\n{table}")
     out.flush()

@@ -164,8 +164,8 @@ def quality_markdown(results: Mapping[str, PathQuality]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def quality_title(target: str, num_prompts: int, new_tokens: int, threads) -> str:
-    """What the table measured, in one header line."""
-    return (f"## Quality of each path: {target}, the float32 path's greedy continuations "
-            f"({num_prompts} held-out prompts x {new_tokens} tokens; prompts are context, not scored), "
+def quality_title(target: str, sets: Sequence[str], num_prompts: int, new_tokens: int, threads) -> str:
+    """What the table measured, in one header line (``sets``: the prompt sets' names)."""
+    return (f"## Quality of each path: {target}, the float32 path's greedy continuations of {num_prompts} "
+            f"held-out prompts ({', '.join(sets)}) x {new_tokens} tokens (prompts are context, not scored), "
             f"teacher-forced raw logits, threads={threads}")
