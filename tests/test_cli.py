@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import TINY
 
 from specgen import cli
 from specgen.config import compose, prepare_overrides, quote_text_value, to_container
 
-TINY_ARGS = ["target=tiny", "drafter=tiny", "threads=1", "dtype=float32", "max_new_tokens=8"]
+TINY_ARGS = [*TINY, "drafter=tiny", "max_new_tokens=8"]  # the exact torch configuration (conftest.TINY)
 AWKWARD = [
     "Hello, world",
     "What's up?",
