@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
-import threading
-import time
 from operator import itemgetter
 
 import pytest
@@ -23,7 +21,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
-from test_serve import reference, served  # noqa: E402,F401 (fixtures)
+from test_serve import reference, served, serving  # noqa: E402,F401 (fixtures)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LMEVAL_BODY = {"model": "tiny", "prompt": None, "temperature": 0, "max_tokens": 1, "logprobs": 1,
@@ -61,7 +59,7 @@ def test_lm_eval_loglikelihood_body_scores_the_continuation(served, reference, c
     scores = pipe.score(prompt_ids=ids, top_logprobs=1)
     assert logprobs["token_logprobs"][:len(ids)] == [None] + [e.logprob for e in scores.logprobs[1:]]
     [(total, greedy)] = parse_logprobs([out], [len(ctx)])
-    expected = [e for e in scores.logprobs[len(ctx):]]
+    expected = scores.logprobs[len(ctx):]
     assert total == sum(e.logprob for e in expected)
     assert greedy == all(e.top[0][0] == token for e, token in zip(expected, ids[len(ctx):], strict=True))
     # negative control: lm-eval's -1 drops the generated token; keeping it would change the sum
@@ -108,17 +106,8 @@ def real_server():
     from specgen.serve.app import served_model_name
 
     pipe = specgen.pipeline("threads=1", progress=False)
-    server = uvicorn.Server(uvicorn.Config(create_app(pipe), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(1200):
-        if server.started or not thread.is_alive():
-            break
-        time.sleep(0.05)
-    assert server.started, "the server did not start"
-    yield pipe, served_model_name(pipe), f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(create_app(pipe), polls=1200) as url:
+        yield pipe, served_model_name(pipe), url
 
 
 @pytest.mark.slow
