@@ -52,23 +52,31 @@ def _pipe(*overrides: str):
     return pipe
 
 
+@contextmanager
+def serving(app, polls: int = 600):
+    """The base URL of ``app`` served by uvicorn on a free localhost port, stopped on exit."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(polls):
+        if server.started or not thread.is_alive():
+            break
+        time.sleep(0.05)
+    assert server.started, "the server did not start"
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def served():
     """(pipe, app, base URL) of a server on a free localhost port, stopped after the module."""
     pipe = _pipe()
     app = create_app(pipe)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(600):
-        if server.started or not thread.is_alive():
-            break
-        time.sleep(0.05)
-    assert server.started, "the server did not start"
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield pipe, app, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(app) as url:
+        yield pipe, app, url
 
 
 @pytest.fixture(scope="module")

@@ -189,17 +189,17 @@ def _max_tokens(value: object, name: str, minimum: int) -> int:
 
 
 def parse_completion(body: object, model: str) -> GenRequest:
-    """A ``/v1/completions`` body: ``prompt`` is text (or a one-item list of text, or token ids), continued
-    as raw text (no chat template)."""
+    """A ``/v1/completions`` body: ``prompt`` is text or token ids, or a one-item list of either (a batch of
+    one), continued as raw text (no chat template)."""
     body = check_fields(body, "completion")
     check_model(body, model)
     prompt, prompt_ids = body.get("prompt"), None
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt (text or token ids), as lm-eval's local-completions sends
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         prompt, prompt_ids = None, prompt
     elif not isinstance(prompt, str):
-        raise _fail("prompt must be a string, a list of one string, or a list of token ids "
+        raise _fail("prompt must be a string or a list of token ids, or a list of one of them "
                     "(one prompt per request)", "prompt")
     else:
         _guarded(check_prompt, prompt, "prompt", param="prompt")
