@@ -296,7 +296,7 @@ def test_a_prompts_last_token_is_decoded_with_its_prompt_on_every_path(apart, mo
     step would read them from a decode of its own."""
     from specgen.models.llama_batch import LlamaBatch
 
-    pipe = _pipe(drafter="ngram")
+    pipe = _pipe("prefix_cache.entries=0", drafter="ngram")  # each run prefills the whole prompt itself
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # prompt lookup drafts in the first round
     monkeypatch.setattr(LlamaBatch, "prefills_apart", apart)
     calls = _decodes(monkeypatch)
@@ -311,6 +311,7 @@ def test_a_prompts_last_token_is_decoded_with_its_prompt_on_every_path(apart, mo
     whole = [(t, i) for i, t in enumerate(prompt)]
     assert seen[:2] == [whole, whole]
     assert (seen[2] == whole) is not apart
+
 
 def test_batched_rows_follow_the_backends_distribution():
     pipe = _pipe("target.source.vocab_size=8", "drafter.source.vocab_size=8", "sampling.temperature=1.0")
