@@ -21,11 +21,13 @@ from specgen.round import speculative_round
 
 CHAIN_LIMIT, TREE_LIMIT = 3, 5
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4]  # repeats, so the n-gram drafter proposes
-
-
+#: The fast path a device runs by default: invariant_verify's per-query attention reads each query's
+#: visible keys back to the host (an opt-in exact configuration, not what these limits are for).
+FAST = (*TINY, "invariant_verify=false")
 
 #: These tests count a device's reads on the CPU, so argmax takes the device's path (conftest.device_path).
 pytestmark = pytest.mark.usefixtures("device_path")
+
 
 def test_the_hook_counts_reads():
     t = torch.tensor([1.0, 2.0])
@@ -38,7 +40,7 @@ def test_the_hook_counts_reads():
 @pytest.fixture(scope="module")
 def heads(tmp_path_factory):
     base = tmp_path_factory.mktemp("sync-heads")
-    model = specgen.pipeline(*TINY, "drafter=none", progress=False).target.model
+    model = specgen.pipeline(*FAST, "drafter=none", progress=False).target.model
     d = model.config.hidden_size
     out = {}
     for kind in ("eagle", "medusa", "mtp"):
@@ -59,7 +61,7 @@ def reads_per_round(kind: str, heads, temperature: float, gamma: int, rounds: in
     read_once: rounds as off the CPU (Pipeline.read_once: one read per verification);
     False: the CPU's rounds, which do less arithmetic and read more."""
     head = (f"drafter.head_file={heads[kind]}",) if kind in heads else ()
-    pipe = specgen.pipeline(*TINY, f"drafter={kind}", *head, f"drafter.num_tokens={gamma}",
+    pipe = specgen.pipeline(*FAST, f"drafter={kind}", *head, f"drafter.num_tokens={gamma}",
                             f"sampling.temperature={temperature}", "sampling.min_new_tokens=150",  # no early EOS
                             *overrides, progress=False)
     pipe.read_once = read_once
@@ -113,7 +115,7 @@ def _propose_the_targets_own_tokens(request, pipe, depth: int, monkeypatch):
 
 @pytest.mark.parametrize("depth", [2, 6])
 def test_tree_round_reads_with_every_node_accepted(heads, depth, monkeypatch):
-    pipe = specgen.pipeline(*TINY, "drafter=eagle", f"drafter.head_file={heads['eagle']}",
+    pipe = specgen.pipeline(*FAST, "drafter=eagle", f"drafter.head_file={heads['eagle']}",
                             f"drafter.num_tokens={depth}", "sampling.temperature=0", progress=False)
     pipe.read_once = True
     request, ctx = pipe.open_request(PROMPT, max_new_tokens=200, seed=0)
