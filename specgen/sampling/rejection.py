@@ -26,6 +26,14 @@ Speculative Sampling"):
 
 Each accepted path contributes ``min(p, q)`` and each rejection ``p - min(p, q)``,
 so the committed token has distribution exactly ``p``.
+
+**Deterministic drafts are verified by coupling.** For a one-hot q on draft token d the rule
+above accepts d with probability p(d) and otherwise draws from p without d. Drawing
+``y = inverse-CDF(p, u)`` with the position's uniform and accepting iff ``y == d`` (emitting y
+at the first mismatch) has exactly that law, and the token at each position is then the one
+plain decoding draws with the same uniform. The verifier consumes one uniform per committed
+token, so a seeded request gives the same tokens whatever the draft lengths were: plain
+decoding's tokens (:func:`verify_chain`).
 """
 
 from __future__ import annotations
@@ -224,6 +232,14 @@ def verify_chain(
     ``u[i + 1]`` -- the numbers one :func:`~specgen.sampling.probs.uniform` per
     checked position plus one for the final draw would give.
 
+    A deterministic draft (``draft_probs`` None) is verified by coupling (module
+    docstring): position ``i`` draws ``y_i`` from target row ``i`` with ``u[i]`` as
+    :func:`~specgen.sampling.probs.sample_token` would, keeps draft token ``i`` iff
+    ``y_i`` equals it and otherwise ends the round with ``y_i``; full acceptance adds
+    the bonus drawn with ``u[num_draft]``. The generator is then left as if one
+    uniform had been drawn per committed token, so a seeded run's tokens equal plain
+    decoding's with the same seed, whatever the draft lengths.
+
     An all-zero target row ``i >= 1`` is a dead end: reaching it gives
     ``Verdict(i, None, "dead_end", ...)`` (module docstring).
 
@@ -240,7 +256,15 @@ def verify_chain(
     num_draft = len(draft_tokens)
     _check_chain_shapes(target_probs, draft_probs, draft_tokens)
     index = torch.tensor(draft_tokens, dtype=torch.long, device=target_probs.device)  # [num_draft]
+    start = generator.get_state() if draft_probs is None and num_draft else None
     reads = _read_chain(target_probs, draft_probs, index, generator, draw_ahead)
+    if draft_probs is None:
+        verdict = _verify_coupled(target_probs, draft_tokens, reads, generator)
+        used = verdict.num_accepted + (verdict.next_token is not None)
+        if start is not None and used < num_draft + 1:  # give back the uniforms of positions not committed
+            generator.set_state(start)
+            uniforms(generator, used)
+        return verdict
     accept_probs: list[float] = []
     for i, token in enumerate(draft_tokens):
         if reads.dead[i]:
@@ -265,15 +289,16 @@ def _draws_ahead(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, i
     """Every final draw :func:`verify_chain` may need, without a read: row ``i < n`` is the
     residual after rejecting draft token ``i`` (:func:`positive_residual`, row by row),
     row ``n`` the bonus row; row ``i`` is drawn with ``u[i + 1]`` as :func:`sample_token`
-    would. -> [2 * (n + 1)] float64: the drawn ids, then each row's total mass."""
+    would. For a deterministic draft (coupled), row ``i`` is target row ``i`` drawn with
+    ``u[i]``. -> [2 * (n + 1)] float64: the drawn ids, then each row's total mass."""
     num_draft = index.shape[0]
     p = target_probs.to(torch.float64)  # [n + 1, vocab]
-    if draft_probs is None:
-        q = torch.zeros_like(p[:num_draft]).scatter_(1, index.unsqueeze(1), 1.0)  # [n, vocab] one-hot
+    if draft_probs is None:  # coupled: row i is target row i drawn with u[i] (module docstring)
+        rows, draws = p, u  # [n + 1, vocab], [n + 1]
     else:
         q = draft_probs.to(p.device, torch.float64)  # [n, vocab]
-    rows = torch.cat([positive_residual(p[:num_draft], q), p[num_draft:]])  # [n + 1, vocab]
-    draws = torch.cat([u[1:], u[num_draft:]])  # [n + 1]: rows i < n use u[i + 1], the bonus row u[n]
+        rows = torch.cat([positive_residual(p[:num_draft], q), p[num_draft:]])  # [n + 1, vocab]
+        draws = torch.cat([u[1:], u[num_draft:]])  # [n + 1]: rows i < n use u[i + 1], the bonus row u[n]
     ids, total = draw_on_device(rows, draws)  # [n + 1], [n + 1]
     return torch.cat([ids.to(torch.float64), total])
 
@@ -282,6 +307,30 @@ def _drawn_ahead(ahead: list[float], row: int, num_draft: int) -> int:
     """The id drawn ahead for ``row``, refused as :func:`sample_token` refuses its row."""
     raise_for_row(ahead[num_draft + 1 + row], "cannot sample")
     return int(ahead[row])
+
+
+def _verify_coupled(target_probs: torch.Tensor, draft_tokens: list[int], reads: _ChainReads,
+                    generator: torch.Generator) -> Verdict:
+    """The coupled verdict of a deterministic draft (:func:`verify_chain`): each reached
+    row is drawn with its own uniform, row by row (or read from the draws made ahead)."""
+    num_draft = len(draft_tokens)
+
+    def drawn(row: int) -> int:
+        if reads.ahead is not None:
+            return _drawn_ahead(reads.ahead, row, num_draft)
+        return sample_token(target_probs[row], generator, reads.u_values[row])
+
+    accept_probs: list[float] = []
+    for i, token in enumerate(draft_tokens):
+        if reads.dead[i]:
+            return Verdict(i, None, "dead_end", tuple(accept_probs))
+        accept_probs.append(min(1.0, reads.p_values[i]))
+        y = drawn(i)
+        if y != token:
+            return Verdict(i, y, "resampled", tuple(accept_probs))
+    if reads.dead[num_draft]:
+        return Verdict(num_draft, None, "dead_end", tuple(accept_probs))
+    return Verdict(num_draft, drawn(num_draft), "bonus", tuple(accept_probs))
 
 
 def verify_chain_greedy(target_tokens: list[int | None], draft_tokens: list[int]) -> Verdict:
