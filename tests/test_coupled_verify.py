@@ -13,6 +13,7 @@ import torch
 from conftest import tiny_pipeline
 
 from specgen.sampling import sample_token, verify_chain
+from specgen.sampling.tree import tree_depths, verify_tree
 
 VOCAB, LENGTH = 6, 40
 
@@ -69,6 +70,55 @@ def test_negative_control_the_uncoupled_rule_gives_other_tokens():
         plain, _ = _plain(rows, seed)
         tokens, _, _ = _speculative(rows, seed, plain, one_hot_rows=True, draw_ahead=False)
         differ += tokens != plain
+    assert differ >= 6, differ
+
+
+def _tree_rounds(rows: torch.Tensor, seed: int, plain: list[int], prefetched: bool, sampled: bool):
+    """Rounds of random trees (up to 7 nodes, depth up to 4), each node's token the plain token at
+    its position or, one time in three, another; sampled=True passes each node's q as an explicit
+    one-hot row (the rejection rule, a negative control). -> (tokens, ended exactly, generator state)."""
+    gen, choices = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 11)
+    tokens: list[int] = []
+    while len(tokens) < LENGTH:
+        t, parents = len(tokens), []
+        for i in range(int(torch.randint(0, 8, (), generator=choices))):
+            parent = int(torch.randint(-1, i, (), generator=choices)) if i else -1
+            if parent >= 0 and tree_depths(parents)[parent] >= 4:
+                parent = -1
+            parents.append(parent)
+        depths = tree_depths(parents)
+        nodes = [plain[t + d - 1] if t + d - 1 < LENGTH and int(torch.randint(0, 3, (), generator=choices))
+                 else int(torch.randint(0, VOCAB, (), generator=choices)) for d in depths]
+        q = None
+        if sampled:
+            q = torch.zeros(len(nodes), VOCAB, dtype=torch.float64)
+            q[range(len(nodes)), nodes] = 1.0
+        if prefetched:
+            target = torch.stack([rows[t], *(rows[t + d] for d in depths)])  # [N + 1, V]
+        else:
+            target = lambda node: rows[t if node < 0 else t + depths[node]]  # noqa: E731
+        verdict = verify_tree(nodes, parents, q, target, gen)
+        tokens += [*verdict.tokens, verdict.next_token]
+    return tokens[:LENGTH], len(tokens) == LENGTH, gen.get_state()
+
+
+@pytest.mark.parametrize("prefetched", [False, True])
+def test_coupled_trees_give_plain_decodings_tokens_and_generator_state(prefetched):
+    for seed in range(12):
+        rows = _rows(seed)
+        plain, plain_state = _plain(rows, seed)
+        tokens, exact_length, state = _tree_rounds(rows, seed, plain, prefetched, sampled=False)
+        assert tokens == plain, seed
+        if exact_length:
+            assert torch.equal(state, plain_state), seed
+
+
+def test_negative_control_trees_verified_by_rejection_give_other_tokens():
+    differ = 0
+    for seed in range(12):
+        rows = _rows(seed)
+        plain, _ = _plain(rows, seed)
+        differ += _tree_rounds(rows, seed, plain, prefetched=True, sampled=True)[0] != plain
     assert differ >= 6, differ
 
 

@@ -13,11 +13,14 @@ from half residual, half p is still caught (p = 3e-4; 2000: 1e-4).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 
 from conftest import tiny_pipeline
 from exact import exact_distribution, goodness_of_fit, sample_counts
-from specgen.sampling import rejection
+from specgen.sampling import rejection, sample_token
 
 VOCAB8 = ("target.source.vocab_size=8", "drafter.source.vocab_size=8")
 PROMPT = [1, 2, 3]
@@ -73,5 +76,25 @@ def test_negative_control_detects_wrong_residual(monkeypatch):
     expected = exact_distribution(pipe, PROMPT, LENGTH)
     monkeypatch.setattr(rejection, "positive_residual", lambda target_probs, draft_probs: target_probs)
     counts = sample_counts(pipe, PROMPT, LENGTH, NUM_SAMPLES)
+    p_value, _ = goodness_of_fit(counts, expected)
+    assert p_value < MIN_P_VALUE
+
+
+def test_negative_control_detects_a_fresh_draw_after_a_coupled_mismatch(monkeypatch):
+    """A deterministic draft is verified by coupling (the drawn token decides and is emitted). Emitting
+    a fresh draw from p after a mismatch (the rejected token not removed) must fail the same test."""
+    drafter, overrides, prompt = CASES["ngram_one_hot_q"]
+    pipe = _pipeline(drafter, overrides)
+    expected = exact_distribution(pipe, prompt, LENGTH)
+    verify_coupled, rng = rejection._verify_coupled, torch.Generator().manual_seed(0)
+
+    def fresh_draw(target_probs, draft_tokens, reads, generator):
+        verdict = verify_coupled(target_probs, draft_tokens, reads, generator)
+        if verdict.kind != "resampled":
+            return verdict
+        return dataclasses.replace(verdict, next_token=sample_token(target_probs[verdict.num_accepted], rng))
+
+    monkeypatch.setattr(rejection, "_verify_coupled", fresh_draw)
+    counts = sample_counts(pipe, prompt, LENGTH, NUM_SAMPLES)
     p_value, _ = goodness_of_fit(counts, expected)
     assert p_value < MIN_P_VALUE

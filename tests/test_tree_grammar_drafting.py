@@ -9,6 +9,7 @@ random heads; char-level regex grammar; fixed seeds.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -20,6 +21,7 @@ import specgen
 from specgen.grammar import TokenAutomaton, grammar_processor
 from specgen.heads import HeadConfig, build_head, save_head, target_fingerprint
 from specgen.round import speculative_round
+from specgen.sampling import sample_token
 from specgen.sampling import tree as tree_sampling
 
 #: Over the tiny alphabet (EOS=0, e=2, t=3, a=4, n=7): a choice at the first token, then forced
@@ -204,17 +206,20 @@ def test_sampled_tree_speculation_is_exact_under_a_grammar(kind, overrides, head
 
 @pytest.mark.parametrize("kind,overrides", EXACT_CASES)
 def test_negative_control_detects_a_final_draw_from_p(kind, overrides, heads, monkeypatch):
-    """Drawing from p (rejected children not removed) after every child is rejected must fail
-    the same test."""
+    """Drawing afresh from p (rejected children not removed) after every child is rejected must
+    fail the same test: in the coupled walk, a fresh draw from the row instead of the drawn token."""
     pipe = pipeline(kind, heads, "sampling.temperature=1.0", *overrides)
     expected = exact_distribution(pipe, PROMPT, LENGTH)
-    one_hot_level = tree_sampling._one_hot_level
+    walk_coupled, rng = tree_sampling.walk_coupled, torch.Generator().manual_seed(0)
 
-    def draw_from_p(p_row, *args):
-        accepted, row, u = one_hot_level(p_row, *args)
-        return accepted, p_row, u
+    def draw_from_p(visit, tokens, children, draw):
+        verdict = walk_coupled(visit, tokens, children, draw)
+        if verdict.kind != "resampled":
+            return verdict
+        row = visit(verdict.path[-1] if verdict.path else tree_sampling.ROOT)[0]  # [vocab] the last accepted node's row
+        return dataclasses.replace(verdict, next_token=sample_token(row, rng))
 
-    monkeypatch.setattr(tree_sampling, "_one_hot_level", draw_from_p)
+    monkeypatch.setattr(tree_sampling, "walk_coupled", draw_from_p)
     counts = sample_counts(pipe, PROMPT, LENGTH, NUM_SAMPLES)
     p_value, _ = goodness_of_fit(counts, expected)
     assert p_value < MIN_P_VALUE

@@ -40,7 +40,8 @@ residual, so the total is min(r, q) + (r - q)+ = r. Later siblings may be drawn
 from any law given the earlier ones (i.i.d., without replacement) as long as
 draft_probs holds that law. With one-hot siblings x1, x2, ... this reads:
 accept x1 w.p. p(x1), else x2 w.p. p(x2) / (1 - p(x1)), ..., else sample p with
-those tokens removed. Each level's uniforms are fresh and used once in both
+those tokens removed, the law :mod:`specgen.sampling.tree_coupled` realises by
+drawing one token per level. Each level's uniforms are fresh and used once in both
 modes (lazy and prefetched target rows), so the two are the same procedure.
 """
 
@@ -53,12 +54,12 @@ import torch
 from specgen.errors import NumericalError
 from specgen.sampling.probs import sample_token, uniforms
 from specgen.sampling.rejection import (
-    RESIDUAL_EPS,
     check_health,
     positive_residual,
     row_health,
     rows_health,
 )
+from specgen.sampling.tree_coupled import lazy_draws, prefetched_draws, walk_coupled
 from specgen.sampling.tree_structure import (
     ROOT,
     TreeVerdict,
@@ -136,6 +137,11 @@ def verify_tree(
     Uniforms: at each visited node, one per child plus one for a final draw; child
     ``i`` uses ``u[i]``. Lazy: drawn per visited node. Prefetched: drawn for every
     node in one call (node order, root first), unused ones discarded.
+    Deterministic nodes (``draft_probs`` None) are verified by coupling instead
+    (:mod:`specgen.sampling.tree_coupled`): the same law, one uniform per level, and
+    the generator left as if one uniform had been drawn per committed token, so a
+    seeded run's tokens equal plain decoding's. Prefetched rows then take one more
+    read (every row drawn ahead).
     Host reads, lazy: one per visited node (the row's checks, the children's p -- and
     q -- values and the uniforms, with the draft rows' checks at the root), one per
     rejected sampled sibling after the first, and one for the final draw.
@@ -155,10 +161,19 @@ def verify_tree(
     vocab = _tree_vocab(tokens, target_probs if prefetched else None, root_row)
     if draft_probs is not None:
         draft_probs = _check_draft(draft_probs, num_nodes, vocab)
+    start = generator.get_state() if draft_probs is None else None
+    level_u = uniforms(generator, num_nodes + 1) if draft_probs is None else None  # [N + 1] coupled: u[depth]
     if prefetched:
         visit = _prefetch(target_probs, tokens, parents, children, draft_probs, generator)
     else:
         visit = _lazy_visitor(root_row, target_probs, tokens, children, draft_probs, vocab, generator)
+    if draft_probs is None:
+        draw = prefetched_draws(target_probs, parents, level_u) if prefetched else lazy_draws(generator,
+                                                                                              level_u.tolist())
+        verdict = walk_coupled(visit, tokens, children, draw)
+        generator.set_state(start)  # one uniform per committed token (tree_coupled)
+        uniforms(generator, len(verdict.path) + (verdict.next_token is not None))
+        return verdict
     return _walk(visit, tokens, children, draft_probs, generator)
 
 
@@ -212,22 +227,20 @@ def _lazy_visitor(root_row: torch.Tensor, target_probs: Callable[[int], torch.Te
     return visit
 
 
-def _walk(visit, tokens: list[int], children: dict[int, list[int]], draft_probs: torch.Tensor | None,
+def _walk(visit, tokens: list[int], children: dict[int, list[int]], draft_probs: torch.Tensor,
           generator: torch.Generator) -> TreeVerdict:
-    """Recursive rejection sampling from the root: one level at a time (one-hot or sampled
-    siblings), descending into each accepted child, until a level rejects every child (or
-    is a leaf) and the next token is drawn, or an accepted node's row is empty."""
+    """Recursive rejection sampling from the root: one level at a time (sampled siblings;
+    one-hot trees take :func:`~specgen.sampling.tree_coupled.walk_coupled`), descending
+    into each accepted child, until a level rejects every child (or is a leaf) and the
+    next token is drawn, or an accepted node's row is empty."""
     p_row, level, _ = visit(ROOT)  # [vocab], values for the root's children
     path: list[int] = []
     checked: list[int] = []
     accept_probs: list[float] = []
     node = ROOT
     while True:
-        if draft_probs is None:
-            accepted, row, u = _one_hot_level(p_row, level, children[node], tokens, checked, accept_probs)
-        else:
-            accepted, row, u = _sampled_level(p_row, draft_probs, level, children[node], tokens, checked,
-                                              accept_probs)
+        accepted, row, u = _sampled_level(p_row, draft_probs, level, children[node], tokens, checked,
+                                          accept_probs)
         if accepted is None:
             kind = "resampled" if children[node] else "bonus"
             next_token = sample_token(row, generator, u)
@@ -283,36 +296,6 @@ def _prefetch(rows: torch.Tensor, tokens: list[int], parents: list[int], childre
         return rows[r], level, bool(health[4 * r + 2])
 
     return visit
-
-
-def _one_hot_level(p_row, values, kids, tokens, checked, accept_probs):
-    """One level of RRS with one-hot siblings, from the values read with the row: p of
-    each child's token, then len(kids) + 1 uniforms (child i uses u[i], a final draw
-    after rejecting them all u[len(kids)]).
-
-    Rejecting token x turns the row r into (r - e_x)+ / (1 - r(x)): x removed, the
-    rest rescaled, so the row is p restricted to the tokens not yet rejected, over
-    their mass -- tracked on the host; the device row is built once, for the final
-    draw. The round-off fallback of :func:`positive_residual` (no residual mass:
-    keep the row) is kept. -> (accepted child or None, row to draw from [vocab], its uniform)."""
-    child_p, u = values[: len(kids)], values[len(kids):]
-    remaining = 1.0  # mass of p over the tokens not yet rejected
-    removed: list[int] = []
-    for i, (child, p_x) in enumerate(zip(kids, child_p, strict=True)):
-        token = tokens[child]
-        r_x = 0.0 if token in removed else p_x / remaining
-        ratio = min(1.0, r_x)
-        checked.append(child)
-        accept_probs.append(ratio)
-        if u[i] < ratio:
-            return child, p_row, None
-        if 1.0 - r_x > RESIDUAL_EPS and token not in removed:
-            removed.append(token)
-            remaining -= p_x
-    if not removed:
-        return None, p_row, u[-1]
-    index = torch.tensor(removed, dtype=torch.long, device=p_row.device)
-    return None, p_row.index_fill(0, index, 0.0), u[-1]
 
 
 def _sampled_level(p_row, draft_probs, values, kids, tokens, checked, accept_probs):
