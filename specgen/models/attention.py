@@ -19,7 +19,7 @@ A ragged batched step pads every row's feed to the widest (:mod:`specgen.batch`)
 Within :func:`row_lengths` each row's query is cut to its own real tokens and
 attended in a call of its own (views, no copies), so the padding costs no
 attention; a row's real outputs are the same arithmetic as in the padded call.
-What both save: docs/benchmarks.md, "Batching", and CHANGELOG.md, 2026-12-03.
+What both save: docs/benchmarks.md, "Batching".
 
 :func:`set_per_query` switches a model to the batch-invariant path (``invariant_verify=true``):
 every query token, also a single-token step's, attends in a call of its own to the keys it

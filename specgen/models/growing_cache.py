@@ -12,8 +12,7 @@ transaction's snapshot) still reads what it read before; only entries already
 cropped away are overwritten. Anything that replaces ``keys``/``values`` with a
 tensor of its own (compaction, tree ``keep_rows``, batch reshuffles) is adopted
 into a new buffer on the next append. The entries read back are bit-equal to those
-concatenation would hold (tests/test_growing_cache.py). What the copies cost: CHANGELOG.md,
-2026-12-03.
+concatenation would hold (tests/test_growing_cache.py).
 """
 
 from __future__ import annotations
