@@ -26,9 +26,13 @@ def test_every_console_script_imports_its_command_inside_the_guard():
 
 
 def _interrupt_when(cmd: list[str], marker: str, env: dict, tmp_path: Path) -> tuple[int, list[str]]:
-    """Start ``cmd``, wait until a stderr line holds ``marker``, send SIGINT; -> (status, stderr lines)."""
+    """Start ``cmd``, wait until a stderr line holds ``marker``, send SIGINT; -> (status, stderr lines).
+
+    The child starts with SIGINT at its default, as a terminal's foreground command does: a test run
+    started in the background (``cmd &`` in a script) ignores SIGINT, and children inherit that."""
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=tmp_path)
+                            text=True, env=env, cwd=tmp_path,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     try:
         for line in proc.stderr:
