@@ -11,6 +11,9 @@ through the target protocol (``forward(cache, tokens, keep)``):
 * quality: the float32 arm's greedy continuation of ``--prompts`` held-out chat prompts; every arm
   scores the whole sequence once (:mod:`specgen.bench.quality`); mean NLL of the generated tokens,
   KL(float32 || arm) per generated position and top-1 agreement.
+* kernel floor: for each quantized arm, a line ``<arm> kernels`` timing only its linear layers'
+  kernel calls at the shapes of the same n-token forwards (every layer, the LM head on n rows), in
+  the same rounds: what the forward would cost with no other work.
 * batch invariance: each arm's ``verify_gap`` at widths 2..9 where it has one.
 """
 
@@ -46,13 +49,28 @@ def load(arm: str, threads: int):
     return load_quantized(SOURCE, name=arm, quant=arm, progress=False)
 
 
+class KernelFloor:
+    """The kernel calls of a quantized target's n-token forward alone: every QuantLinear of its
+    lean forward (the LM head last) on n rows of fixed activations."""
+
+    def __init__(self, lm):
+        self.linears = lm.net.linears()
+        self.inputs = {n: [torch.randn(n, linear.in_features) for linear in self.linears] for n in WIDTHS}
+
+    def run(self, n: int) -> None:
+        for linear, x in zip(self.linears, self.inputs[n]):
+            linear.native(x)
+
+
 def costs(lms: dict, repeats: int, vocab: int) -> dict[str, dict[int, float]]:
-    """{arm: {n: fastest seconds}} of n-token forwards after a 192-token context, interleaved."""
+    """{arm: {n: fastest seconds}} of n-token forwards after a 192-token context, interleaved, and
+    {"<arm> kernels": ...} of the kernel floor (:class:`KernelFloor`) of each quantized arm."""
     context = [(7919 * i + 11) % vocab for i in range(192)]
     caches = {arm: lm.new_cache() for arm, lm in lms.items()}
     for arm, lm in lms.items():
         lm.forward(caches[arm], context, keep=1)
-    best = {arm: {n: float("inf") for n in WIDTHS} for arm in lms}
+    floors = {f"{arm} kernels": KernelFloor(lm) for arm, lm in lms.items() if hasattr(lm, "net")}
+    best = {arm: {n: float("inf") for n in WIDTHS} for arm in [*lms, *floors]}
     for _ in range(repeats):
         for arm, lm in lms.items():
             for n in WIDTHS:
@@ -60,6 +78,11 @@ def costs(lms: dict, repeats: int, vocab: int) -> dict[str, dict[int, float]]:
                 lm.forward(caches[arm], context[:n], keep=n)
                 best[arm][n] = min(best[arm][n], time.perf_counter() - start)
                 caches[arm].crop(len(context))
+            if f"{arm} kernels" in floors:
+                for n in WIDTHS:
+                    start = time.perf_counter()
+                    floors[f"{arm} kernels"].run(n)
+                    best[f"{arm} kernels"][n] = min(best[f"{arm} kernels"][n], time.perf_counter() - start)
     return best
 
 
@@ -79,6 +102,9 @@ def main() -> None:
     with torch.inference_mode():
         for arm, seconds in costs(lms, args.repeats, tokenizer.vocab_size).items():
             curve = "  ".join(f"v({n}) {seconds[n] / seconds[1]:.2f}" for n in WIDTHS[1:])
+            if arm not in lms:
+                print(f"{arm:10s} v(1) {seconds[1] * 1e3:6.2f} ms  {curve}")
+                continue
             gap = lms[arm].verify_gap(range(2, 10)) if hasattr(lms[arm], "verify_gap") else None
             print(f"{arm:10s} v(1) {seconds[1] * 1e3:6.2f} ms  {curve}  verify gap {gap}  "
                   f"[{lms[arm].describe()['dtype']}]")
