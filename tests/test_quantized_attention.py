@@ -85,3 +85,14 @@ def test_negative_control_single_steps_over_exact_key_counts_differ_from_a_bucke
     assert float((verify - exact_lengths).abs().max()) > 0.0
     monkeypatch.setattr(model, "KEY_BUCKET", 16)
     assert torch.equal(_singles(lm, prefix, tokens), verify)
+
+
+def test_spans_stop_at_a_context_length_off_the_bucket_grid():
+    """context 40: positions 32..39 attend over the 40 slots there are (not 48), fed together or alone."""
+    source = dict(TINY_SOURCE, context_length=40)
+    lm = load_quantized(source, name="target", quant="int8", progress=False).lm
+    assert lm.net._span(39) == 40 and lm.net._span(31) == 32
+    ids = IDS[:40]
+    assert torch.equal(_verify(lm, ids[:30], ids[30:]), _singles(lm, ids[:30], ids[30:]))
+    with pytest.raises(ValueError, match="exceed"):
+        lm.forward(lm.new_cache(), IDS[:41], keep=1)
