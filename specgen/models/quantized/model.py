@@ -12,11 +12,15 @@ Batch invariance by construction: the logits of a position must not depend on
 how many positions are fed with it. Every op here either works on each row on
 its own (the int kernels, norms, RoPE, SiLU, residual adds: elementwise or
 reductions within a row) or is computed per query in the shapes of a one-token
-step: attention runs one ``scaled_dot_product_attention`` call per query over
-exactly the keys it sees (a view whose strides do not depend on the cache's
-capacity), each key/value head's query heads folded into the query axis (query
-``[1, kv_heads, groups, head_dim]``, no mask: every one of them sees every key).
-The target measures the result at load (``verify_gap``).
+step: a query at position ``p`` attends over the first ``span(p)`` cache slots, ``p + 1``
+rounded up to a multiple of :data:`KEY_BUCKET` (at most the context length), with an
+additive mask of ``-inf`` past ``p`` (masked slots add exact zeros; they hold finite stale or
+zero entries, never garbage), each key/value head's query heads folded into the query axis
+(query ``[kv_heads, groups, head_dim]``). A query's shapes depend on its position only, so
+the queries of one forward that share a span go in one ``scaled_dot_product_attention`` call
+as its batch (the kernel computes batch items apart, in the same shapes as alone): a verify
+of ``n`` tokens makes one or two calls per layer where per-query attention made ``n``. The
+target measures the result at load (``verify_gap``).
 
 The weights come from a loaded transformers model (float32, e.g. a GGUF's
 dequantised tensors); :func:`architecture_problem` says which models this
@@ -39,6 +43,8 @@ MODEL_TYPES = ("llama", "qwen2")
 WEIGHT_ONLY = ("int8", "int4")
 #: Tokens a new KV buffer holds; it doubles when full (up to the context length).
 FIRST_CAPACITY = 256
+#: A query attends over its position + 1 keys rounded up to a multiple of this (the rest masked).
+KEY_BUCKET = 16
 
 
 def architecture_problem(model: torch.nn.Module) -> str | None:
@@ -63,8 +69,9 @@ def architecture_problem(model: torch.nn.Module) -> str | None:
 class KVBuffers:
     """Keys and values of one sequence: [layers, capacity, kv_heads, head_dim] float32 each.
 
-    Slots past the owner's length hold stale entries that no query reads, so dropping
-    entries costs nothing; :meth:`reserve` grows both buffers (copying what is kept)."""
+    Slots past the owner's length hold stale entries (or zeros, never uninitialised memory) that
+    queries mask out, so dropping entries costs nothing; :meth:`reserve` grows both buffers (copying
+    what is kept)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -81,7 +88,7 @@ class KVBuffers:
         capacity = min(capacity, limit)
         for name in ("keys", "values"):
             old = getattr(self, name)
-            new = old.new_empty(old.shape[0], capacity, *old.shape[2:])
+            new = old.new_zeros(old.shape[0], capacity, *old.shape[2:])
             new[:, :kept] = old[:, :kept]
             setattr(self, name, new)
 
@@ -185,6 +192,8 @@ class LeanLlama:
         float32 (vocab' = the LM head's rows). A row's logits do not depend on the other feeds."""
         for feed in feeds:
             feed.kv.reserve(feed.start + feed.n, feed.start, self.context_length)
+            feed.kv.reserve(self._span(feed.start + feed.n - 1), feed.start, self.context_length)
+        groups = [self._spans(feed) for feed in feeds]  # per feed, its queries by span; shared by every layer
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         if len(feeds) == 1:
             positions = slice(feeds[0].start, feeds[0].start + feeds[0].n)
@@ -196,12 +205,15 @@ class LeanLlama:
             qkv = layer.qkv.native(_rms_norm(x, layer.attention_norm, self.eps))  # [T, (heads + 2 kv) * hd], bf16
             qkv = qkv.view(-1, heads + 2 * kv_heads, head_dim)
             rotated = _rope(qkv[:, :heads + kv_heads], cos, sin)  # [T, heads + kv, head_dim]
+            queries = rotated[:, :heads].unflatten(1, (kv_heads, -1))  # [T, kv, groups, hd]: groups as queries
             mixed, offset = [], 0
-            for feed in feeds:
-                keys, values, end = feed.kv.keys[index], feed.kv.values[index], offset + feed.n
-                keys[feed.start:feed.start + feed.n] = rotated[offset:end, heads:]
-                values[feed.start:feed.start + feed.n] = qkv[offset:end, heads + kv_heads:]
-                mixed.append(self._attend(rotated[offset:end, :heads], keys, values, feed.start))  # [n, heads * hd]
+            for feed, spans in zip(feeds, groups):
+                end = offset + feed.n
+                feed.kv.keys[index, feed.start:feed.start + feed.n] = rotated[offset:end, heads:]
+                feed.kv.values[index, feed.start:feed.start + feed.n] = qkv[offset:end, heads + kv_heads:]
+                mixed += [F.scaled_dot_product_attention(  # [rows, kv, groups, hd] -> [rows, heads * hd] per span
+                    queries[offset + span.row:offset + span.row + span.rows], span.keys[index], span.values[index],
+                    attn_mask=span.mask, scale=self.scale).reshape(span.rows, -1) for span in spans]
                 offset = end
             x += layer.output.native(mixed[0] if len(mixed) == 1 else torch.cat(mixed))
             gate, up = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)  # [T, inter] each
@@ -215,15 +227,40 @@ class LeanLlama:
             return x.new_zeros(0, self.head.out_features)
         return self.head(_rms_norm(kept, self.norm, self.eps))  # [sum keep, vocab']
 
-    def _attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
-        """queries [n, heads, head_dim] at positions start.., keys/values [capacity, kv_heads, head_dim]
-        -> [n, heads * head_dim]: each query alone, over the keys up to its own position."""
-        n = queries.shape[0]
-        queries = queries.view(n, 1, self.kv_heads, self.heads // self.kv_heads, self.head_dim)  # groups as queries
-        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, kv, capacity, head_dim]
-        rows = [F.scaled_dot_product_attention(queries[i], keys[:, :, :start + i + 1], values[:, :, :start + i + 1],
-                                               scale=self.scale) for i in range(n)]  # [1, kv, groups, hd] each
-        return (rows[0] if n == 1 else torch.cat(rows)).view(n, -1)  # [n, heads * head_dim]
+    def _span(self, position: int) -> int:
+        """How many cache slots a query at ``position`` attends over (the rest of them masked)."""
+        return min(-(-(position + 1) // KEY_BUCKET) * KEY_BUCKET, self.context_length)
+
+    def _spans(self, feed: Feed) -> list[Span]:
+        """A feed's queries grouped by span (:class:`Span`), in order; call after the buffers are reserved."""
+        spans: list[Span] = []
+        row = 0
+        keys, values = feed.kv.keys.transpose(1, 2), feed.kv.values.transpose(1, 2)  # [layers, kv, capacity, hd]
+        while row < feed.n:
+            span = self._span(feed.start + row)
+            rows = min(feed.n, span - feed.start) - row  # the queries whose span is this one
+            positions = torch.arange(feed.start + row, feed.start + row + rows)  # [rows]
+            mask = torch.zeros(rows, 1, 1, span).masked_fill_(torch.arange(span) > positions[:, None, None, None],
+                                                              float("-inf"))
+            shape = (keys.shape[0], rows, keys.shape[1], span, keys.shape[3])  # [layers, rows, kv, span, hd]
+            spans.append(Span(row, rows, mask, keys[:, None, :, :span].expand(shape),
+                              values[:, None, :, :span].expand(shape)))
+            row += rows
+        return spans
+
+
+@dataclass
+class Span:
+    """Queries ``row..row + rows - 1`` of a feed, whose positions round up to the same key count
+    ``span``: their attention's mask [rows, 1, 1, span] (0 where the row's query sees the slot, -inf
+    past its position) and the feed's keys and values as a batch of ``rows`` [layers, rows, kv_heads,
+    span, head_dim] (views of its buffers, the batch axis expanded)."""
+
+    row: int
+    rows: int
+    mask: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

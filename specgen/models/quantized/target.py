@@ -19,7 +19,7 @@ import torch
 from specgen.errors import NumericalError
 from specgen.models.invariance import GAP_PREFIX, chain_gaps, worst
 from specgen.models.quantized.kernels import KERNELS
-from specgen.models.quantized.model import Feed, KVBuffers, LeanLlama
+from specgen.models.quantized.model import KEY_BUCKET, Feed, KVBuffers, LeanLlama
 from specgen.models.quantized.smooth import Smoothing
 from specgen.models.target import Capabilities, TokenCache
 
@@ -72,7 +72,7 @@ class QuantizedLM:
 
     def describe(self) -> dict:
         """What this path's costs and numerics depend on; ``dtype`` names the kernels that run."""
-        return {"backend": self.backend, "dtype": self.path, "attention": "per-query sdpa"}
+        return {"backend": self.backend, "dtype": self.path, "attention": f"sdpa over masked key spans of {KEY_BUCKET}"}
 
     @property
     def path(self) -> str:
