@@ -3,10 +3,12 @@
 Usage: python scripts/fair_serve_bench.py [--long-tokens 3000] [--shorts 3] [--trials 5] [--warmup 1]
        [--gap 0.05] [--threads 2] [--prefill-tokens N] [--arms chunked,whole] [overrides ...]
 
-Three arms on one pipeline (the default model unless overrides say otherwise), interleaved trial by
+Four arms on one pipeline (the default model unless overrides say otherwise), interleaved trial by
 trial in one process:
 
 * solo: a short request alone on an idle scheduler;
+* shorts: the ``--shorts`` short requests ``--gap`` seconds apart on an idle scheduler, no long prompt
+  (what they cost each other: on one thread their prefills queue);
 * chunked: a ``--long-tokens`` prompt is submitted, then ``--shorts`` short requests ``--gap`` seconds
   apart while it prefills (a chunk per step, :func:`specgen.batch.steps.prefill_chunks`);
 * whole: the same with ``chunked_prefill=False`` (the long prompt prefilled in one step).
@@ -91,7 +93,7 @@ def main() -> None:
     parser.add_argument("--gap", type=float, default=0.05, help="seconds between submissions")
     parser.add_argument("--threads", default="2")
     parser.add_argument("--prefill-tokens", type=int, default=None)
-    parser.add_argument("--arms", default="chunked,whole", help="the arms beside solo, comma-separated")
+    parser.add_argument("--arms", default="shorts,chunked,whole", help="the arms beside solo, comma-separated")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.prefill_tokens:
@@ -100,8 +102,9 @@ def main() -> None:
     text = " ".join(f"item {i}: the quick brown fox jumps over the lazy dog." for i in range(args.long_tokens))
     long_ids = pipe.encode(text, chat=False)[: args.long_tokens]
     shorts = (SHORT * args.shorts)[: args.shorts]
-    names = [name for name in ("chunked", "whole") if name in args.arms.split(",")]
+    names = [name for name in ("shorts", "chunked", "whole") if name in args.arms.split(",")]
     arms = {"chunked": BatchScheduler(pipe, 8), "whole": BatchScheduler(pipe, 8, chunked_prefill=False)}
+    arms["shorts"] = arms["chunked"]
     ttft: dict[str, list[float]] = {name: [] for name in ("solo", *names)}
     solo_tokens = {p: pipe.generate(p, max_new_tokens=4).token_ids for p in shorts}
     long_solo = pipe.generate(prompt_ids=long_ids, max_new_tokens=8).token_ids
@@ -113,12 +116,12 @@ def main() -> None:
                 timed, _ = trial(arms["chunked"], None, [prompt], 0.0, 8)
                 ttft["solo"].extend([timed[0].ttft] if counted else [])
             for name in names:
-                timed, long = trial(arms[name], long_ids, shorts, args.gap, 8)
+                timed, long = trial(arms[name], None if name == "shorts" else long_ids, shorts, args.gap, 8)
                 ttft[name].extend(t.ttft for t in timed if counted)
                 same &= all(t.tokens == solo_tokens[p] for t, p in zip(timed, shorts, strict=True))
-                same &= long.tokens == long_solo
+                same &= long is None or long.tokens == long_solo
     finally:
-        for scheduler in arms.values():
+        for scheduler in (arms["chunked"], arms["whole"]):
             scheduler.close()
     base = statistics.median(ttft["solo"])
     print(f"model {pipe.config['target'].get('name')}  long prompt {len(long_ids)} tokens  "
