@@ -32,6 +32,7 @@ class Row:
     ctx: RoundContext
     start: float
     owner: object = None  # who receives this row's events (a BatchScheduler's Handle)
+    passed_over: int = 0  # consecutive steps this row, still without a first token, fed nothing
 
 
 def unbatched_reason(pipe) -> str | None:
@@ -187,6 +188,11 @@ def admit(pipe, kv: BatchKV, r: int, spec: RowSpec) -> Row:
     return Row(spec, request, ctx, time.perf_counter())
 
 
+#: Steps a prompt still without its first token may be passed over in a row before it goes first
+#: (:func:`prefill_chunks`): the bound on how long newer, shorter prompts can hold a long one back.
+MAX_PASSED_OVER = 4
+
+
 def prefill_chunks(kv, live: list[tuple[int, Row]]) -> dict[int, list[int]]:
     """The rows of ``live`` whose prompt does not go whole this step, each with what it feeds.
 
@@ -199,8 +205,10 @@ def prefill_chunks(kv, live: list[tuple[int, Row]]) -> dict[int, list[int]]:
     its last chunk's included, are those of its solo run; every other such row waits,
     feeding nothing. Rows that have their first token decode in every step, outside the
     budget. So a step costs at most one chunk of prompt beside the decodes, and a newly
-    admitted short prompt goes before the rest of a long one. {} when the backend does not
-    chunk (``kv.prefill_chunk`` None)."""
+    admitted short prompt goes before the rest of a long one. No prompt starves: a row passed
+    over (fed nothing) :data:`MAX_PASSED_OVER` steps in a row goes first in the next step
+    (oldest first among such rows); each row's ``passed_over`` count is updated here. {} when
+    the backend does not chunk (``kv.prefill_chunk`` None)."""
     chunk = getattr(kv, "prefill_chunk", None)
     if not chunk:
         return {}
@@ -211,16 +219,24 @@ def prefill_chunks(kv, live: list[tuple[int, Row]]) -> dict[int, list[int]]:
             waiting.append((len(request.target_cache.uncached(request.committed.tokens)), row.start, r, row))
     out: dict[int, list[int]] = {}
     budget = chunk
-    for size, _, r, row in sorted(waiting, key=lambda entry: entry[:2]):
+
+    def order(entry):  # starving rows first, oldest first; then shortest remaining prompt, oldest first
+        size, start, _, row = entry
+        return (0, start, size) if row.passed_over >= MAX_PASSED_OVER else (1, size, start)
+
+    for size, _, r, row in sorted(waiting, key=order):
         if size <= budget:
             budget -= size
+            row.passed_over = 0
         elif budget == chunk:
             cache = row.request.target_cache
             take = chunk - len(cache) % chunk  # to the end of the solo run's chunk
             out[r] = cache.uncached(row.request.committed.tokens)[:take]
             budget = 0
+            row.passed_over = 0
         else:
             out[r] = []
+            row.passed_over += 1
     return out
 
 
