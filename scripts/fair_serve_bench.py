@@ -1,18 +1,23 @@
 """Short requests' time to first token beside a long prompt's prefill, on the online batch (BatchScheduler).
 
-Usage: python scripts/fair_serve_bench.py [--long-tokens 3000] [--shorts 3] [--trials 5] [--gap 0.05]
-       [--threads 2] [--prefill-tokens N] [overrides ...]
+Usage: python scripts/fair_serve_bench.py [--long-tokens 3000] [--shorts 3] [--trials 5] [--warmup 1]
+       [--gap 0.05] [--threads 2] [--prefill-tokens N] [--arms chunked,whole] [overrides ...]
 
-Three arms on one pipeline (the default model unless overrides say otherwise), interleaved trial by
+Four arms on one pipeline (the default model unless overrides say otherwise), interleaved trial by
 trial in one process:
 
 * solo: a short request alone on an idle scheduler;
+* shorts: the ``--shorts`` short requests ``--gap`` seconds apart on an idle scheduler, no long prompt
+  (what they cost each other: on one thread their prefills queue);
 * chunked: a ``--long-tokens`` prompt is submitted, then ``--shorts`` short requests ``--gap`` seconds
   apart while it prefills (a chunk per step, :func:`specgen.batch.steps.prefill_chunks`);
 * whole: the same with ``chunked_prefill=False`` (the long prompt prefilled in one step).
 
 Prints p50 / p99 TTFT (submission to first token) of each arm's short requests, their ratio to
-solo's p50, and whether every short and long output equals its solo run token for token.
+solo's p50, and whether every short and long output equals its solo run token for token. The first
+--warmup trials of each arm are run the same way but not counted: a batch's llama.cpp context grows
+to the rows in use when they are first used (:class:`specgen.models.llama_batch.LlamaBatch`), once
+per scheduler, and the figures are a running server's.
 --prefill-tokens sets llama_context.PREFILL_TOKENS (the width a prompt's decodes are split at,
 solo and batched alike) before the model loads. Wall-clock numbers depend on machine load:
 report the load with them.
@@ -84,9 +89,11 @@ def main() -> None:
     parser.add_argument("--long-tokens", type=int, default=3000)
     parser.add_argument("--shorts", type=int, default=3)
     parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1, help="uncounted trials first")
     parser.add_argument("--gap", type=float, default=0.05, help="seconds between submissions")
     parser.add_argument("--threads", default="2")
     parser.add_argument("--prefill-tokens", type=int, default=None)
+    parser.add_argument("--arms", default="shorts,chunked,whole", help="the arms beside solo, comma-separated")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.prefill_tokens:
@@ -95,27 +102,31 @@ def main() -> None:
     text = " ".join(f"item {i}: the quick brown fox jumps over the lazy dog." for i in range(args.long_tokens))
     long_ids = pipe.encode(text, chat=False)[: args.long_tokens]
     shorts = (SHORT * args.shorts)[: args.shorts]
+    names = [name for name in ("shorts", "chunked", "whole") if name in args.arms.split(",")]
     arms = {"chunked": BatchScheduler(pipe, 8), "whole": BatchScheduler(pipe, 8, chunked_prefill=False)}
-    ttft: dict[str, list[float]] = {"solo": [], "chunked": [], "whole": []}
+    arms["shorts"] = arms["chunked"]
+    ttft: dict[str, list[float]] = {name: [] for name in ("solo", *names)}
     solo_tokens = {p: pipe.generate(p, max_new_tokens=4).token_ids for p in shorts}
     long_solo = pipe.generate(prompt_ids=long_ids, max_new_tokens=8).token_ids
     same = True
     try:
-        for _ in range(args.trials):
+        for number in range(args.warmup + args.trials):
+            counted = number >= args.warmup
             for prompt in shorts:  # solo: one short at a time on an idle scheduler
                 timed, _ = trial(arms["chunked"], None, [prompt], 0.0, 8)
-                ttft["solo"].append(timed[0].ttft)
-            for name in ("chunked", "whole"):
-                timed, long = trial(arms[name], long_ids, shorts, args.gap, 8)
-                ttft[name].extend(t.ttft for t in timed)
+                ttft["solo"].extend([timed[0].ttft] if counted else [])
+            for name in names:
+                timed, long = trial(arms[name], None if name == "shorts" else long_ids, shorts, args.gap, 8)
+                ttft[name].extend(t.ttft for t in timed if counted)
                 same &= all(t.tokens == solo_tokens[p] for t, p in zip(timed, shorts, strict=True))
-                same &= long.tokens == long_solo
+                same &= long is None or long.tokens == long_solo
     finally:
-        for scheduler in arms.values():
+        for scheduler in (arms["chunked"], arms["whole"]):
             scheduler.close()
     base = statistics.median(ttft["solo"])
     print(f"model {pipe.config['target'].get('name')}  long prompt {len(long_ids)} tokens  "
-          f"prefill split {llama_context.PREFILL_TOKENS}  shorts/trial {len(shorts)}  trials {args.trials}")
+          f"prefill split {llama_context.PREFILL_TOKENS}  shorts/trial {len(shorts)}  trials {args.trials} "
+          f"(+{args.warmup} uncounted)")
     for name, values in ttft.items():
         p50, p99 = statistics.median(values), percentile(values, 0.99)
         print(f"{name:8s} n={len(values):3d}  p50 {p50 * 1e3:8.1f} ms  p99 {p99 * 1e3:8.1f} ms  "

@@ -5,6 +5,7 @@ equal its solo run's. Latency is counted in decoded tokens and steps, never time
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 from conftest import TINY
@@ -12,6 +13,8 @@ from test_llama_cpp_backend import _decodes
 
 import specgen
 from specgen.batch import Batch, BatchScheduler, prepare
+from specgen.batch import steps as steps_module
+from specgen.batch.steps import Row
 from specgen.events import FinishEvent, TokenEvent
 from specgen.models import llama_context, llama_cpp
 
@@ -140,3 +143,101 @@ def test_the_scheduler_chunks_by_default(pipe):
         scheduler.close()
         other.close()
     assert got == [pipe.generate(prompt_ids=p, max_new_tokens=6).token_ids for p in (LONG, SHORT[0])]
+
+
+def _firsts(pipe, admissions: dict[int, list[list[int]]]) -> tuple[dict[int, int], dict[int, list[int]]]:
+    """Run a Batch, admitting ``admissions[s]`` (index order) before step s; -> each row's step of its
+    first token, and each row's tokens (index order of admission)."""
+    batch = Batch(pipe, 4, row_context=512)
+    first: dict[int, int] = {}
+    tokens: dict[int, list[int]] = {}
+    index, steps = 0, 0
+    while batch.active or steps <= max(admissions):
+        for ids in admissions.get(steps, []):
+            batch.add(_spec(pipe, ids, index))
+            tokens[index] = []
+            index += 1
+        for row, event in list(batch.step()):
+            if isinstance(event, TokenEvent):
+                first.setdefault(row.spec.index, steps)
+                tokens[row.spec.index].append(event.token_id)
+        steps += 1
+    return first, tokens
+
+
+MEDIUM = [1 + (5 * i + i // 3) % 11 for i in range(120)]  # two chunks: 64 + 56
+
+
+@pytest.mark.parametrize("joins", [1, 3])
+def test_the_shortest_remaining_prompt_prefills_first(pipe, joins):
+    """A prompt of two chunks admitted after the long prompt's first chunk (236 tokens left) goes
+    first: its two steps, then the long prompt's four. Negative control (joins=3): admitted after
+    three chunks (108 left, fewer than its 120), it waits for the long prompt, whose first
+    token comes first."""
+    first, tokens = _firsts(pipe, {0: [LONG], joins: [MEDIUM]})
+    if joins == 1:
+        assert (first[1], first[0]) == (2, 6)  # medium: steps 1-2; the long prompt: 0, then 3-6
+    else:
+        assert (first[0], first[1]) == (4, 6)  # the long prompt: steps 0-4 (its last 44 leave 20); medium: 5-6
+    solo = [pipe.generate(prompt_ids=p, max_new_tokens=6).token_ids for p in (LONG, MEDIUM)]
+    assert [tokens[0], tokens[1]] == solo
+
+
+def test_fresh_prompts_share_a_step_only_within_one_chunk(pipe):
+    """Fresh prompts of 40 and 30 tokens (70 > 64) get their first tokens in two steps, the shorter
+    first; prompts of 20 and 30 (50 <= 64), in one."""
+    apart = [[1 + i % 13 for i in range(40)], [2 + i % 11 for i in range(30)]]
+    together = [apart[0][:20], apart[1]]
+    first, tokens = _firsts(pipe, {0: apart})
+    assert (first[1], first[0]) == (0, 1)
+    assert [tokens[0], tokens[1]] == [pipe.generate(prompt_ids=p, max_new_tokens=6).token_ids for p in apart]
+    first, _ = _firsts(pipe, {0: together})
+    assert first == {0: 0, 1: 0}
+
+
+class _Cache:
+    """A stand-in KV handle: which of its row's prompt tokens are cached."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def uncached(self, committed):
+        return committed[len(self.tokens):]
+
+
+def _row(size: int, start: float) -> Row:
+    request = SimpleNamespace(committed=SimpleNamespace(tokens=list(range(size)), num_generated=0),
+                              target_cache=_Cache())
+    return Row(spec=None, request=request, ctx=None, start=start)
+
+
+def _long_chunks_under_a_flood(steps: int) -> int:
+    """Chunks of a 300-token prompt prefilled in ``steps`` steps while a new 10-token prompt arrives
+    every step (each fits the chunk, so it goes whole and leaves). -> the long prompt's chunks."""
+    kv, long_row = SimpleNamespace(prefill_chunk=32), _row(300, 0.0)
+    waiting: list[Row] = []
+    chunks = 0
+    for step in range(steps):
+        waiting.append(_row(10, 1.0 + step))
+        live = list(enumerate([long_row, *waiting]))
+        out = steps_module.prefill_chunks(kv, live)
+        if out.get(0):
+            long_row.request.target_cache.tokens += out[0]
+            chunks += 1
+        waiting = [row for r, row in live[1:] if r in out]  # the shorts not fed stay
+    return chunks
+
+
+def test_a_flood_of_short_prompts_does_not_starve_a_long_one():
+    """At most MAX_PASSED_OVER steps pass between the long prompt's chunks; negative control: without
+    the bound, the shortest-first order never gets to it."""
+    chunks = _long_chunks_under_a_flood(20)
+    assert chunks >= 20 // (steps_module.MAX_PASSED_OVER + 1)
+
+
+def test_negative_control_without_the_bound_the_long_prompt_starves(monkeypatch):
+    monkeypatch.setattr(steps_module, "MAX_PASSED_OVER", 10**9)
+    assert _long_chunks_under_a_flood(20) == 0

@@ -32,6 +32,7 @@ class Row:
     ctx: RoundContext
     start: float
     owner: object = None  # who receives this row's events (a BatchScheduler's Handle)
+    passed_over: int = 0  # consecutive steps this row, still without a first token, fed nothing
 
 
 def unbatched_reason(pipe) -> str | None:
@@ -187,33 +188,56 @@ def admit(pipe, kv: BatchKV, r: int, spec: RowSpec) -> Row:
     return Row(spec, request, ctx, time.perf_counter())
 
 
-def prefill_chunks(kv, live: list[tuple[int, Row]]) -> dict[int, list[int]]:
-    """The rows of ``live`` still prefilling a long prompt, each with what it feeds this step.
+#: Steps a prompt still without its first token may be passed over in a row before it goes first
+#: (:func:`prefill_chunks`): the bound on how long newer, shorter prompts can hold a long one back.
+MAX_PASSED_OVER = 4
 
-    A row whose uncached tokens span more than one chunk of ``kv.prefill_chunk`` tokens (the
-    width its backend splits a prompt's decodes at, from the prompt's first token, on every
-    path) is prefilling: it feeds the rest of its current chunk, no logits read, so its
-    prompt's decodes, its last chunk's included, are those of its solo run; it drafts and
-    commits nothing until what is left fits one chunk, then steps as any row (its last chunk
-    with its first logits). One chunk a step in all: the row admitted first prefills, the
-    others wait, feeding nothing; the rows that are not prefilling decode in the same step.
-    In a step where a fresh row (nothing cached yet) takes its whole prompt, which fits a
-    chunk, every prefilling row waits, so the fresh row's first token costs its own prefill
-    and the other rows' decodes, not a chunk more. {} when the backend does not chunk
-    (``kv.prefill_chunk`` None)."""
+
+def prefill_chunks(kv, live: list[tuple[int, Row]]) -> dict[int, list[int]]:
+    """The rows of ``live`` whose prompt does not go whole this step, each with what it feeds.
+
+    The rows without a first token yet share a budget of one chunk (``kv.prefill_chunk``
+    tokens: the width the backend splits a prompt's decodes at, from the prompt's first
+    token, on every path) of prompt per step, shortest remaining prompt first (ties: the row
+    admitted first): each whose uncached prompt fits what is left of the budget steps as any
+    row (its prompt with its first logits, its first token this step); when none fits, the
+    shortest feeds the rest of its current chunk, no logits read, so its prompt's decodes,
+    its last chunk's included, are those of its solo run; every other such row waits,
+    feeding nothing. Rows that have their first token decode in every step, outside the
+    budget. So a step costs at most one chunk of prompt beside the decodes, and a newly
+    admitted short prompt goes before the rest of a long one. No prompt starves: a row passed
+    over (fed nothing) :data:`MAX_PASSED_OVER` steps in a row goes first in the next step
+    (oldest first among such rows); each row's ``passed_over`` count is updated here. {} when
+    the backend does not chunk (``kv.prefill_chunk`` None)."""
     chunk = getattr(kv, "prefill_chunk", None)
     if not chunk:
         return {}
-    out: dict[int, list[int]] = {}
-    fresh = False
-    for r, row in sorted(live, key=lambda pair: pair[1].start):
+    waiting = []  # (uncached prompt tokens, admission time, row index, row)
+    for r, row in live:
         request = row.request
-        pending = request.target_cache.uncached(request.committed.tokens)
-        if len(pending) > chunk:
-            take = chunk - len(request.target_cache) % chunk  # to the end of the solo run's chunk
-            out[r] = [] if out else pending[:take]
-        fresh |= len(pending) <= chunk and not len(request.target_cache)
-    return {r: [] for r in out} if fresh else out
+        if not request.committed.num_generated:
+            waiting.append((len(request.target_cache.uncached(request.committed.tokens)), row.start, r, row))
+    out: dict[int, list[int]] = {}
+    budget = chunk
+
+    def order(entry):  # starving rows first, oldest first; then shortest remaining prompt, oldest first
+        size, start, _, row = entry
+        return (0, start, size) if row.passed_over >= MAX_PASSED_OVER else (1, size, start)
+
+    for size, _, r, row in sorted(waiting, key=order):
+        if size <= budget:
+            budget -= size
+            row.passed_over = 0
+        elif budget == chunk:
+            cache = row.request.target_cache
+            take = chunk - len(cache) % chunk  # to the end of the solo run's chunk
+            out[r] = cache.uncached(row.request.committed.tokens)[:take]
+            budget = 0
+            row.passed_over = 0
+        else:
+            out[r] = []
+            row.passed_over += 1
+    return out
 
 
 def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None = None, draining: bool = False,

@@ -32,8 +32,11 @@ BATCH_TOKENS = 32
 #: The most tokens of one sequence fed per decode before its kept rows (a prompt's context, the tokens
 #: before the first kept row, with that row in the last decode). Such a span is decoded alone, split
 #: from its own first position, so every path that feeds it (plain, speculative, a batched row) splits
-#: it alike and reads the first kept row from the same decode.
-PREFILL_TOKENS = 512
+#: it alike and reads the first kept row from the same decode. It is also the chunk a batch prefills a
+#: long prompt by, one per step (:func:`specgen.batch.steps.prefill_chunks`), so it bounds what a
+#: request admitted meanwhile waits for: narrow, as llama.cpp's CPU prefill costs about the same per
+#: token in decodes of this width as in wider ones.
+PREFILL_TOKENS = 32
 #: llama.cpp's flash-attention switch by name (its enum: 0 off, 1 on; llama.cpp's own -1 "auto" is
 #: not used: LlamaCppLM chooses by measurement).
 FLASH = {"off": 0, "on": 1}
