@@ -102,3 +102,38 @@ def test_no_module_outside_models_names_a_backend_or_branches_on_its_name():
             continue
         found += [f"{path.relative_to(PACKAGE.parent)}:{entry}" for entry in violations(path.read_text("utf-8"))]
     assert found == [], "\n".join(found)
+
+
+def test_each_backend_serves_the_protocol_as_its_capabilities_declare():
+    import pytest
+    import torch
+
+    from specgen.errors import ConfigError
+    from specgen.models import CausalLM, build_tiny_model
+    from specgen.models.llama_cpp import LlamaCppLM
+    from specgen.models.quantized import QuantizedLM
+    from specgen.models.target import (HFBacked, RowBatchTarget, SharedBatchTarget, Target, TargetDefaults,
+                                       hf_model_of)
+
+    lm = CausalLM(build_tiny_model(seed=0), vocab_size=16)
+    assert isinstance(lm, Target) and isinstance(lm, SharedBatchTarget) and not isinstance(lm, RowBatchTarget)
+    assert lm.capabilities.trees and lm.capabilities.compile and lm.context_hint is None and not lm.is_compiled
+    assert hf_model_of(lm) is lm.model and isinstance(lm, HFBacked)
+    out = lm.forward_tree(lm.new_cache(), [1, 2], [3, 4], torch.eye(2, dtype=torch.bool), [1, 1], feature_layers=[])
+    assert all(hasattr(out, name) for name in ("features", "chain_features", "logits", "all_logits"))  # TreeRows
+    assert out.logits(0).shape == (1, 16) and out.all_logits().shape == (3, 16)  # [1, vocab], [n + 1, vocab]
+    for backend in (LlamaCppLM, QuantizedLM):  # chains only: trees and compile are the refusing defaults
+        assert backend.forward_tree is TargetDefaults.forward_tree
+        assert backend.enable_compile is TargetDefaults.enable_compile
+        assert callable(getattr(backend, "new_batch", None)) and not hasattr(backend, "forward_batch")
+        assert getattr(backend, "hf_model", None) is None and getattr(backend, "compiled", None) is None
+    assert LlamaCppLM.context_hint == "raise llama_cpp.context" and QuantizedLM.context_hint is None
+
+    class Chains(TargetDefaults):
+        backend = "llama_cpp"
+
+    with pytest.raises(ConfigError, match="the llama_cpp backend serves no tree forwards"):
+        Chains().forward_tree(None, [1], [2], torch.eye(1, dtype=torch.bool), [1])
+    with pytest.raises(ConfigError, match="the llama_cpp backend has no compiled path"):
+        Chains().enable_compile()
+    assert hf_model_of(Chains()) is None and not Chains().is_compiled
