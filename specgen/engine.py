@@ -21,9 +21,9 @@ from specgen.drafters import DraftContext, Drafter
 from specgen.errors import ConfigError, DeadEndError, PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.guarantee import Guarantee
-from specgen.models import CausalLM, TokenizerInfo
+from specgen.models import TokenizerInfo
 from specgen.models.prefix_cache import DEFAULTS, PrefixCache, common_prefix
-from specgen.models.target import TokenCache
+from specgen.models.target import Target, TokenCache
 from specgen.options import (RequestOptions, check_prompt, check_prompt_ids, check_prompt_size, parse_chat, parse_int,
                              parse_optional_text, parse_seed, parse_stop, request_options, with_overrides)
 from specgen.planning import AUTO, CostTable
@@ -77,7 +77,7 @@ class Pipeline:
     the target does not declare ``prefix_reuse``).
     """
 
-    def __init__(self, *, target: CausalLM, tokenizer: TokenizerInfo, drafter: Drafter | None,
+    def __init__(self, *, target: Target, tokenizer: TokenizerInfo, drafter: Drafter | None,
                  stack: ProcessorStack, guarantee: Guarantee, defaults: Defaults, config=None):
         self.target = target
         self.tokenizer = tokenizer
@@ -195,7 +195,7 @@ class Pipeline:
         max_new = options.max_new_tokens
         room = self.target.context_length - len(ids)
         if room < 1:
-            more = " or raise llama_cpp.context" if self.target.backend == "llama_cpp" else ""
+            more = f" or {self.target.context_hint}" if self.target.context_hint else ""
             raise PromptError(f"the prompt has {len(ids)} tokens but the model's context is "
                               f"{self.target.context_length}; shorten the prompt{more}")
         use_spec = self.speculative and options.speculative
@@ -326,7 +326,7 @@ class Pipeline:
         yield done
 
 
-def prefix_cache_for(target: CausalLM, config) -> PrefixCache:
+def prefix_cache_for(target: Target, config) -> PrefixCache:
     """The prefix cache a pipeline on ``target`` keeps: the config's ``prefix_cache`` group (absent:
     its defaults), off when the target does not declare ``prefix_reuse``."""
     section = {**DEFAULTS, **((config or {}).get("prefix_cache") or {})}

@@ -73,7 +73,7 @@ def run_export(args: Sequence[str], out=None) -> Path:
     target_cfg = cfg["target"]
     loaded = load_model(target_cfg["source"], name="target", dtype=torch.float32,
                         device=resolve_device(str(cfg.get("device", "auto"))), progress=False)
-    model = loaded.lm.model.eval().requires_grad_(False)
+    model = loaded.lm.hf_model.eval().requires_grad_(False)
     head, meta = load_head(head_path, model, kind="eagle3")
     source = target_cfg["source"]
     name = source.get("repo") or (source.get("path") if source.get("kind") == "dir" else None)

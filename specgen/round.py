@@ -21,8 +21,7 @@ import torch
 from specgen.drafters import Proposal
 from specgen.drafters.base import EMPTY
 from specgen.events import TokenEvent
-from specgen.models import CausalLM
-from specgen.models.causal_lm import TreeOutput
+from specgen.models.target import Target, TreeRows
 from specgen.planning import (
     AUTO,
     AcceptanceHistory,
@@ -75,7 +74,7 @@ class RoundContext:
     (what the emit stage puts on their events).
     """
 
-    target: CausalLM
+    target: Target
     stack: ProcessorStack
     stats: Stats
     clock: Clock
@@ -325,7 +324,7 @@ def _walk_lazy(request: Request, ctx: RoundContext, proposal: Proposal, parents:
 
 
 def _walk_prefetched(request: Request, ctx: RoundContext, proposal: Proposal, parents: list[int],
-                     paths: list[list[int]], out: TreeOutput) -> TreeVerdict:
+                     paths: list[list[int]], out: TreeRows) -> TreeVerdict:
     """Process every node's row at once, read back once, then walk on the host."""
     with ctx.clock.stage("verify"):
         raw = out.all_logits()  # [num_nodes + 1, vocab]

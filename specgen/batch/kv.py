@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specgen.errors import ConfigError
-from specgen.models import CausalLM, KVCache
+from specgen.models import KVCache
 from specgen.models.growing_cache import growing_cache
+from specgen.models.target import SharedBatchTarget, Target
 
 #: Compact once the shared cache is this many slots, plus COMPACT_SHARE of the longest row, wider
 #: than the longest row. Every batched step attends over every shared slot of every row, dead
@@ -48,7 +49,7 @@ class BatchKV:
     #: prefill here would compute its keys/values in other shapes than a solo run's one forward.
     prefill_chunk = None
 
-    def __init__(self, lm: CausalLM, size: int):
+    def __init__(self, lm: SharedBatchTarget, size: int):
         self.lm = lm
         self.cache = growing_cache(lm.config)  # appends in place: no copy of the whole cache per step
         self.width = 0  # slots per row in the shared tensors
@@ -215,10 +216,11 @@ class BatchKV:
         self.width = longest
 
 
-def batch_cache(target, size: int, row_context: int | None = None):
-    """The batched cache of ``target``'s backend for ``size`` rows: :class:`BatchKV` on torch;
-    elsewhere the backend's own (``target.new_batch``), its rows holding ``row_context`` tokens
+def batch_cache(target: Target, size: int, row_context: int | None = None):
+    """The batched cache of ``target`` (``capabilities.batches``) for ``size`` rows: :class:`BatchKV`
+    for a :class:`~specgen.models.target.SharedBatchTarget`; else the target's own
+    (:class:`~specgen.models.target.RowBatchTarget`), its rows holding ``row_context`` tokens
     each (None: the target's context length)."""
-    if target.backend == "torch":
+    if isinstance(target, SharedBatchTarget):
         return BatchKV(target, size)
     return target.new_batch(size, row_context)

@@ -39,7 +39,7 @@ def unbatched_reason(pipe) -> str | None:
     """Why ``pipe``'s rows cannot share batched steps, or None when they can:
     :func:`specgen.drafters.batch_refusal` for its drafter (when it speculates) and its target."""
     target = pipe.target
-    return batch_refusal(pipe.drafter if pipe.speculative else None, compiled=target.compiled is not None,
+    return batch_refusal(pipe.drafter if pipe.speculative else None, compiled=target.is_compiled,
                          backend=None if target.capabilities.batches else target.backend)
 
 
@@ -153,7 +153,7 @@ def stream_batch(pipe, prompts: Sequence, *, batch_size: int = 8, options: Reque
     common = with_overrides(options, overrides, "generate_batch()")
     if common.stats is not None:
         raise ConfigError("stats is not an option of generate_batch(); read each Generation's stats")
-    if pipe.target.compiled is not None:
+    if pipe.target.is_compiled:
         raise ConfigError("generate_batch() does not run compiled targets yet; set compile=false")
     specs = [prepare(pipe, prompt, common, i) for i, prompt in enumerate(prompts)]
     if not pipe.target.capabilities.batches:  # one row after another, each run as generate() runs it

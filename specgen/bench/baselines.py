@@ -1,7 +1,8 @@
 """Hugging Face ``generate()`` baselines on the very models a pipeline holds.
 
-Three methods run here, each on ``pipe.target.hf_model`` (same weights, dtype,
-device and threads as specgen), under :func:`hf_kernels`:
+Three methods run here, each on the target's transformers model
+(:func:`~specgen.models.target.hf_model_of`; same weights, dtype, device and
+threads as specgen), under :func:`hf_kernels`:
 
 ``hf_generate``        plain greedy or sampling decoding;
 ``hf_assisted``        assisted generation with ``assistant_model`` = the
@@ -30,6 +31,8 @@ from contextlib import contextmanager
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from specgen.models.target import hf_model_of
+
 HF_METHODS = ("hf_generate", "hf_assisted", "hf_prompt_lookup")
 HF_KERNELS = ("stock", "specgen")
 _ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
@@ -47,7 +50,7 @@ def unsupported_sampling(sampling: Mapping) -> str | None:
 def hf_unavailable(pipe) -> str | None:
     """Why HF ``generate()`` cannot run what ``pipe`` runs (a grammar, or sampling it cannot
     reproduce), or None when it can."""
-    if pipe.target.hf_model is None:
+    if hf_model_of(pipe.target) is None:
         return (f"the target runs on {pipe.target.backend}, without a transformers model; HF generate() needs "
                 "backend=torch with a float dtype")
     grammar = (pipe.config.get("grammar") or {}).get("kind", "none")

@@ -35,6 +35,7 @@ from specgen.bench.prompts import BenchPrompt, load_prompt_sets
 from specgen.bench.settings import Settings
 from specgen.drafters import HFAssistant
 from specgen.errors import ConfigError
+from specgen.models.target import hf_model_of
 from specgen.planning.observed import describe_observed
 from specgen.planning.store import describe
 from specgen.planning import AUTO
@@ -155,7 +156,7 @@ def run_arm(pipe, arm: Arm, ids: list[int], *, max_new: int, seed: int, hf_kwarg
         return run_llama_arm(pipe, arm.method, ids, arm.gamma, max_new=max_new, seed=seed, clock=clock)
     if arm.method in HF_METHODS:
         assisted, lookup = _assistant(pipe, "hf_assisted"), _assistant(pipe, "hf_prompt_lookup")
-        result = run_hf(arm.method, pipe.target.hf_model, ids, hf_kwargs, clock=clock, seed=seed, gamma=arm.gamma,
+        result = run_hf(arm.method, hf_model_of(pipe.target), ids, hf_kwargs, clock=clock, seed=seed, gamma=arm.gamma,
                         assistant=assisted and assisted.model, max_ngram=lookup.max_ngram if lookup else 3,
                         kernels=hf_kernels)
         memory = pipe.drafter.extra_memory_bytes if arm.method == "hf_assisted" else 0  # the same draft weights
@@ -307,7 +308,7 @@ def _measure_batches(pipe, encoded: list[tuple], temperature: float, settings: S
     def once(method: str, size: int) -> dict:
         bar.set_postfix_str(f"T={temperature:g} batch {size} {method}")
         if method == "hf_generate":
-            return run_hf_batches(pipe.target.hf_model, prompts, size, hf_kwargs, pad_id=pad_id, seed=settings.seed,
+            return run_hf_batches(hf_model_of(pipe.target), prompts, size, hf_kwargs, pad_id=pad_id, seed=settings.seed,
                                   clock=clock, kernels=settings.hf_kernels)
         return run_specgen(pipe, prompts, size, speculative=method == "specgen", max_new=settings.max_new_tokens,
                            seed=settings.seed, clock=clock)

@@ -22,6 +22,7 @@ from specgen.drafters.tree_grammar import tree_grammar
 from specgen.errors import ConfigError
 from specgen.heads import DraftHead, load_head
 from specgen.models import resolve_drafter_dtype
+from specgen.models.target import hf_model_of
 
 TRAINED_DIR = pathlib.Path(__file__).resolve().parent.parent / "heads" / "trained"
 
@@ -103,6 +104,10 @@ def load_for_target(runtime, head_file: str, kind: str | tuple[str, ...], dtype=
         raise ConfigError(f"drafter={kind} needs drafter.head_file=<a .safetensors head from specgen-train>")
     path = resolve_head_file(str(head_file))
     lm = runtime.target.lm
+    model = hf_model_of(lm)  # a head reads the target's embeddings and fingerprint
+    if model is None or not lm.capabilities.features:
+        raise ConfigError(f"drafter={kind} needs the target's hidden states, which the {lm.backend} backend "
+                          "does not serve; use backend=torch")
     head_dtype = resolve_drafter_dtype(dtype, lm.dtype, lm.device)
-    head, _ = load_head(path, lm.model, kind=kinds, dtype=head_dtype)
+    head, _ = load_head(path, model, kind=kinds, dtype=head_dtype)
     return head, path, lm.vocab_size

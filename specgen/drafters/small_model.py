@@ -17,12 +17,12 @@ import torch
 
 from specgen.drafters.base import EMPTY, DraftContext, Drafter, DraftSession, HFAssistant, Proposal
 from specgen.drafters.chain_draw import ChainDraws
-from specgen.models import CausalLM, resolve_drafter_dtype
-from specgen.models.target import Target
+from specgen.models import resolve_drafter_dtype
+from specgen.models.target import Target, hf_model_of
 
 
 class SmallModelSession(DraftSession):
-    def __init__(self, lm: CausalLM, ctx: DraftContext):
+    def __init__(self, lm: Target, ctx: DraftContext):
         self.lm = lm
         self.ctx = ctx
         self.cache = lm.new_cache()
@@ -66,7 +66,7 @@ class SmallModelDrafter(Drafter):
 
     name = "small_model"
 
-    def __init__(self, lm: CausalLM, tokenizer, num_tokens: int = 4):
+    def __init__(self, lm: Target, tokenizer, num_tokens: int = 4):
         super().__init__(num_tokens)
         self.lm = lm
         self.tokenizer = tokenizer
@@ -85,7 +85,7 @@ class SmallModelDrafter(Drafter):
     @property
     def hf_assistant(self) -> HFAssistant | None:
         """Assisted generation with the draft model, when a transformers model backs it."""
-        model = self.lm.hf_model
+        model = hf_model_of(self.lm)
         return None if model is None else HFAssistant("hf_assisted", model=model)
 
 

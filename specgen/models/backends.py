@@ -89,6 +89,12 @@ def quantized_dtype(cfg: Mapping, device: torch.device) -> str | None:
     return name
 
 
+def loads_on_llama_cpp(backend: BackendName, source: Mapping) -> bool:
+    """Whether the model ``source`` describes loads on llama.cpp in a run on ``backend``
+    (:func:`choose_backend`'s): the target and every draft model it reads (:func:`draft_backend`)."""
+    return backend == "llama_cpp" and draft_backend(source) == "llama_cpp"
+
+
 def draft_backend(source: Mapping) -> BackendName:
     """Where a draft model runs beside a llama.cpp target: on llama.cpp too when its source is
     one llama.cpp reads, else on torch (q is whatever the draft model computes either way)."""

@@ -21,7 +21,7 @@ from specgen.models.compiled import (BUCKETS, FIRST_CAPACITY, CompiledDecoder, b
                                      new_static_cache)
 from specgen.models.growing_cache import growing_cache
 from specgen.models.invariance import GAP_PREFIX, chain_gaps, tree_gaps, worst
-from specgen.models.target import PENDING, Capabilities, TokenCache
+from specgen.models.target import PENDING, Capabilities, TargetDefaults, TokenCache
 
 
 @dataclass
@@ -142,12 +142,11 @@ class TreeOutput:
         return self.lm._head(self.hidden).float()  # [n + 1, vocab]
 
 
-class CausalLM:
-    """The torch/HF target backend (:class:`specgen.models.target.Target`): the reference,
-    serving chains, trees, features and batches.
+class CausalLM(TargetDefaults):
+    """The torch/HF target backend (:class:`specgen.models.target.Target`): the reference, serving chains,
+    trees, features, compiled forwards, and batches (:class:`specgen.models.target.SharedBatchTarget`).
 
-    model: a transformers ``*ForCausalLM`` in eval mode.
-
+    model: a transformers ``*ForCausalLM`` in eval mode (:attr:`hf_model`, for what reads it).
     vocab_size: how many ids have a token in the tokenizer; logits are cut to
     this width so ids without a token (Qwen pads its embedding rows) have zero
     probability on every side.
@@ -164,7 +163,7 @@ class CausalLM:
     backend = "torch"
     #: prefix_reuse off: float matmuls may round a row differently by how many rows are fed with it, so
     #: logits after a prefix fed apart need not equal a fresh prefill's bit for bit (tests/test_prefix_cache.py)
-    capabilities = Capabilities(trees=True, features=True, batches=True, prefix_reuse=False)
+    capabilities = Capabilities(trees=True, features=True, batches=True, prefix_reuse=False, compile=True)
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, name: str = "model", packed: bool = True,
                  invariant: bool = False):
@@ -194,6 +193,7 @@ class CausalLM:
             raise ConfigError(f"compile=true needs logits = lm_head(hidden state); {self.name} scales or caps them")
         packed_linear.set_enabled(self.model, False)  # inductor picks its own kernels
         self.compiled = CompiledDecoder(self.model.get_decoder(), self._cache_kwarg, self.device)
+        self.is_compiled = True
 
     @property
     def device(self) -> torch.device:
@@ -214,7 +214,7 @@ class CausalLM:
 
     @property
     def hf_model(self) -> torch.nn.Module:
-        """The wrapped transformers model (for HF ``generate()`` baselines on the same weights)."""
+        """The wrapped transformers model (:class:`specgen.models.target.HFBacked`)."""
         return self.model
 
     def describe(self) -> dict:

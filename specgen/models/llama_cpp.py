@@ -29,7 +29,7 @@ from specgen.models.llama_batch import LlamaBatch, batch_gap
 from specgen.models.invariance import GAP_PREFIX, chain_gap_probe, worst
 from specgen.models.llama_context import BATCH_TOKENS, FLASH, LlamaContext, LlamaKV, available, library
 from specgen.models.llama_pool import ContextPool
-from specgen.models.target import Capabilities
+from specgen.models.target import Capabilities, TargetDefaults
 
 __all__ = ["LlamaBatch", "LlamaCppLM", "LlamaKV", "available"]
 
@@ -47,7 +47,7 @@ FLASH_MODES = ("auto", "off", "on")
 REPACK = ("auto", "on", "off")
 
 
-class LlamaCppLM:
+class LlamaCppLM(TargetDefaults):
     """A GGUF model on llama.cpp, implementing :class:`specgen.models.target.Target` for chains.
 
     vocab_size: the tokenizer's size (logits are cut to it); threads: llama.cpp's threads;
@@ -65,8 +65,7 @@ class LlamaCppLM:
     """
 
     backend = "llama_cpp"
-    compiled = None
-    hf_model = None
+    context_hint = "raise llama_cpp.context"
 
     def __init__(self, path, *, vocab_size: int, name: str = "model", threads: int = 1,
                  context_length: int | str | None = "auto", sequences: int = 64, flash_attention: str = "auto",

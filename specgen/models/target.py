@@ -13,6 +13,14 @@ models on torch's int8/int4 CPU kernels, chains) and
 llama.cpp). Each declares what it serves in :class:`Capabilities`; a
 combination a backend cannot serve is refused before loading
 (:func:`specgen.checks`), never approximated.
+
+Consumers (engine, rounds, batches, planning, drafters) see a :class:`Target` only: they
+never name a backend class or branch on :attr:`Target.backend` (a name for reports and
+messages), and never reach into a backend's model. What one backend has beyond the
+protocol is an optional protocol here, checked where it is used: :class:`HFBacked` (a
+transformers model behind the target), :class:`SharedBatchTarget` and
+:class:`RowBatchTarget` (the two shapes of batched forwards,
+:func:`specgen.batch.kv.batch_cache` picks). tests/test_target_protocol_use.py holds it.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
+
+from specgen.errors import ConfigError
 
 BackendName = Literal["torch", "torch_quant", "llama_cpp"]
 
@@ -39,13 +49,15 @@ class Capabilities:
     prefix_reuse: a handle synced to a prefix of a new request's ids, then fed the rest, gives
     the logits of a fresh handle fed every id, bit for bit (measured per backend, see
     tests/test_prefix_cache.py): the pipeline's prefix cache (:mod:`specgen.models.prefix_cache`)
-    is on only where it holds.
+    is on only where it holds;
+    compile: forwards compiled on a static KV cache (``enable_compile``, ``compile=true``).
     """
 
     trees: bool
     features: bool
     batches: bool
     prefix_reuse: bool = True
+    compile: bool = False
 
 
 class TokenCache:
@@ -113,6 +125,20 @@ class TokenCache:
         raise NotImplementedError
 
 
+class TreeRows(Protocol):
+    """The rows of a tree forward (:meth:`Target.forward_tree`): row 0 belongs to the last chain token,
+    row 1 + i to tree node i; ``logits(row)`` -> [1, vocab] and ``all_logits()`` -> [n + 1, vocab], raw,
+    float32. features: [n + 1, F] float32 or None; chain_features: [m - 1, F], the chain tokens' rows
+    before row 0 (None without features)."""
+
+    features: torch.Tensor | None
+    chain_features: torch.Tensor | None
+
+    def logits(self, row: int) -> torch.Tensor: ...
+
+    def all_logits(self) -> torch.Tensor: ...
+
+
 @runtime_checkable
 class Target(Protocol):
     """A model the engine can verify with.
@@ -124,13 +150,20 @@ class Target(Protocol):
     model). For ``exact``/``greedy`` to hold, the logits of a position must not depend
     on how many tokens were fed with it: ``verify_gap`` measures that, and the build
     declares ``exact``/``greedy`` only where it returns 0.0.
+
+    Gated by :attr:`capabilities` (a backend that declares one off refuses the call with
+    ConfigError, see :class:`TargetDefaults`): ``forward_tree`` (``trees``; its
+    ``feature_layers``: ``features``), ``enable_compile`` (``compile``). Batched forwards
+    (``batches``) come through :class:`SharedBatchTarget` or :class:`RowBatchTarget`.
+    ``context_hint``: the setting that raises :attr:`context_length`, for the message that
+    refuses a prompt longer than it (None: none does).
     """
 
     name: str
     vocab_size: int
     backend: BackendName
     capabilities: Capabilities
-    compiled: object
+    context_hint: str | None
 
     @property
     def device(self) -> torch.device: ...
@@ -145,13 +178,23 @@ class Target(Protocol):
     def memory_bytes(self) -> int: ...
 
     @property
-    def hf_model(self) -> torch.nn.Module | None:
-        """The transformers model behind this target, for HF ``generate()`` baselines; None: there is none."""
+    def is_compiled(self) -> bool:
+        """Whether forwards run compiled (after ``enable_compile``)."""
 
     def new_cache(self) -> TokenCache: ...
 
     def forward(self, cache: TokenCache, new_tokens: list[int] | torch.Tensor, keep: int,
                 check: bool = True) -> torch.Tensor: ...
+
+    def forward_tree(self, cache: TokenCache, chain: list[int], nodes: list[int], ancestors: torch.Tensor,
+                     depths: list[int], feature_layers: list[int] | None = None) -> TreeRows:
+        """One forward over ``chain`` (uncached committed tokens, at least one) then draft-tree
+        ``nodes`` (ancestors: [N, N] bool, depths: each node's, 1 = a child of the root), with the
+        hidden states of ``feature_layers`` (None: none); the cache then holds chain + every node
+        (see :meth:`specgen.models.causal_lm.CausalLM.forward_tree`)."""
+
+    def enable_compile(self) -> None:
+        """Run later forwards compiled; caches made before stay as they are."""
 
     def describe(self) -> dict: ...
 
@@ -162,3 +205,58 @@ class Target(Protocol):
         forwards over that tree and its level-ordered prefixes; -> (max difference, the tokens
         fed where it occurs). 0.0 for ``exact``/``greedy``; a backend without trees refuses
         ``parents`` (ValueError)."""
+
+
+class TargetDefaults:
+    """What a backend inherits for the parts of :class:`Target` its :class:`Capabilities`
+    declare off: each refuses with ConfigError naming the backend (checks refuse such runs
+    before loading; this is the guard behind them)."""
+
+    backend: BackendName
+    context_hint: str | None = None
+    is_compiled = False
+
+    def forward_tree(self, cache: TokenCache, chain: list[int], nodes: list[int], ancestors: torch.Tensor,
+                     depths: list[int], feature_layers: list[int] | None = None) -> TreeRows:
+        raise ConfigError(f"the {self.backend} backend serves no tree forwards (capabilities.trees is off)")
+
+    def enable_compile(self) -> None:
+        raise ConfigError(f"compile=true compiles a torch model; the {self.backend} backend has no compiled path")
+
+
+@runtime_checkable
+class HFBacked(Protocol):
+    """Optional: a target with a transformers model behind it (the torch backend), for what reads the
+    model itself: HF ``generate()`` baselines, learned heads (embeddings, fingerprint), training."""
+
+    @property
+    def hf_model(self) -> torch.nn.Module | None:
+        """The transformers model behind this target; None: there is none."""
+
+
+def hf_model_of(target: object) -> torch.nn.Module | None:
+    """The transformers model behind ``target`` (:class:`HFBacked`), or None where there is none."""
+    return target.hf_model if isinstance(target, HFBacked) else None
+
+
+@runtime_checkable
+class SharedBatchTarget(Protocol):
+    """Optional (``capabilities.batches``): B rows fed in one forward over one shared batch-B cache
+    that the caller holds (:class:`specgen.batch.kv.BatchKV`), the torch backend's batches.
+
+    ``config``: what sizes the shared cache (a transformers config); ``forward_batch`` as
+    :meth:`specgen.models.causal_lm.CausalLM.forward_batch`."""
+
+    config: object
+
+    def forward_batch(self, cache, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+                      rows: torch.Tensor, cols: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class RowBatchTarget(Protocol):
+    """Optional (``capabilities.batches``): a target that keeps its own batch of rows
+    (``new_batch(size, row_context)``: ``size`` rows of at most ``row_context`` tokens each, None: its
+    default), the llama.cpp and quantized backends' batches."""
+
+    def new_batch(self, size: int, row_context: int | None = None): ...

@@ -181,7 +181,7 @@ def _load_target(job: _Job):
 
     loaded = load_model(job.target["source"], name="target", dtype=job.dtype, device=job.device,
                         extra_eos=tuple(job.target.get("eos_ids") or ()), progress=job.progress)
-    model = loaded.lm.model.eval().requires_grad_(False)
+    model = loaded.lm.hf_model.eval().requires_grad_(False)
     num_states = int(model.config.num_hidden_layers) + 1
     if job.arch["feature_layers"] is None:
         job.arch["feature_layers"] = fused_layers(num_states - 1)

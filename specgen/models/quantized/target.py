@@ -21,7 +21,7 @@ from specgen.models.invariance import GAP_PREFIX, chain_gaps, worst
 from specgen.models.quantized.kernels import KERNELS
 from specgen.models.quantized.model import KEY_BUCKET, Feed, KVBuffers, LeanLlama
 from specgen.models.quantized.smooth import Smoothing
-from specgen.models.target import Capabilities, TokenCache
+from specgen.models.target import Capabilities, TargetDefaults, TokenCache
 
 
 @dataclass
@@ -39,7 +39,7 @@ class QuantKV(TokenCache):
         return self.buffers.keys.nbytes + self.buffers.values.nbytes
 
 
-class QuantizedLM:
+class QuantizedLM(TargetDefaults):
     """A Llama-family model on quantized linears (:mod:`specgen.models.quantized.kernels`).
 
     model: the transformers model whose float32 weights are quantized (it is not kept);
@@ -51,8 +51,6 @@ class QuantizedLM:
 
     backend = "torch_quant"
     capabilities = Capabilities(trees=False, features=False, batches=True)
-    compiled = None
-    hf_model = None
     device = torch.device("cpu")
     dtype = torch.float32  # the logits' (the weights are int8/int4 with bfloat16 scales)
 
