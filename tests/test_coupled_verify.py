@@ -50,17 +50,6 @@ def _speculative(rows: torch.Tensor, seed: int, plain: list[int], one_hot_rows: 
     return tokens[:LENGTH], len(tokens) == LENGTH, gen.get_state()
 
 
-@pytest.mark.parametrize("draw_ahead", [False, True])
-def test_coupled_rounds_give_plain_decodings_tokens_and_generator_state(draw_ahead):
-    for seed in range(12):
-        rows = _rows(seed)
-        plain, plain_state = _plain(rows, seed)
-        tokens, exact_length, state = _speculative(rows, seed, plain, one_hot_rows=False, draw_ahead=draw_ahead)
-        assert tokens == plain, seed
-        if exact_length:  # the generator is where LENGTH plain draws leave it
-            assert torch.equal(state, plain_state), seed
-
-
 def test_negative_control_the_uncoupled_rule_gives_other_tokens():
     """The same drafts with q passed as explicit one-hot rows go through the acceptance test
     u < p(d): the same law, other tokens; so the equality above is not trivially true."""
@@ -102,17 +91,6 @@ def _tree_rounds(rows: torch.Tensor, seed: int, plain: list[int], prefetched: bo
     return tokens[:LENGTH], len(tokens) == LENGTH, gen.get_state()
 
 
-@pytest.mark.parametrize("prefetched", [False, True])
-def test_coupled_trees_give_plain_decodings_tokens_and_generator_state(prefetched):
-    for seed in range(12):
-        rows = _rows(seed)
-        plain, plain_state = _plain(rows, seed)
-        tokens, exact_length, state = _tree_rounds(rows, seed, plain, prefetched, sampled=False)
-        assert tokens == plain, seed
-        if exact_length:
-            assert torch.equal(state, plain_state), seed
-
-
 def test_negative_control_trees_verified_by_rejection_give_other_tokens():
     differ = 0
     for seed in range(12):
@@ -120,6 +98,27 @@ def test_negative_control_trees_verified_by_rejection_give_other_tokens():
         plain, _ = _plain(rows, seed)
         differ += _tree_rounds(rows, seed, plain, prefetched=True, sampled=True)[0] != plain
     assert differ >= 6, differ
+
+
+def _chain_rounds(rows, seed, plain, read_once: bool):
+    return _speculative(rows, seed, plain, one_hot_rows=False, draw_ahead=read_once)
+
+
+def _coupled_tree_rounds(rows, seed, plain, read_once: bool):
+    return _tree_rounds(rows, seed, plain, prefetched=read_once, sampled=False)
+
+
+@pytest.mark.parametrize("rounds", [_chain_rounds, _coupled_tree_rounds], ids=["chains", "trees"])
+@pytest.mark.parametrize("read_once", [False, True], ids=["lazy", "read_once"])
+def test_coupled_rounds_give_plain_decodings_tokens_and_generator_state(rounds, read_once):
+    """Chains (draws made ahead or not) and trees (prefetched rows or lazy) of deterministic drafts."""
+    for seed in range(12):
+        rows = _rows(seed)
+        plain, plain_state = _plain(rows, seed)
+        tokens, exact_length, state = rounds(rows, seed, plain, read_once)
+        assert tokens == plain, seed
+        if exact_length:  # the generator is where LENGTH plain draws leave it
+            assert torch.equal(state, plain_state), seed
 
 
 REPEATS = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]  # a prompt that prompt lookup drafts from

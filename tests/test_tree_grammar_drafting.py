@@ -9,7 +9,6 @@ random heads; char-level regex grammar; fixed seeds.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import pytest
@@ -210,16 +209,18 @@ def test_negative_control_detects_a_final_draw_from_p(kind, overrides, heads, mo
     fail the same test: in the coupled walk, a fresh draw from the row instead of the drawn token."""
     pipe = pipeline(kind, heads, "sampling.temperature=1.0", *overrides)
     expected = exact_distribution(pipe, PROMPT, LENGTH)
-    walk_coupled, rng = tree_sampling.walk_coupled, torch.Generator().manual_seed(0)
+    coupled_levels, rng = tree_sampling.coupled_levels, torch.Generator().manual_seed(0)
 
-    def draw_from_p(visit, tokens, children, draw):
-        verdict = walk_coupled(visit, tokens, children, draw)
-        if verdict.kind != "resampled":
-            return verdict
-        row = visit(verdict.path[-1] if verdict.path else tree_sampling.ROOT)[0]  # [vocab] the last accepted node's row
-        return dataclasses.replace(verdict, next_token=sample_token(row, rng))
+    def draw_from_p(draw, children, tokens):
+        decide = coupled_levels(draw, children, tokens)
 
-    monkeypatch.setattr(tree_sampling, "walk_coupled", draw_from_p)
+        def fresh_final_draw(node, row, level, depth, checked, accept_probs):
+            child, next_token = decide(node, row, level, depth, checked, accept_probs)
+            return (child, None) if child is not None else (None, sample_token(row, rng))  # row: [vocab] p
+
+        return fresh_final_draw
+
+    monkeypatch.setattr(tree_sampling, "coupled_levels", draw_from_p)
     counts = sample_counts(pipe, PROMPT, LENGTH, NUM_SAMPLES)
     p_value, _ = goodness_of_fit(counts, expected)
     assert p_value < MIN_P_VALUE

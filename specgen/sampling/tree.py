@@ -59,7 +59,7 @@ from specgen.sampling.rejection import (
     row_health,
     rows_health,
 )
-from specgen.sampling.tree_coupled import lazy_draws, prefetched_draws, walk_coupled
+from specgen.sampling.tree_coupled import coupled_levels, lazy_draws, prefetched_draws
 from specgen.sampling.tree_structure import (
     ROOT,
     TreeVerdict,
@@ -170,11 +170,11 @@ def verify_tree(
     if draft_probs is None:
         draw = prefetched_draws(target_probs, parents, level_u) if prefetched else lazy_draws(generator,
                                                                                               level_u.tolist())
-        verdict = walk_coupled(visit, tokens, children, draw)
+        verdict = _walk(visit, tokens, children, coupled_levels(draw, children, tokens))
         generator.set_state(start)  # one uniform per committed token (tree_coupled)
         uniforms(generator, len(verdict.path) + (verdict.next_token is not None))
         return verdict
-    return _walk(visit, tokens, children, draft_probs, generator)
+    return _walk(visit, tokens, children, _rejection_levels(draft_probs, children, tokens, generator))
 
 
 def _tree_vocab(tokens: list[int], rows: torch.Tensor | None, root_row: torch.Tensor | None) -> int:
@@ -227,32 +227,41 @@ def _lazy_visitor(root_row: torch.Tensor, target_probs: Callable[[int], torch.Te
     return visit
 
 
-def _walk(visit, tokens: list[int], children: dict[int, list[int]], draft_probs: torch.Tensor,
-          generator: torch.Generator) -> TreeVerdict:
-    """Recursive rejection sampling from the root: one level at a time (sampled siblings;
-    one-hot trees take :func:`~specgen.sampling.tree_coupled.walk_coupled`), descending
-    into each accepted child, until a level rejects every child (or is a leaf) and the
-    next token is drawn, or an accepted node's row is empty."""
-    p_row, level, _ = visit(ROOT)  # [vocab], values for the root's children
+def _walk(visit, tokens: list[int], children: dict[int, list[int]], decide) -> TreeVerdict:
+    """The walk from the root, one level at a time: ``decide`` (a
+    :data:`~specgen.sampling.tree_coupled.Decide`) keeps a child, and the walk descends into it,
+    or gives the round's next token; an accepted node whose row is empty ends it ("dead_end")."""
+    row, level, _ = visit(ROOT)  # [vocab], values for the root's children
     path: list[int] = []
     checked: list[int] = []
     accept_probs: list[float] = []
     node = ROOT
     while True:
-        accepted, row, u = _sampled_level(p_row, draft_probs, level, children[node], tokens, checked,
-                                          accept_probs)
+        accepted, next_token = decide(node, row, level, len(path), checked, accept_probs)
         if accepted is None:
             kind = "resampled" if children[node] else "bonus"
-            next_token = sample_token(row, generator, u)
-            return TreeVerdict(
-                path, [tokens[i] for i in path], next_token, kind, tuple(checked), tuple(accept_probs)
-            )
+            return TreeVerdict(path, [tokens[i] for i in path], next_token, kind, tuple(checked),
+                               tuple(accept_probs))
         path.append(accepted)
         node = accepted
-        p_row, level, empty = visit(node)
+        row, level, empty = visit(node)
         if empty:
             return TreeVerdict(path, [tokens[i] for i in path], None, "dead_end", tuple(checked),
                                tuple(accept_probs))
+
+
+def _rejection_levels(draft_probs: torch.Tensor, children: dict[int, list[int]], tokens: list[int],
+                      generator: torch.Generator):
+    """Recursive rejection sampling's decision at each level against sampled siblings
+    (:func:`_sampled_level`): the child accepted, or the draw from the row left after
+    rejecting them all (the residual) or from p itself at a leaf."""
+
+    def decide(node, row, level, depth, checked, accept_probs):
+        accepted, final_row, u = _sampled_level(row, draft_probs, level, children[node], tokens, checked,
+                                                accept_probs)
+        return (accepted, None) if accepted is not None else (None, sample_token(final_row, generator, u))
+
+    return decide
 
 
 def _prefetch(rows: torch.Tensor, tokens: list[int], parents: list[int], children: dict[int, list[int]],

@@ -22,10 +22,11 @@ import torch
 
 from specgen.sampling.probs import draw_on_device, raise_for_row, sample_token
 from specgen.sampling.rejection import RESIDUAL_EPS
-from specgen.sampling.tree_structure import ROOT, TreeVerdict, tree_depths
+from specgen.sampling.tree_structure import tree_depths
 
-#: visit(node) -> (row [vocab], level values (p of each child's token first), row is empty)
-Visit = Callable[[int], tuple[torch.Tensor, list, bool]]
+#: decide(node, row [vocab], level values (p of each child's token first), depth, checked, accept_probs)
+#: -> (the child kept, None) or (None, the round's next token); it appends what it tried to checked/accept_probs.
+Decide = Callable[[int, torch.Tensor, list, int, list, list], tuple]
 
 
 def lazy_draws(generator: torch.Generator, u: list[float]) -> Callable[[int, torch.Tensor, int], int]:
@@ -48,27 +49,20 @@ def prefetched_draws(rows: torch.Tensor, parents: list[int], u: torch.Tensor) ->
     return draw
 
 
-def walk_coupled(visit: Visit, tokens: list[int], children: dict[int, list[int]],
-                 draw: Callable[[int, torch.Tensor, int], int]) -> TreeVerdict:
-    """The coupled walk from the root (module docstring)."""
-    row, level, _ = visit(ROOT)
-    path: list[int] = []
-    checked: list[int] = []
-    accept_probs: list[float] = []
-    node = ROOT
-    while True:
+def coupled_levels(draw: Callable[[int, torch.Tensor, int], int], children: dict[int, list[int]],
+                   tokens: list[int]) -> Decide:
+    """The coupled decision at each level of :func:`specgen.sampling.tree.verify_tree`'s walk
+    (module docstring): draw y from the node's row with the level's uniform; keep the first child
+    carrying y, or end the round with y."""
+
+    def decide(node: int, row: torch.Tensor, level: list, depth: int, checked: list[int],
+               accept_probs: list[float]) -> tuple[int | None, int | None]:
         kids = children[node]
-        y = draw(node, row, len(path))
+        y = draw(node, row, depth)
         child = _level(level[: len(kids)], kids, tokens, y, checked, accept_probs)
-        if child is None:
-            return TreeVerdict(path, [tokens[i] for i in path], y, "resampled" if kids else "bonus",
-                               tuple(checked), tuple(accept_probs))
-        path.append(child)
-        node = child
-        row, level, empty = visit(node)
-        if empty:
-            return TreeVerdict(path, [tokens[i] for i in path], None, "dead_end", tuple(checked),
-                               tuple(accept_probs))
+        return (child, None) if child is not None else (None, y)
+
+    return decide
 
 
 def _level(child_p: list[float], kids: list[int], tokens: list[int], y: int, checked: list[int],
