@@ -20,6 +20,7 @@ build sets; see :func:`specgen.models.cuda_condition`): ``greedy: on CUDA float3
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -134,6 +135,12 @@ def verify_shapes(drafter: Drafter) -> tuple[list[int], list[int] | None]:
     return widths, probe_tree(-(-nodes // depth), depth)[:nodes]
 
 
+def numerical_path(lm: Target) -> str:
+    """The path ``lm``'s logits come from in words: its backend and what its numerics depend on
+    (:meth:`Target.describe`'s ``dtype``), e.g. ``torch (float32)`` or ``llama_cpp (llama 135M Q4_1)``."""
+    return f"{lm.backend} ({str(lm.describe()['dtype']).removeprefix('torch.')})"
+
+
 def _measured(guarantee: Guarantee, lm: Target, drafter: Drafter, name: str) -> Guarantee:
     """An ``exact``/``greedy`` claim as measured on ``lm`` (:meth:`Target.verify_gap` over what the
     run verifies): kept where every verify pass's logits equal single-token logits bit for bit,
@@ -145,8 +152,7 @@ def _measured(guarantee: Guarantee, lm: Target, drafter: Drafter, name: str) -> 
     if gap == 0.0:
         return guarantee
     shape = f"{width}-token verify logits" if parents is None else f"tree verify logits ({width} tokens fed)"
-    dtype = str(lm.describe()["dtype"]).removeprefix("torch.")
-    return Guarantee("approximate", f"{name} on {lm.backend} ({dtype}) computes {shape} up to {gap:.2g} away "
+    return Guarantee("approximate", f"{name} on {numerical_path(lm)} computes {shape} up to {gap:.2g} away "
                      "from single-token ones, so near-ties can flip")
 
 
@@ -204,5 +210,6 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
     guarantee = cuda_condition(guarantee, device, dtype)  # TF32 off before the measurement
     if drafter is not None:
         guarantee = _measured(guarantee, target.lm, drafter, str(target_cfg.get("name") or target.lm.name))
+    guarantee = replace(guarantee, against=numerical_path(target.lm))
     return Pipeline(target=target.lm, tokenizer=target.tokenizer, drafter=drafter, stack=stack,
                     guarantee=guarantee, defaults=Defaults.from_config(cfg), config=cfg)

@@ -199,7 +199,7 @@ def summary_line(gen: Generation) -> str:
     any), acceptance by draft position, the planner's γ and, under a grammar, its share of wall time and mask
     time per position."""
     s = gen.stats
-    parts = [f"[{gen.guarantee}]", f"{s.new_tokens} tokens in {s.wall:.2f} s = {s.tokens_per_s:.1f} tok/s",
+    parts = [f"[{gen.guarantee.label()}]", f"{s.new_tokens} tokens in {s.wall:.2f} s = {s.tokens_per_s:.1f} tok/s",
              f"tau {s.tokens_per_target_call:.2f} tokens/target call"]
     if s.prefill_reused:
         parts.append(f"prompt {s.prompt_tokens} tokens: {s.prefill_reused} cached, {s.prefill_computed} prefilled")

@@ -11,11 +11,16 @@ An ``exact`` or ``greedy`` claim may carry a reason too: the condition it holds 
 (e.g. on CUDA float32 with TF32 off). Consumers read :attr:`Guarantee.kind`,
 :attr:`Guarantee.reason` and the helpers; ``str(g)`` is the printed and serialised form
 (``"exact"``, ``"off: speculative=false"``, ``"greedy: on CUDA float32 ..."``).
+
+An ``exact``/``greedy`` claim is exact against one numerical path: the target's logits as its
+backend and weights compute them (llama.cpp on the GGUF's blocks, torch float32, torch int4 ...).
+:attr:`Guarantee.against` names that path and :meth:`Guarantee.label` shows it
+(``"greedy vs llama_cpp (llama 135M Q4_1 ...)"``); it is not part of ``str(g)`` or of equality.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 GuaranteeKind = Literal["exact", "greedy", "approximate", "off"]
@@ -33,6 +38,7 @@ class Guarantee:
 
     kind: GuaranteeKind
     reason: str = ""
+    against: str = field(default="", compare=False)  # the numerical path of an exact/greedy claim
 
     def __post_init__(self):
         if self.kind not in GUARANTEE_KINDS:
@@ -60,8 +66,13 @@ class Guarantee:
         return self.exact and not self.reason
 
     def with_kind(self, kind: GuaranteeKind) -> Guarantee:
-        """The same reason under another kind (e.g. ``greedy`` at temperature 0 for an ``exact`` claim)."""
-        return Guarantee(kind, self.reason)
+        """The same reason and path under another kind (e.g. ``greedy`` at temperature 0 for an
+        ``exact`` claim)."""
+        return replace(self, kind=kind)
+
+    def label(self) -> str:
+        """``str(self)``, followed for an ``exact``/``greedy`` claim by the path it is exact against."""
+        return f"{self} vs {self.against}" if self.exact and self.against else str(self)
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.reason}" if self.reason else self.kind

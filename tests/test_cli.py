@@ -59,7 +59,7 @@ def test_cli_streams_text_and_prints_summary(monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(tmp_path)
     code, out, err = _run_main(monkeypatch, capsys, *TINY_ARGS, "prompt=Hi, it's me: [ok]", "sampling.temperature=0.7")
     assert code == 0
-    assert "[exact]" in err and "tok/s" in err and "tau" in err and "finish:" in err
+    assert "[exact vs torch (float32)]" in err and "tok/s" in err and "tau" in err and "finish:" in err
     assert "acceptance by draft position" in err
     assert list(tmp_path.iterdir()) == []  # no outputs/ or .hydra/ clutter
 
@@ -98,7 +98,7 @@ def test_console_script_end_to_end(tmp_path):
         input="Hello, what's new?", capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert "[greedy]" in result.stderr
+    assert "[greedy vs torch (float32)]" in result.stderr
     assert result.stdout.strip() != ""
     assert not Path(tmp_path, "outputs").exists()
 

@@ -48,3 +48,20 @@ def test_event_kinds_are_literals():
     assert hints["kind"] == "TokenKind"
     assert {f.name: f.type for f in dataclasses.fields(FinishEvent)}["finish_reason"] == "FinishReason"
     assert {f.name: f.type for f in dataclasses.fields(Generation)}["guarantee"] == "Guarantee"
+
+
+def test_an_exact_claim_names_the_numerical_path_it_is_exact_against():
+    claim = Guarantee("exact", against="torch_quant (int4 ...)")
+    assert claim.label() == "exact vs torch_quant (int4 ...)" and str(claim) == "exact"
+    assert claim.with_kind("greedy").label() == "greedy vs torch_quant (int4 ...)"
+    assert claim == Guarantee("exact")  # the path is shown, not compared: consumers compare kinds and reasons
+    for other in (Guarantee("approximate", "a gap", against="x"), Guarantee.off("speculative=false"), Guarantee("exact")):
+        assert other.label() == str(other)
+
+
+def test_every_pipeline_names_its_target_path():
+    from conftest import tiny_pipeline
+
+    assert tiny_pipeline("sampling.temperature=0.8").guarantee.label() == "exact vs torch (float32)"
+    assert tiny_pipeline("speculative=false").guarantee.against == "torch (float32)"
+    assert tiny_pipeline("backend=torch", "dtype=int8").guarantee.label().startswith("greedy vs torch_quant (int8 (torch ")

@@ -84,7 +84,7 @@ def serve(cfg: Mapping, err=None) -> None:
         err.write(f"specgen-serve: warning: listening on {host}, reachable from other machines; "
                   "there is no authentication\n")
     scheduler = make_scheduler(pipe, cfg["batch_size"])
-    err.write(f"specgen-serve: model {served_model_name(pipe)!r} [{pipe.guarantee}] on {base_url(host, port)} "
+    err.write(f"specgen-serve: model {served_model_name(pipe)!r} [{pipe.guarantee.label()}] on {base_url(host, port)} "
               f"({scheduler.info['note']})\n")
     app = create_app(pipe, scheduler=scheduler, max_request_bytes=cfg["max_request_bytes"])
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
