@@ -9,12 +9,18 @@ checked on every turn, not assumed. The user turns are held-out ShareGPT first t
 reply is appended to the conversation as the assistant message before the next turn.
 ``--repeats`` runs the whole conversation again from an empty cache.
 
-    python scripts/prefix_cache_bench.py [--turns 5] [--repeats 3] [--max-new-tokens 32] [override ...]
+Two references per turn: ``ideal``, the time the target takes to prefill only what a perfect
+cache would not hold (the turn's prompt ids past their longest common prefix with the last
+turn's prompt and reply), on a handle already holding that prefix; and, with ``--llama-cpp``,
+llama-cpp-python's own ``Llama.generate`` fed the same prompt ids turn after turn, which reuses
+the longest prefix it still holds (its TTFT: the first token out).
+
+    python scripts/prefix_cache_bench.py [--turns 5] [--repeats 3] [--max-new-tokens 32] [--llama-cpp] [override ...]
 
 Overrides are specgen's (``threads=1`` is the default here; ``backend=``, ``target=`` ...).
-Prints one row per turn: prompt tokens, tokens the cache gave, median TTFT of each arm and
-their ratio. A machine shared with other work makes single timings noisy: compare the
-paired medians, and say how loaded the machine was.
+Prints one row per turn: prompt tokens, tokens the cache gave, new tokens, the median TTFT
+of each arm, and the ratios. A machine shared with other work makes single timings noisy:
+compare the paired medians, and say how loaded the machine was.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 
 import specgen
 from specgen.bench.prompts import load_prompt_sets, sharegpt_path
@@ -35,9 +42,47 @@ def user_turns(count: int) -> list[str]:
     return [p.prompt if isinstance(p.prompt, str) else p.prompt[-1]["content"] for p in prompts]
 
 
-def run_conversation(arms: dict, turns: list[str], max_new: int, times: dict, reused: dict, lengths: dict) -> None:
-    """Every turn on both arms (alternating which goes first); records each arm's TTFT per turn."""
+def llama_ttft(llm, ids: list[int], max_new: int) -> float:
+    """llama-cpp-python's time to its first greedy token for ``ids``, reusing what its context holds;
+    the reply is then generated to ``max_new`` tokens, so the next turn finds it there too."""
+    start, ttft = time.perf_counter(), None
+    for count, _ in enumerate(llm.generate(list(ids), top_k=0, top_p=1.0, min_p=0.0, temp=0.0,
+                                           repeat_penalty=1.0, reset=True), start=1):
+        ttft = time.perf_counter() - start if ttft is None else ttft
+        if count >= max_new:
+            break
+    return ttft
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    size = 0
+    while size < min(len(a), len(b)) and a[size] == b[size]:
+        size += 1
+    return size
+
+
+def ideal_prefill(target, held: list[int], ids: list[int], repeats: int = 3) -> tuple[float, int]:
+    """Median time of one forward over what ``ids`` adds to their common prefix with ``held`` (at
+    least its last token), on a handle holding that prefix -> (seconds, new tokens)."""
+    keep = min(common_prefix(held, ids), len(ids) - 1)
+    times = []
+    for _ in range(repeats):
+        cache = target.new_cache()
+        if keep:
+            target.forward(cache, ids[:keep], keep=1)
+        start = time.perf_counter()
+        target.forward(cache, ids[keep:], keep=1)
+        times.append(time.perf_counter() - start)
+        cache.release()
+    return statistics.median(times), len(ids) - keep
+
+
+def run_conversation(arms: dict, turns: list[str], max_new: int, times: dict, reused: dict, lengths: dict,
+                     llm=None) -> list[list[int]]:
+    """Every turn on both arms (alternating which goes first), then on llama.cpp's own API when
+    ``llm``; records each arm's TTFT per turn -> each turn's prompt ids, then its reply's ids."""
     messages: list[dict] = []
+    record: list[list[int]] = []
     for index, text in enumerate(turns):
         messages.append({"role": "user", "content": text})
         order = list(arms) if index % 2 == 0 else list(reversed(arms))
@@ -49,9 +94,13 @@ def run_conversation(arms: dict, turns: list[str], max_new: int, times: dict, re
         cached, fresh = replies["cached"], replies["fresh"]
         if cached.token_ids != fresh.token_ids:
             sys.exit(f"turn {index + 1}: the cached arm's reply differs from the fresh arm's")
+        if llm is not None:
+            times["llama.cpp"].setdefault(index, []).append(llama_ttft(llm, cached.prompt_ids, max_new))
         reused.setdefault(index, []).append(cached.stats.prefill_reused)
         lengths[index] = cached.stats.prompt_tokens
+        record += [cached.prompt_ids, cached.token_ids]
         messages.append({"role": "assistant", "content": fresh.text})
+    return record
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,26 +108,44 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--llama-cpp", action="store_true", help="also time llama-cpp-python's own API (GGUF targets)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     overrides = ["threads=1", *args.overrides]
     arms = {"cached": specgen.pipeline(*overrides, progress=False),
             "fresh": specgen.pipeline(*overrides, "prefix_cache.entries=0", progress=False)}
+    llm = None
+    if args.llama_cpp:
+        from specgen.bench.llama_baselines import llama_for, llama_unavailable
+
+        if (reason := llama_unavailable(arms["fresh"])) is not None:
+            sys.exit(f"--llama-cpp: {reason}")
+        llm = llama_for(arms["fresh"])
     turns = user_turns(args.turns)
-    times: dict = {name: {} for name in arms}
+    times: dict = {name: {} for name in [*arms, "llama.cpp"]}
     reused: dict = {}
     lengths: dict = {}
     for _ in range(args.repeats):
         arms["cached"].prefix_cache.clear()
-        run_conversation(arms, turns, args.max_new_tokens, times, reused, lengths)
-    target = arms["cached"].target
-    print(f"# {target.name} on {target.backend}, {' '.join(overrides)}, guarantee {arms['cached'].guarantee}; "
+        if llm is not None:
+            llm.reset()
+        record = run_conversation(arms, turns, args.max_new_tokens, times, reused, lengths, llm)
+    target = arms["fresh"].target
+    ideal = [ideal_prefill(target, record[2 * i - 2] + record[2 * i - 1] if i else [], record[2 * i])
+             for i in range(args.turns)]
+    print(f"# {target.name} on {target.backend}, {' '.join(overrides)}, guarantee {arms['cached'].guarantee.label()}; "
           f"{args.repeats} repeats, medians; both arms gave the same tokens on every turn")
-    print("turn  prompt  cached  ttft_cached_ms  ttft_fresh_ms  fresh/cached")
+    print("turn  prompt  cached  new  ttft_cached_ms  ttft_fresh_ms  ideal_ms  fresh/cached  cached/ideal"
+          + ("  ttft_llama_ms  llama/cached" if llm is not None else ""))
     for index in range(args.turns):
         on, off = (statistics.median(times[name][index]) for name in ("cached", "fresh"))
-        print(f"{index + 1:>4}  {lengths[index]:>6}  {statistics.median(reused[index]):>6.0f}  "
-              f"{1e3 * on:>14.1f}  {1e3 * off:>13.1f}  {off / on:>12.2f}")
+        seconds, new = ideal[index]
+        row = (f"{index + 1:>4}  {lengths[index]:>6}  {statistics.median(reused[index]):>6.0f}  {new:>3}  "
+               f"{1e3 * on:>14.1f}  {1e3 * off:>13.1f}  {1e3 * seconds:>8.1f}  {off / on:>12.2f}  {on / seconds:>12.2f}")
+        if llm is not None:
+            theirs = statistics.median(times["llama.cpp"][index])
+            row += f"  {1e3 * theirs:>13.1f}  {theirs / on:>12.2f}"
+        print(row)
 
 
 if __name__ == "__main__":

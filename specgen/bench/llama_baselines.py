@@ -64,6 +64,11 @@ def _llama(pipe, lookup: bool):
     return _LOADED[key]
 
 
+def llama_for(pipe):
+    """The plain ``Llama`` of the pipeline's GGUF at this thread count (made once, shared)."""
+    return _llama(pipe, lookup=False)
+
+
 def _close_all() -> None:
     while _LOADED:
         _LOADED.popitem()[1].close()
