@@ -314,7 +314,7 @@ def test_chat_streams_coloured_tokens_and_updates_panel(cfg, tmp_path):
         app = ChatApp(cfg)
         async with app.run_test(size=SIZE) as pilot:
             await wait_for(pilot, lambda: app.pipe is not None)
-            assert "EXACT" in panel_text(app, "banner")
+            assert "EXACT" in panel_text(app, "banner") and "vs torch (float32)" in panel_text(app, "banner")
             view = await send(pilot, "hello")
             await wait_for(pilot, lambda: app.active is None)
             kinds = {t.kind for t in view.tokens}

@@ -130,8 +130,10 @@ class StatsPanel(VerticalScroll):
         yield Static(token_content(None), id="token")
 
     def show_guarantee(self, guarantee: Guarantee) -> None:
-        """Set the banner: the guarantee of the run (or of the reply in progress)."""
-        self.show_banner(guarantee.kind, guarantee.reason)
+        """Set the banner: the guarantee of the run (or of the reply in progress), with the numerical
+        path an exact/greedy claim is exact against (:meth:`Guarantee.label`)."""
+        path = f"vs {guarantee.against}" if guarantee.exact and guarantee.against else ""
+        self.show_banner(guarantee.kind, "; ".join(part for part in (guarantee.reason, path) if part))
 
     def show_banner(self, head: str, reason: str = "") -> None:
         """Set the banner to ``head`` (a guarantee kind or one of :data:`BANNER_STATES`) and its reason."""
