@@ -197,10 +197,10 @@ def _lazy_visitor(root_row: torch.Tensor, target_probs: Callable[[int], torch.Te
                   children: dict[int, list[int]], draft_probs: torch.Tensor | None, vocab: int,
                   generator: torch.Generator):
     """``visit(node) -> (row, level values, empty)`` for the lazy walk: the checked row after
-    ``node``, with what its level needs, in one read: p of the children's tokens (and, for
-    sampled drafts, their q), the level's uniforms (one per child plus one for a final draw)
-    and, at the root, the draft rows' checks; and whether the row (of a node, not the root)
-    is empty.
+    ``node``, with what its level needs, in one read: p of the children's tokens and, for
+    sampled drafts, their q and the level's uniforms (one per child plus one for a final draw;
+    a one-hot tree's coupled walk draws its own) and, at the root, the draft rows' checks; and
+    whether the row (of a node, not the root) is empty.
 
     root_row: [vocab] float64, already fetched; draft_probs: [num_nodes, vocab] float64 or None."""
     one_hot = draft_probs is None
@@ -209,16 +209,17 @@ def _lazy_visitor(root_row: torch.Tensor, target_probs: Callable[[int], torch.Te
         row = root_row if node == ROOT else target_probs(node)
         kids = children[node]
         read = [tokens[c] for c in kids]
-        extra = [uniforms(generator, len(kids) + 1)]
+        extra = []
         if not one_hot:
+            extra.append(uniforms(generator, len(kids) + 1))
             index = torch.tensor(kids, dtype=torch.long, device=draft_probs.device)
             ids = torch.tensor(read, dtype=torch.long, device=draft_probs.device)
             extra.insert(0, draft_probs[index, ids])  # [k] q of each child's token
             if node == ROOT:
                 extra.insert(0, row_health(draft_probs))
         device = row.device if isinstance(row, torch.Tensor) else torch.device("cpu")
-        row, values, empty = _check_row(row, vocab, f"target_probs({node})", read,
-                                        torch.cat([e.to(device, torch.float64) for e in extra]), node != ROOT)
+        extra = torch.cat([e.to(device, torch.float64) for e in extra]) if extra else None
+        row, values, empty = _check_row(row, vocab, f"target_probs({node})", read, extra, node != ROOT)
         if not one_hot and node == ROOT:
             check_health(values[len(read): len(read) + 4], "draft_probs")
             values = values[: len(read)] + values[len(read) + 4:]
@@ -267,8 +268,9 @@ def _rejection_levels(draft_probs: torch.Tensor, children: dict[int, list[int]],
 def _prefetch(rows: torch.Tensor, tokens: list[int], parents: list[int], children: dict[int, list[int]],
               draft_probs: torch.Tensor | None, generator: torch.Generator):
     """Read what the whole walk may need in one transfer -- each row's checks, p of every
-    node's token under its parent's row (and q of it), every level's uniforms, the draft
-    rows' checks -- and return ``visit(node) -> (row, level values, empty)`` as the lazy
+    node's token under its parent's row and, for sampled drafts, q of it, every level's
+    uniforms and the draft rows' checks (a one-hot tree's coupled walk draws its own
+    uniforms) -- and return ``visit(node) -> (row, level values, empty)`` as the lazy
     walk's, reading nothing more.
 
     rows: [num_nodes + 1, vocab] target rows, root first."""
@@ -282,7 +284,7 @@ def _prefetch(rows: torch.Tensor, tokens: list[int], parents: list[int], childre
         nodes = torch.arange(num_nodes, device=draft_probs.device)
         parts.append(draft_probs[nodes, ids.to(draft_probs.device)].to(device))  # [N] q of each node's token
         parts.append(row_health(draft_probs).to(device))  # [4]
-    parts.append(uniforms(generator, 2 * num_nodes + 1).to(device, torch.float64))  # [2N + 1]
+        parts.append(uniforms(generator, 2 * num_nodes + 1).to(device, torch.float64))  # [2N + 1]
     values = torch.cat(parts).tolist()
     health, values = values[: 4 * (num_nodes + 1)], values[4 * (num_nodes + 1):]
     child_p, values = values[:num_nodes], values[num_nodes:]
@@ -301,7 +303,7 @@ def _prefetch(rows: torch.Tensor, tokens: list[int], parents: list[int], childre
         check_health(health[4 * r: 4 * r + 4], f"target_probs({node})", allow_empty=node != ROOT)
         kids = children[node]
         level = [child_p[c] for c in kids] + [child_q[c] for c in kids if draft_probs is not None]
-        level += values[offsets[node]: offsets[node] + len(kids) + 1]
+        level += values[offsets[node]: offsets[node] + len(kids) + 1]  # the uniforms: none for a one-hot tree
         return rows[r], level, bool(health[4 * r + 2])
 
     return visit
