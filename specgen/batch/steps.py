@@ -216,22 +216,21 @@ def prefill_chunks(kv, live: list[tuple[int, Row]]) -> dict[int, list[int]]:
     for r, row in live:
         request = row.request
         if not request.committed.num_generated:
-            waiting.append((len(request.target_cache.uncached(request.committed.tokens)), row.start, r, row))
+            waiting.append((request.target_cache.uncached(request.committed.tokens), row.start, r, row))
     out: dict[int, list[int]] = {}
     budget = chunk
 
     def order(entry):  # starving rows first, oldest first; then shortest remaining prompt, oldest first
-        size, start, _, row = entry
-        return (0, start, size) if row.passed_over >= MAX_PASSED_OVER else (1, size, start)
+        pending, start, _, row = entry
+        return (0, start, len(pending)) if row.passed_over >= MAX_PASSED_OVER else (1, len(pending), start)
 
-    for size, _, r, row in sorted(waiting, key=order):
-        if size <= budget:
-            budget -= size
+    for pending, _, r, row in sorted(waiting, key=order):
+        if len(pending) <= budget:
+            budget -= len(pending)
             row.passed_over = 0
         elif budget == chunk:
-            cache = row.request.target_cache
-            take = chunk - len(cache) % chunk  # to the end of the solo run's chunk
-            out[r] = cache.uncached(row.request.committed.tokens)[:take]
+            take = chunk - len(row.request.target_cache) % chunk  # to the end of the solo run's chunk
+            out[r] = pending[:take]
             budget = 0
             row.passed_over = 0
         else:
