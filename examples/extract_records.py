@@ -5,9 +5,10 @@
 
 --input is a text file whose notes are separated by blank lines, or a directory
 of .txt files (one note per file). Each output line is
-``{"source": ..., "record": {...} | null, "finish_reason": ...}``: ``record`` is
-the parsed JSON whenever generation completed (finish_reason "eos"), and then it
-validates against the schema by construction. Extra ``--override key=value``
+``{"source": ..., "record": {...} | null, "finish_reason": ...}`` and counts (``tokens``
+generated, ``accepted`` / ``drafted`` draft tokens, ``prompt_cached``: prompt tokens the prefix
+cache gave): ``record`` is the parsed JSON whenever generation completed (finish_reason
+"eos"), and then it validates against the schema by construction. Extra ``--override key=value``
 arguments go to ``specgen.pipeline`` (e.g. ``--override sampling.temperature=0.7``);
 the schema is the pipeline's grammar (``grammar=json_schema``), so the
 ``grammar.*`` keys apply too (``--override grammar.backend=outlines_core``). Keys the
@@ -20,6 +21,11 @@ each bad input is one ``error: ...`` line with exit status 2, and an existing
 non-empty --output is refused unless ``--resume`` is given: then the records
 already there are kept (a torn last line is dropped), only the notes without one
 are extracted, and the file ends in input order.
+
+``--instructions FILE`` puts that file's text (field rules, examples) in every note's prompt,
+after the first sentence and before the note, so every prompt starts with the same tokens: where
+the prefix cache is on (the default), a batch slot or a later note prefills them once and only the
+note after them is new.
 
 ``--batch-size N`` (default 8) extracts N notes at a time on the batched engine
 (``specgen.batch.stream_batch``, continuous batching); lines are still written in
@@ -46,7 +52,7 @@ from specgen.events import FinishEvent
 from specgen.jsonl_output import sort_records
 from specgen.options import parse_int, parse_seed
 
-PROMPT = "Extract the {title} from the text below as a JSON object with the fields {fields}.\n\nText:\n{text}"
+PROMPT = "Extract the {title} from the text below as a JSON object with the fields {fields}.\n\n{instructions}Text:\n{text}"
 _SCHEMA_FLAG = "the grammar is the --schema file: give the schema with --schema"
 #: Keys the script sets itself (from --schema, or on every request), so an --override of one is refused.
 OWN_KEYS = {**dict.fromkeys(("grammar", "grammar.schema", "grammar.kind", "grammar.pattern"), _SCHEMA_FLAG),
@@ -126,14 +132,16 @@ def kept_records(path: pathlib.Path, sources: list[str], resume: bool) -> tuple[
 
 def extract(pipe, schema: dict, notes: list[tuple[str, str]], *, max_new_tokens: int = 512,
             seed: int = 0, progress: bool = True, batch_size: int = 8,
-            grammar_in_pipeline: bool = False) -> Iterator[dict]:
+            grammar_in_pipeline: bool = False, instructions: str = "") -> Iterator[dict]:
     """One result dict per note, in input order (see the module docstring).
 
     grammar_in_pipeline: ``pipe`` was built with ``schema`` as its grammar (each request then
-    passes none); otherwise each request passes ``schema``."""
+    passes none); otherwise each request passes ``schema``. instructions: text every prompt holds
+    before its note (see the module docstring)."""
     title = schema.get("title", "record").lower()
     fields = ", ".join(schema.get("properties", {})) or "of the schema"
-    prompts = [PROMPT.format(title=title, fields=fields, text=text) for _, text in notes]
+    shared = f"{instructions.strip()}\n\n" if instructions.strip() else ""
+    prompts = [PROMPT.format(title=title, fields=fields, instructions=shared, text=text) for _, text in notes]
     options = {"max_new_tokens": max_new_tokens, "seed": seed, **({} if grammar_in_pipeline else {"schema": schema})}
     with tqdm(total=len(notes), desc="extracting", unit="note", disable=not progress, file=sys.stderr) as bar:
         if batch_size == 1:
@@ -157,7 +165,8 @@ def extract(pipe, schema: dict, notes: list[tuple[str, str]], *, max_new_tokens:
 def _result(source: str, gen) -> dict:
     record = json.loads(gen.text) if gen.finish_reason == "eos" else None
     return {"source": source, "record": record, "finish_reason": gen.finish_reason,
-            "tokens": len(gen.token_ids), "accepted": gen.stats.accepted, "drafted": gen.stats.drafted}
+            "tokens": len(gen.token_ids), "accepted": gen.stats.accepted, "drafted": gen.stats.drafted,
+            "prompt_cached": gen.stats.prefill_reused}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--schema", required=True, type=pathlib.Path, help="JSON schema file")
     parser.add_argument("--input", required=True, type=pathlib.Path, help="notes file or directory of .txt")
     parser.add_argument("--output", required=True, type=pathlib.Path, help="JSONL file to write")
+    parser.add_argument("--instructions", type=pathlib.Path, default=None,
+                        help="text file put in every note's prompt before the note (shared rules or examples)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the records already in --output and extract only the missing notes")
     parser.add_argument("--max-new-tokens", type=int, default=512)
@@ -208,13 +219,14 @@ def main(argv: list[str] | None = None) -> int:
         seed = parse_seed(args.seed, "--seed")
         schema = read_schema(args.schema)
         notes = read_notes(args.input)
+        instructions = read_text(args.instructions, "--instructions") if args.instructions else ""
         check_output_file(args.output, "--output", example="records.jsonl")
         position = {source: i for i, (source, _) in enumerate(notes)}
         records, kept = kept_records(args.output, list(position), args.resume)
         pipe = specgen.pipeline(*check_overrides(args.override, args.schema))
         todo = [note for note in notes if note[0] not in records]
         results = extract(pipe, schema, todo, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size,
-                          grammar_in_pipeline=True)
+                          grammar_in_pipeline=True, instructions=instructions)
         complete = write_results(args.output, kept, results, position)
     except specgen.SpecgenError as exc:
         print(f"error: {exc}", file=sys.stderr)

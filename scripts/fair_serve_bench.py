@@ -1,7 +1,7 @@
 """Short requests' time to first token beside a long prompt's prefill, on the online batch (BatchScheduler).
 
 Usage: python scripts/fair_serve_bench.py [--long-tokens 3000] [--shorts 3] [--trials 5] [--warmup 1]
-       [--gap 0.05] [--threads 2] [--prefill-tokens N] [--arms chunked,whole] [overrides ...]
+       [--delay 0] [--gap 0.05] [--threads 2] [--prefill-tokens N] [--arms chunked,whole] [overrides ...]
 
 Four arms on one pipeline (the default model unless overrides say otherwise), interleaved trial by
 trial in one process:
@@ -9,8 +9,8 @@ trial in one process:
 * solo: a short request alone on an idle scheduler;
 * shorts: the ``--shorts`` short requests ``--gap`` seconds apart on an idle scheduler, no long prompt
   (what they cost each other: on one thread their prefills queue);
-* chunked: a ``--long-tokens`` prompt is submitted, then ``--shorts`` short requests ``--gap`` seconds
-  apart while it prefills (a chunk per step, :func:`specgen.batch.steps.prefill_chunks`);
+* chunked: a ``--long-tokens`` prompt is submitted, then, ``--delay`` seconds later, ``--shorts`` short
+  requests ``--gap`` seconds apart while it prefills (a chunk per step, :func:`specgen.batch.steps.prefill_chunks`);
 * whole: the same with ``chunked_prefill=False`` (the long prompt prefilled in one step).
 
 Prints p50 / p99 TTFT (submission to first token) of each arm's short requests, their ratio to
@@ -67,9 +67,11 @@ def _submit(scheduler: BatchScheduler, max_new: int, **request) -> Timed:
 
 
 def trial(scheduler: BatchScheduler, long_ids: list[int] | None, shorts: list[str], gap: float,
-          long_new: int) -> tuple[list[Timed], Timed | None]:
-    """The long prompt (if any), then each short ``gap`` seconds after the previous; waits for all."""
+          long_new: int, delay: float = 0.0) -> tuple[list[Timed], Timed | None]:
+    """The long prompt (if any), ``delay`` seconds later the first short, then each short ``gap`` seconds
+    after the previous; waits for all."""
     long = _submit(scheduler, long_new, prompt_ids=long_ids) if long_ids else None
+    time.sleep(delay)
     out = []
     for prompt in shorts:
         time.sleep(gap)
@@ -90,6 +92,7 @@ def main() -> None:
     parser.add_argument("--shorts", type=int, default=3)
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1, help="uncounted trials first")
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds from the long prompt to the first short")
     parser.add_argument("--gap", type=float, default=0.05, help="seconds between submissions")
     parser.add_argument("--threads", default="2")
     parser.add_argument("--prefill-tokens", type=int, default=None)
@@ -116,7 +119,7 @@ def main() -> None:
                 timed, _ = trial(arms["chunked"], None, [prompt], 0.0, 8)
                 ttft["solo"].extend([timed[0].ttft] if counted else [])
             for name in names:
-                timed, long = trial(arms[name], None if name == "shorts" else long_ids, shorts, args.gap, 8)
+                timed, long = trial(arms[name], None if name == "shorts" else long_ids, shorts, args.gap, 8, args.delay)
                 ttft[name].extend(t.ttft for t in timed if counted)
                 same &= all(t.tokens == solo_tokens[p] for t, p in zip(timed, shorts, strict=True))
                 same &= long is None or long.tokens == long_solo
@@ -125,7 +128,8 @@ def main() -> None:
             scheduler.close()
     base = statistics.median(ttft["solo"])
     print(f"model {pipe.config['target'].get('name')}  long prompt {len(long_ids)} tokens  "
-          f"prefill split {llama_context.PREFILL_TOKENS}  shorts/trial {len(shorts)}  trials {args.trials} "
+          f"prefill split {llama_context.PREFILL_TOKENS}  shorts/trial {len(shorts)} from {args.delay:g} s, "
+          f"{args.gap:g} s apart  trials {args.trials} "
           f"(+{args.warmup} uncounted)")
     for name, values in ttft.items():
         p50, p99 = statistics.median(values), percentile(values, 0.99)

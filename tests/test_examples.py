@@ -9,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from conftest import TEST_COSTS, TINY, tiny_pipeline
@@ -104,6 +105,28 @@ def test_extract_records_writes_valid_jsonl(tmp_path, json_tiny_grammar, batch_s
     assert module.main([*argv[:-1], "0"]) == 2
 
 
+def test_extract_records_puts_the_instructions_in_every_prompt_before_the_note():
+    """--instructions: every prompt starts with the same text, the instructions included, so a prefix
+    cache can keep it; the note comes after them."""
+    module = load_example("extract_records")
+    prompts = []
+
+    class Pipe:
+        def generate(self, prompt, **options):
+            prompts.append(prompt)
+            return SimpleNamespace(text="{}", finish_reason="eos", token_ids=[1], stats=SimpleNamespace(
+                accepted=0, drafted=0, prefill_reused=0))
+
+    notes = [("n#1", "first note"), ("n#2", "second note")]
+    rules = "Dates are ISO 8601.\nAmounts are numbers."
+    list(module.extract(Pipe(), {"title": "Rec", "properties": {"a": {}}}, notes, batch_size=1, progress=False,
+                        instructions=rules + "\n"))
+    head = "Extract the rec from the text below as a JSON object with the fields a.\n\n" + rules + "\n\nText:\n"
+    assert prompts == [head + "first note", head + "second note"]
+    list(module.extract(Pipe(), {"title": "Rec", "properties": {"a": {}}}, notes[:1], batch_size=1, progress=False))
+    assert prompts[-1] == "Extract the rec from the text below as a JSON object with the fields a.\n\nText:\nfirst note"
+
+
 def _one_error_line(capsys, fragment):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and fragment in err, err
@@ -117,6 +140,8 @@ def _one_error_line(capsys, fragment):
     ((), REC_SCHEMA, "\n\n  \n", "notes.txt holds no notes"),
     (("--max-new-tokens", "0"), REC_SCHEMA, NOTES, "--max-new-tokens must be at least 1"),
     (("--seed", "-1"), REC_SCHEMA, NOTES, "--seed must be at least 0"),
+    (("--instructions", "no-such-instructions.txt"), REC_SCHEMA, NOTES,
+     "cannot read --instructions no-such-instructions.txt: No such file or directory"),
     (("--override", "max_new_tokens=16"), REC_SCHEMA, NOTES,
      "--override max_new_tokens=16: this script sets max_new_tokens itself; use --max-new-tokens"),
     (("--override", "+seed=3"), REC_SCHEMA, NOTES, "this script sets seed itself; use --seed"),

@@ -262,3 +262,51 @@ def test_default_model_chat_turns_after_a_hit_give_the_fresh_pipelines_tokens(pa
         assert got.token_ids == want.token_ids and want.stats.prefill_reused == 0
         messages.append({"role": "assistant", "content": want.text})
     assert got.stats.prefill_reused > 40 and cached.prefix_cache.stats.hits == 2
+
+
+def shared_prefix_prompts(count: int = 6, shared: int = 24) -> list[dict]:
+    """``count`` prompts: one shared instruction of ``shared`` ids, then a tail of each own."""
+    instruction = [(5 * i + 3) % 64 for i in range(shared)]
+    return [{"prompt_ids": instruction + [(11 * k + 7 * j + 1) % 64 for j in range(3 + k % 3)]} for k in range(count)]
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "plain"])
+@pytest.mark.parametrize("path", PATHS)
+def test_batched_rows_start_from_their_slots_last_prompt_and_give_the_fresh_tokens(path, speculative):
+    from specgen.batch import generate_batch
+
+    cached, fresh = pipe_pair(path)
+    prompts = shared_prefix_prompts()
+    got = generate_batch(cached, prompts, batch_size=2, max_new_tokens=10, speculative=speculative)
+    want = [fresh.generate(**prompt, max_new_tokens=10, speculative=speculative) for prompt in prompts]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert len({tuple(w.token_ids) for w in want}) > 1  # outputs that differ: the comparison can fail
+    assert [g.stats.prefill_reused for g in got[:2]] == [0, 0]  # the first two rows start empty
+    assert all(g.stats.prefill_reused >= 24 for g in got[2:])  # later rows keep the shared instruction
+    assert all(g.stats.prefill_reused + g.stats.prefill_computed == g.stats.prompt_tokens for g in got)
+    off = generate_batch(fresh, prompts, batch_size=2, max_new_tokens=10, speculative=speculative)
+    assert [g.token_ids for g in off] == [w.token_ids for w in want]
+    assert all(g.stats.prefill_reused == 0 for g in off)  # prefix_cache.entries=0: every row starts empty
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_negative_control_a_corrupted_kept_slot_changes_the_batched_tokens(path, monkeypatch):
+    import dataclasses
+
+    from specgen.batch import generate_batch, steps
+
+    cached, fresh = pipe_pair(path)
+    admit, claimed = steps.admit, {}
+
+    def corrupting_admit(pipe, kv, r, spec, reuse=False):
+        if reuse and r < len(kv.rows) and len(kv.rows[r].tokens) > 5:
+            kv.rows[r].tokens[5] = (spec.ids[5] + 1) % 64  # the kept entry now claims another id
+            spec = dataclasses.replace(spec, ids=spec.ids[:5] + [kv.rows[r].tokens[5]] + spec.ids[6:])
+            claimed[spec.index] = spec.ids
+        return admit(pipe, kv, r, spec, reuse)
+
+    monkeypatch.setattr(steps, "admit", corrupting_admit)
+    got = generate_batch(cached, shared_prefix_prompts(), batch_size=2, max_new_tokens=10)
+    assert sorted(claimed) == [2, 3, 4, 5] and all(got[i].stats.prefill_reused > 5 for i in claimed)
+    want = {i: fresh.generate(prompt_ids=ids, max_new_tokens=10).token_ids for i, ids in claimed.items()}
+    assert any(got[i].token_ids != want[i] for i in claimed)  # the same comparison as above catches it

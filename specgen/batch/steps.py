@@ -12,6 +12,7 @@ from specgen.batch.plan import batch_costs, plan_rows
 from specgen.drafters import batch_refusal
 from specgen.errors import ConfigError, DeadEndError, PromptError, SpecgenError
 from specgen.events import FinishEvent, Generation, TokenEvent
+from specgen.models.prefix_cache import common_prefix
 from specgen.options import RequestOptions, parse_batch_size, request_options, set_fields, with_overrides
 from specgen.planning import AUTO, BatchCostTable
 from specgen.request_plan import RequestPlan, finish, record
@@ -83,6 +84,10 @@ class Batch:
         self.chunked_prefill = chunked_prefill
         self.slots: list[Row | None] = [None] * size
         self.costs: BatchCostTable | None = None  # loaded when a row first plans with num_tokens="auto"
+        #: A slot keeps its last request's entries for the next one to start from (see :meth:`add`):
+        #: where the pipeline's prefix cache is on (its setting, and the target's ``prefix_reuse``)
+        #: and rows hold caches of their own (a shared-width cache's row cannot be fed a prefix apart).
+        self.reuse = bool(pipe.prefix_cache.enabled) and not self.kv.shares_width
 
     @property
     def active(self) -> int:
@@ -95,23 +100,35 @@ class Batch:
 
     def add(self, spec: RowSpec, owner: object = None) -> Row:
         """Admit ``spec`` (planned by this pipeline or a variant sharing its models: the row
-        runs ``spec.stack``) into a free slot; ValueError when the batch is full."""
+        runs ``spec.stack``) into a free slot; ValueError when the batch is full. With :attr:`reuse`,
+        the free slot whose kept entries share the longest prefix with the prompt (ties: the first),
+        and the row prefills only the rest, as a request parked in the prefix cache does alone."""
         r = self.slots.index(None)
+        if self.reuse:
+            free = [i for i, row in enumerate(self.slots) if row is None]
+            r = max(free, key=lambda i: (self._kept_prefix(i, spec.ids), -i))
         needed = len(spec.ids) + spec.max_new
         if needed > self.kv.row_context:
             raise PromptError(f"the prompt ({len(spec.ids)} tokens) and max_new_tokens ({spec.max_new}) need {needed} "
                               f"tokens; a batched row here holds {self.kv.row_context} (llama_cpp.batch_row_context)")
         if self.costs is None and spec.use_spec and spec.gamma == AUTO:  # before the row's clock starts
             self.costs = batch_costs(self.pipe, len(self.slots))  # measured once per machine and cached
-        self.slots[r] = row = admit(self.pipe, self.kv, r, spec)
+        self.slots[r] = row = admit(self.pipe, self.kv, r, spec, self.reuse)
         row.owner = owner
         return row
 
     def remove(self, row: Row) -> None:
-        """Free ``row``'s slot (its cached slots become dead and are compacted away later)."""
+        """Free ``row``'s slot (its cached slots become dead and are compacted away later). With
+        :attr:`reuse` a row whose request ended keeps its committed entries for the slot's next
+        request; a row removed otherwise (cancelled, failed) is cleared."""
         r = self.slots.index(row)
         self.slots[r] = None
-        self.kv.clear_row(r)
+        if not (self.reuse and row.request.finish_reason is not None):
+            self.kv.clear_row(r)
+
+    def _kept_prefix(self, r: int, ids: Sequence[int]) -> int:
+        """How many of ``ids`` free slot ``r`` holds from its last request (0 for a row not made yet)."""
+        return common_prefix(self.kv.rows[r].tokens, ids) if r < len(self.kv.rows) else 0
 
     def rows(self) -> list[Row]:
         return [row for row in self.slots if row is not None]
@@ -181,8 +198,15 @@ def generate_batch(pipe, prompts: Sequence, *, batch_size: int = 8, options: Req
     return out
 
 
-def admit(pipe, kv: BatchKV, r: int, spec: RowSpec) -> Row:
-    request, ctx = pipe.open_plan(spec, target_cache=kv.clear_row(r))
+def admit(pipe, kv: BatchKV, r: int, spec: RowSpec, reuse: bool = False) -> Row:
+    """Open ``spec`` on slot ``r``: on its kept entries synced to the prompt (``reuse``: every
+    entry but the prompt's last token may be kept), else on the slot cleared."""
+    if reuse and r < len(kv.rows):
+        cache = kv.rows[r]
+        cache.uncached(list(spec.ids))  # crops to the common prefix, at most len(ids) - 1 entries
+    else:
+        cache = kv.clear_row(r)
+    request, ctx = pipe.open_plan(spec, target_cache=cache)
     if request.draft is not None and spec.gamma == AUTO:
         ctx.costs = pipe.cost_table()
     return Row(spec, request, ctx, time.perf_counter())
