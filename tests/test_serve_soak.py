@@ -217,3 +217,12 @@ def test_a_different_seed_gives_a_different_text(soak):
     body = {"model": soak["app"].state.server.model, "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0.8}
     texts = {_send(soak["base"], {**body, "seed": seed})[1] for seed in (1, 2, 3, 4)}
     assert len(texts) > 1, texts
+
+
+def test_requests_sharing_the_chat_preamble_start_from_a_kept_slot(soak):
+    """Chat requests share the template's system preamble: later rows on a slot prefill only what
+    follows it (the batch's slot reuse), and /metrics counts the prompt tokens the cache gave."""
+    lines = dict(line.rsplit(" ", 1) for line in soak["exposition"].text.splitlines()
+                 if line and not line.startswith("#"))
+    assert float(lines["specgen_prompt_cached_tokens_total"]) > N
+    assert 0 < float(lines["specgen_prefix_cache_hit_ratio"]) <= 1
