@@ -93,3 +93,16 @@ def test_a_torch_build_without_the_onednn_ops_runs_int_mm(monkeypatch):
     assert "has no torch.ops.onednn.qlinear_pointwise" in kernels.onednn_problem()
     layer = kernels.QuantLinear(torch.randn(8, 32), None, "w8a8")
     assert layer.packed is None and layer(torch.ones(3, 32)).shape == (3, 8)
+
+
+def test_constant_and_one_signed_rows_are_served():
+    """A row without range (span clamped, every code 0: its output is its value times the column sums)
+    and a row of one sign (its own minimum to maximum, not a grid around zero) stay within rounding."""
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(16, 64, generator=generator)  # [out, in]
+    rows = torch.stack([torch.zeros(64), torch.full((64,), 3.0), 5.0 + torch.rand(64, generator=generator)])  # [3, in]
+    expected = rows @ weight.T  # [3, out]
+    for onednn in ([True, False] if kernels.onednn_problem() is None else [False]):
+        got = kernels.QuantLinear(weight, None, "w8a8", onednn=onednn)(rows)  # [3, out]
+        assert torch.equal(got[0], torch.zeros(16)) and torch.isfinite(got).all()
+        assert float((got - expected).abs().max()) < 0.01 * float(expected.abs().max())

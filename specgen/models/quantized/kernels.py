@@ -13,9 +13,10 @@ float32, returning [rows, out] float32:
   dequantised from a GGUF Q4_1 block (``d * q + m``, q from 0 to 15) maps back onto
   its own block's grid (up to the bfloat16 rounding of scale and zero);
 * ``w8a8``: int8 weights with one float32 scale per output channel and 8-bit
-  activations with one scale per row (that row's largest magnitude / 127, codes
-  stored as uint8 with zero point 128), integer products accumulated in int32,
-  then the channel's scale and the row's applied in float32. The products run on
+  activations with one scale and offset per row (uint8 codes 0..255 spanning that
+  row's own minimum to maximum), integer products accumulated in int32, then the
+  channel's scale and the row's applied in float32 and the row's offset times the
+  weight's column sums added. The products run on
   oneDNN's int8 linear over weights prepacked once at load
   (``torch.ops.onednn.qlinear_pointwise``) where :func:`onednn_problem` finds it
   serving, else on ``torch._int_mm``; both compute the same values bit for bit.
@@ -49,8 +50,8 @@ GROUP = 32
 ACTIVATION = torch.bfloat16
 #: The oneDNN op that computes w8a8's integer products on prepacked weights, where it serves.
 ONEDNN = "onednn.qlinear_pointwise"
-#: w8a8's activation codes: ``round(x * 127 / rowmax) + ZERO_POINT`` as uint8 (1..255).
-ZERO_POINT = 128
+#: w8a8's activation codes: ``round((x - rowmin) * LEVELS / (rowmax - rowmin))`` as uint8 (0..LEVELS).
+LEVELS = 255
 
 
 def kernel_problem(kind: str) -> str | None:
@@ -137,6 +138,9 @@ class QuantLinear:
             self.weight, self.scales = quantize_int4(weight)
         elif self.kind == "w8a8":
             self.weight, self.scales = quantize_w8a8(weight)
+            sums = self.weight.sum(0, dtype=torch.int32)  # [out]: each channel's codes summed over its inputs
+            self._column_sums = sums.float() * self.scales * LEVELS  # [out]: of the dequantized weight
+            self._code_offsets = 128 * sums  # [out] int32: _int_mm reads codes shifted to int8 (code - 128)
         else:
             self.weight, self.scales = weight, None
         self.packed = None  # [in, out] int8, oneDNN's layout (w8a8 on oneDNN only)
@@ -170,22 +174,25 @@ class QuantLinear:
 
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [rows, in] float32 -> [rows, out] float32, each row on its own scale, in few ops (each
-        costs a fixed overhead at one row): codes ``trunc(x * 127 / rowmax + ZERO_POINT + 0.5)``
-        (round half up, 1..255), ``int32 products * channel scale * rowmax (+ bias)`` in float32."""
-        rowmax = x.abs().amax(1, keepdim=True).clamp_min_(1e-30)  # [rows, 1]
-        codes = torch.addcmul(_OFFSET, x, rowmax.reciprocal(), value=127).to(torch.uint8)  # [rows, in]
+        """x: [rows, in] float32 -> [rows, out] float32, each row on its own scale and offset, in few
+        ops (each costs a fixed overhead at one row): with ``low``/``span`` a row's minimum and range,
+        codes ``trunc((x - low) * LEVELS / span + 0.5)`` (round half up, 0..LEVELS), then
+        ``int32 products * channel scale * span + low * column sums (+ bias)`` in float32."""
+        low, high = torch.aminmax(x, dim=1, keepdim=True)  # [rows, 1] each
+        span = high.sub_(low).clamp_min_(1e-30)  # [rows, 1]
+        codes = torch.addcmul(_HALF, x - low, span.reciprocal(), value=LEVELS).to(torch.uint8)  # [rows, in]
         if self.packed is not None:
-            out = torch.ops.onednn.qlinear_pointwise(codes, 1.0, ZERO_POINT, self.packed, self.scales,
+            out = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 0, self.packed, self.scales,
                                                      self._zero_points, None, 1.0, 0, torch.float32, "none", [], "")
         else:
-            signed = codes.bitwise_xor_(0x80).view(torch.int8)  # code - ZERO_POINT
-            out = torch._int_mm(signed, self.weight).float().mul_(self.scales)  # [rows, out]
-        return out.mul_(rowmax) if self.bias is None else torch.addcmul(self.bias, out, rowmax)
+            signed = codes.bitwise_xor_(0x80).view(torch.int8)  # code - 128
+            out = torch._int_mm(signed, self.weight).add_(self._code_offsets).float().mul_(self.scales)  # [rows, out]
+        base = low * self._column_sums if self.bias is None else torch.addcmul(self.bias, low, self._column_sums)
+        return torch.addcmul(base, out, span)  # [rows, out]
 
 
-#: ZERO_POINT + 0.5: truncating ``x * 127 / rowmax + _OFFSET`` (above 1) to uint8 rounds half up.
-_OFFSET = torch.tensor(ZERO_POINT + 0.5)
+#: Truncating ``(x - low) * LEVELS / span + _HALF`` (at least 0) to uint8 rounds half up.
+_HALF = torch.tensor(0.5)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,11 +205,11 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_w8a8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[out, in] float -> (int8 [in, out], the layout ``torch._int_mm`` reads; float32 scales [out]):
-    symmetric, per output channel; the scales include the activations' 1 / 127 (a row's scale is
-    then its largest magnitude)."""
+    symmetric, per output channel; the scales include the activations' 1 / LEVELS (a row's scale is
+    then its range)."""
     scales = weight.abs().amax(1).clamp_min(1e-30) / 127  # [out]
     quantized = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)  # [out, in]
-    return quantized.T.contiguous(), scales / 127
+    return quantized.T.contiguous(), scales / LEVELS
 
 
 def int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -88,7 +88,7 @@ class QuantizedLM(TargetDefaults):
         if kind == "float":
             return "float32 linear"
         if kind == "w8a8":
-            return f"w8a8 (torch {w8a8_op()}, int8 activations per row)"
+            return f"w8a8 (torch {w8a8_op()}, 8-bit activations per row)"
         return f"{kind} (torch {KERNELS[kind]}, bfloat16 activations)"
 
     def new_cache(self) -> QuantKV:
