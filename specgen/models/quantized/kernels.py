@@ -16,10 +16,10 @@ float32, returning [rows, out] float32:
   activations with one scale and offset per row (uint8 codes 0..255 spanning that
   row's own minimum to maximum), integer products accumulated in int32, then the
   channel's scale and the row's applied in float32 and the row's offset times the
-  weight's column sums added. The products run on
-  oneDNN's int8 linear over weights prepacked once at load
-  (``torch.ops.onednn.qlinear_pointwise``) where :func:`onednn_problem` finds it
-  serving, else on ``torch._int_mm``; both compute the same values bit for bit.
+  weight's column sums added. The products run on oneDNN's int8 linear over
+  weights prepacked once at load (``torch.ops.onednn.qlinear_pointwise``) where
+  :func:`onednn_problem` finds it serving, else on ``torch._int_mm``; both compute
+  the same values bit for bit.
   Its cost barely grows with the rows fed (the weight-only kernels' grows in
   proportion), but per-row activation scales lose outlier channels' neighbours:
   the model folds per-channel smoothing into the weights first
@@ -171,7 +171,6 @@ class QuantLinear:
         else:
             return F.linear(x, self.weight, self.bias)
         return out if self.bias is None else out + self.bias
-
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
         """x: [rows, in] float32 -> [rows, out] float32, each row on its own scale and offset, in few
