@@ -12,9 +12,14 @@ float32, returning [rows, out] float32:
   grid is each group's own minimum and maximum split in 15 steps, so a weight
   dequantised from a GGUF Q4_1 block (``d * q + m``, q from 0 to 15) maps back onto
   its own block's grid (up to the bfloat16 rounding of scale and zero);
-* ``w8a8``: int8 weights with one float32 scale per output channel and int8
-  activations with one scale per row (that row's largest magnitude / 127),
-  ``torch._int_mm`` accumulating in int32, then both scales applied in float32.
+* ``w8a8``: int8 weights with one float32 scale per output channel and 8-bit
+  activations with one scale and offset per row (uint8 codes 0..255 spanning that
+  row's own minimum to maximum), integer products accumulated in int32, then the
+  channel's scale and the row's applied in float32 and the row's offset times the
+  weight's column sums added. The products run on oneDNN's int8 linear over
+  weights prepacked once at load (``torch.ops.onednn.qlinear_pointwise``) where
+  :func:`onednn_problem` finds it serving, else on ``torch._int_mm``; both compute
+  the same values bit for bit.
   Its cost barely grows with the rows fed (the weight-only kernels' grows in
   proportion), but per-row activation scales lose outlier channels' neighbours:
   the model folds per-channel smoothing into the weights first
@@ -32,6 +37,8 @@ model at load (``verify_gap``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -41,6 +48,10 @@ KERNELS = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm_for_cpu",
 GROUP = 32
 #: The activations' dtype the int kernels read (the CPU kernels' fast path).
 ACTIVATION = torch.bfloat16
+#: The oneDNN op that computes w8a8's integer products on prepacked weights, where it serves.
+ONEDNN = "onednn.qlinear_pointwise"
+#: w8a8's activation codes: ``round((x - rowmin) * LEVELS / (rowmax - rowmin))`` as uint8 (0..LEVELS).
+LEVELS = 255
 
 
 def kernel_problem(kind: str) -> str | None:
@@ -69,6 +80,35 @@ def kernel_problem(kind: str) -> str | None:
     return None
 
 
+def w8a8_op() -> str:
+    """The op that computes w8a8's integer products here: :data:`ONEDNN` or ``_int_mm``."""
+    return "_int_mm" if onednn_problem() else ONEDNN
+
+
+@functools.cache
+def onednn_problem() -> str | None:
+    """Why w8a8 layers run ``torch._int_mm`` rather than :data:`ONEDNN` (None: they run oneDNN's):
+    the ops missing from this torch build, failing on a probe, or computing other values than
+    ``torch._int_mm``'s route bit for bit, rows fed together or alone. Probed once per process."""
+    ops = getattr(torch.ops, "onednn", None)
+    if ops is None or not all(hasattr(ops, name) for name in ("qlinear_prepack", "qlinear_pointwise")):
+        return f"this torch build ({torch.__version__}) has no torch.ops.{ONEDNN}"
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(40, 96, generator=generator)  # [out, in]
+    bias = torch.randn(40, generator=generator)  # [out]
+    rows = torch.randn(19, 96, generator=generator) * torch.logspace(-3, 3, 19)[:, None]  # [rows, in]
+    try:
+        fast, plain = QuantLinear(weight, bias, "w8a8", onednn=True), QuantLinear(weight, bias, "w8a8", onednn=False)
+        together = fast(rows)  # [19, out]
+        alone = torch.cat([fast(rows[i:i + 1]) for i in range(rows.shape[0])])
+        reference = plain(rows)  # [19, out]
+    except RuntimeError as error:
+        return f"torch.ops.{ONEDNN} fails here: {str(error).splitlines()[0][:160]}"
+    if not torch.equal(together, reference) or not torch.equal(alone, reference):
+        return f"torch.ops.{ONEDNN} computes other values than torch._int_mm on a probe"
+    return None
+
+
 def _shape_problem(kind: str, out_features: int, in_features: int) -> str | None:
     """Why the ``kind`` kernel cannot take an [out, in] weight (None: it can)."""
     if kind == "int4" and (in_features % GROUP or out_features % 8):
@@ -81,10 +121,12 @@ class QuantLinear:
 
     weight: [out, in] float; bias: [out] or None (added in float32); kind: one of KERNELS or
     ``float``. A layer whose shape the kernel cannot take runs ``float``; ``kind`` says what runs
-    and ``reason`` why it is not the kind asked for (None when it is).
+    and ``reason`` why it is not the kind asked for (None when it is). onednn (w8a8 only): whether
+    the products run on :data:`ONEDNN` (prepacked weights, ``packed``) or ``torch._int_mm``;
+    None: oneDNN's where :func:`onednn_problem` finds it serving.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, onednn: bool | None = None):
         weight = weight.detach().float()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float()  # [out]
@@ -96,12 +138,20 @@ class QuantLinear:
             self.weight, self.scales = quantize_int4(weight)
         elif self.kind == "w8a8":
             self.weight, self.scales = quantize_w8a8(weight)
+            sums = self.weight.sum(0, dtype=torch.int32)  # [out]: each channel's codes summed over its inputs
+            self._column_sums = sums.float() * self.scales * LEVELS  # [out]: of the dequantized weight
+            self._code_offsets = 128 * sums  # [out] int32: _int_mm reads codes shifted to int8 (code - 128)
         else:
             self.weight, self.scales = weight, None
+        self.packed = None  # [in, out] int8, oneDNN's layout (w8a8 on oneDNN only)
+        if self.kind == "w8a8" and (onednn if onednn is not None else onednn_problem() is None):
+            self.packed = torch.ops.onednn.qlinear_prepack(self.weight.T.contiguous(), None)
+            self.weight = None
+            self._zero_points = torch.zeros(self.out_features, dtype=torch.long)  # [out]
 
     @property
     def memory_bytes(self) -> int:
-        tensors = [t for t in (self.weight, self.scales, self.bias) if t is not None]
+        tensors = [t for t in (self.weight, self.packed, self.scales, self.bias) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,10 +163,7 @@ class QuantLinear:
         int kernel without a bias (exactly representable in float32, so a consumer that promotes, e.g.
         ``float32 + bfloat16``, computes what it would on ``__call__``'s output), float32 otherwise."""
         if self.kind == "w8a8":
-            row_scales = x.abs().amax(1, keepdim=True).clamp_min(1e-30) / 127  # [rows, 1]
-            codes = torch.round(x / row_scales).to(torch.int8)  # [rows, in], each row on its own scale
-            out = torch._int_mm(codes, self.weight).float().mul_(row_scales * self.scales)  # [rows, out]
-            return out if self.bias is None else out.add_(self.bias)
+            return self._w8a8(x)
         if self.kind == "int8":
             out = torch._weight_int8pack_mm(x.to(ACTIVATION), self.weight, self.scales)
         elif self.kind == "int4":
@@ -124,6 +171,27 @@ class QuantLinear:
         else:
             return F.linear(x, self.weight, self.bias)
         return out if self.bias is None else out + self.bias
+
+    def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [rows, in] float32 -> [rows, out] float32, each row on its own scale and offset, in few
+        ops (each costs a fixed overhead at one row): with ``low``/``span`` a row's minimum and range,
+        codes ``trunc((x - low) * LEVELS / span + 0.5)`` (round half up, 0..LEVELS), then
+        ``int32 products * channel scale * span + low * column sums (+ bias)`` in float32."""
+        low, high = torch.aminmax(x, dim=1, keepdim=True)  # [rows, 1] each
+        span = high.sub_(low).clamp_min_(1e-30)  # [rows, 1]
+        codes = torch.addcmul(_HALF, x - low, span.reciprocal(), value=LEVELS).to(torch.uint8)  # [rows, in]
+        if self.packed is not None:
+            out = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 0, self.packed, self.scales,
+                                                     self._zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+        else:
+            signed = codes.bitwise_xor_(0x80).view(torch.int8)  # code - 128
+            out = torch._int_mm(signed, self.weight).add_(self._code_offsets).float().mul_(self.scales)  # [rows, out]
+        base = low * self._column_sums if self.bias is None else torch.addcmul(self.bias, low, self._column_sums)
+        return torch.addcmul(base, out, span)  # [rows, out]
+
+
+#: Truncating ``(x - low) * LEVELS / span + _HALF`` (at least 0) to uint8 rounds half up.
+_HALF = torch.tensor(0.5)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,10 +204,11 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_w8a8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[out, in] float -> (int8 [in, out], the layout ``torch._int_mm`` reads; float32 scales [out]):
-    symmetric, per output channel."""
+    symmetric, per output channel; the scales include the activations' 1 / LEVELS (a row's scale is
+    then its range)."""
     scales = weight.abs().amax(1).clamp_min(1e-30) / 127  # [out]
     quantized = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)  # [out, in]
-    return quantized.T.contiguous(), scales
+    return quantized.T.contiguous(), scales / LEVELS
 
 
 def int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

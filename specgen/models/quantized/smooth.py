@@ -1,7 +1,7 @@
 """SmoothQuant-style smoothing for the ``w8a8`` kernel: per-channel factors folded into the weights.
 
-A ``w8a8`` layer quantizes each activation row with one scale (its largest
-magnitude), so a few outlier input channels crush the others. For an input
+A ``w8a8`` layer quantizes each activation row on one grid (its minimum to its
+maximum), so a few outlier input channels crush the others. For an input
 channel j with calibrated largest activation ``a_j`` and largest weight ``w_j``
 (over the layer's output rows), ``s_j = a_j ** alpha / w_j ** (1 - alpha)``
 moves part of the range into the weights: the input is divided by ``s`` and the

@@ -18,7 +18,7 @@ import torch
 
 from specgen.errors import NumericalError
 from specgen.models.invariance import GAP_PREFIX, chain_gaps, worst
-from specgen.models.quantized.kernels import KERNELS
+from specgen.models.quantized.kernels import KERNELS, w8a8_op
 from specgen.models.quantized.model import KEY_BUCKET, Feed, KVBuffers, LeanLlama
 from specgen.models.quantized.smooth import Smoothing
 from specgen.models.target import Capabilities, TargetDefaults, TokenCache
@@ -88,7 +88,7 @@ class QuantizedLM(TargetDefaults):
         if kind == "float":
             return "float32 linear"
         if kind == "w8a8":
-            return f"w8a8 (torch {KERNELS[kind]}, int8 activations per row)"
+            return f"w8a8 (torch {w8a8_op()}, 8-bit activations per row)"
         return f"{kind} (torch {KERNELS[kind]}, bfloat16 activations)"
 
     def new_cache(self) -> QuantKV:
