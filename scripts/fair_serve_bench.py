@@ -13,6 +13,10 @@ trial in one process:
   requests ``--gap`` seconds apart while it prefills (a chunk per step, :func:`specgen.batch.steps.prefill_chunks`);
 * whole: the same with ``chunked_prefill=False`` (the long prompt prefilled in one step).
 
+Each trial's long prompt is the same tokens rotated by the trial's number, so no batch slot holds a
+prefix of it (a slot keeps its last request's entries for the next; see :class:`specgen.batch.steps.Batch`);
+the short prompts share the chat template's preamble, solo as in the other arms.
+
 Prints p50 / p99 TTFT (submission to first token) of each arm's short requests, their ratio to
 solo's p50, and whether every short and long output equals its solo run token for token. The first
 --warmup trials of each arm are run the same way but not counted: a batch's llama.cpp context grows
@@ -110,16 +114,20 @@ def main() -> None:
     arms["shorts"] = arms["chunked"]
     ttft: dict[str, list[float]] = {name: [] for name in ("solo", *names)}
     solo_tokens = {p: pipe.generate(p, max_new_tokens=4).token_ids for p in shorts}
-    long_solo = pipe.generate(prompt_ids=long_ids, max_new_tokens=8).token_ids
     same = True
     try:
         for number in range(args.warmup + args.trials):
             counted = number >= args.warmup
+            # each trial's long prompt is new to the scheduler (rotated by the trial's number): a batch
+            # slot keeps its last prompt's entries, and a repeated long prompt would prefill nothing
+            fresh_long = long_ids[number:] + long_ids[:number]
+            long_solo = pipe.generate(prompt_ids=fresh_long, max_new_tokens=8).token_ids
             for prompt in shorts:  # solo: one short at a time on an idle scheduler
                 timed, _ = trial(arms["chunked"], None, [prompt], 0.0, 8)
                 ttft["solo"].extend([timed[0].ttft] if counted else [])
             for name in names:
-                timed, long = trial(arms[name], None if name == "shorts" else long_ids, shorts, args.gap, 8, args.delay)
+                timed, long = trial(arms[name], None if name == "shorts" else fresh_long, shorts, args.gap, 8,
+                                    args.delay)
                 ttft[name].extend(t.ttft for t in timed if counted)
                 same &= all(t.tokens == solo_tokens[p] for t, p in zip(timed, shorts, strict=True))
                 same &= long is None or long.tokens == long_solo
