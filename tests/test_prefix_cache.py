@@ -310,3 +310,43 @@ def test_negative_control_a_corrupted_kept_slot_changes_the_batched_tokens(path,
     assert sorted(claimed) == [2, 3, 4, 5] and all(got[i].stats.prefill_reused > 5 for i in claimed)
     want = {i: fresh.generate(prompt_ids=ids, max_new_tokens=10).token_ids for i, ids in claimed.items()}
     assert any(got[i].token_ids != want[i] for i in claimed)  # the same comparison as above catches it
+
+
+class WidthNoise:
+    """A target whose logits move with the number of tokens a forward feeds (a kernel that computes a
+    position differently by the forward it is fed in): the prefix probe's negative control."""
+
+    def __init__(self, target):
+        self.target, self.vocab_size = target, target.vocab_size
+
+    def new_cache(self):
+        return self.target.new_cache()
+
+    def forward(self, cache, tokens, keep):
+        logits = self.target.forward(cache, tokens, keep)
+        return logits + 1e-6 * len(tokens)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_prefix_probe_measures_zero_where_reuse_is_exact_and_catches_width_noise(path):
+    from specgen.models.invariance import prefix_gap
+
+    target = pipe_pair(path)[0].target
+    assert prefix_gap(target) == 0.0
+    assert prefix_gap(WidthNoise(target)) > 0.0
+
+
+@needs_llama
+def test_llama_cpp_measures_prefix_reuse_and_a_gap_turns_the_cache_and_slot_reuse_off(monkeypatch):
+    from specgen.batch import generate_batch
+    from specgen.batch.steps import Batch
+
+    monkeypatch.setattr(llama_cpp, "prefix_gap", lambda lm: 1e-6)  # a model whose kernels differ by width
+    pipe = specgen.pipeline(*VARIED, "backend=llama_cpp", progress=False)
+    assert not pipe.target.capabilities.prefix_reuse and not pipe.prefix_cache.enabled
+    assert not Batch(pipe, 2).reuse
+    first = pipe.generate(prompt_ids=TURN[0], max_new_tokens=6)
+    again = pipe.generate(prompt_ids=TURN[0] + first.token_ids, max_new_tokens=6)
+    assert again.stats.prefill_reused == 0  # every request starts empty
+    rows = generate_batch(pipe, shared_prefix_prompts(), batch_size=2, max_new_tokens=6)
+    assert all(row.stats.prefill_reused == 0 for row in rows)

@@ -53,6 +53,28 @@ def chain_gaps(target, widths: Iterable[int], prefix: int = GAP_PREFIX) -> dict[
     return {w: probe(w) for w in widths}
 
 
+def prefix_gap(target, prompt: int = 40, decoded: int = 6, rest: int = 40) -> float:
+    """Prefix reuse (``Capabilities.prefix_reuse``): the largest |logit| difference, over the last
+    ``rest`` positions, between a handle that holds a prefix as a run leaves it (a ``prompt`` fed in one
+    forward, ``decoded`` tokens one at a time, then cropped back by one token, as a prefix cache syncs a
+    handle to a new prompt) and then fed the rest, and a fresh handle fed every id in one forward. The
+    two feed the same positions in differently composed forwards; 0.0: a cached prefix gives a fresh
+    prefill's logits bit for bit."""
+    tokens = probe_tokens(target.vocab_size, prompt + decoded + rest)
+    kept, fresh = target.new_cache(), target.new_cache()
+    try:
+        target.forward(kept, tokens[:prompt], keep=1)
+        for token in tokens[prompt: prompt + decoded]:
+            target.forward(kept, [token], keep=1)
+        kept.crop(prompt + decoded - 1)
+        reused = target.forward(kept, tokens[prompt + decoded - 1:], keep=rest)  # [rest, vocab]
+        whole = target.forward(fresh, tokens, keep=rest)  # [rest, vocab]
+    finally:
+        kept.release()
+        fresh.release()
+    return float((reused - whole).abs().max())
+
+
 def worst(gaps: dict[int, float]) -> tuple[float, int]:
     """(largest gap, its width; the narrowest on a tie) of a {width: gap} map; (0.0, 0) when empty."""
     if not gaps:

@@ -26,7 +26,7 @@ import torch
 
 from specgen.errors import ConfigError, ModelLoadError
 from specgen.models.llama_batch import LlamaBatch, batch_gap
-from specgen.models.invariance import GAP_PREFIX, chain_gap_probe, worst
+from specgen.models.invariance import GAP_PREFIX, chain_gap_probe, prefix_gap, worst
 from specgen.models.llama_context import BATCH_TOKENS, FLASH, LlamaContext, LlamaKV, available, library
 from specgen.models.llama_pool import ContextPool
 from specgen.models.target import Capabilities, TargetDefaults
@@ -205,10 +205,13 @@ class LlamaCppLM(TargetDefaults):
     @property
     def capabilities(self) -> Capabilities:
         """Chains; batched rows where :func:`batch_gap` measures them equal to solo rows bit for
-        bit (measured on first use)."""
+        bit; prefix reuse where :func:`prefix_gap` measures a cached prefix's logits equal to a fresh
+        prefill's (a model's kernels may compute a position differently by the forward it is fed in;
+        both measured on first use)."""
         if self._capabilities is None:
             self._capabilities = Capabilities(trees=False, features=False,
-                                              batches=batch_gap(self, BATCH_GAP_ROWS) == 0.0)
+                                              batches=batch_gap(self, BATCH_GAP_ROWS) == 0.0,
+                                              prefix_reuse=prefix_gap(self) == 0.0)
         return self._capabilities
 
     def new_cache(self) -> LlamaKV:
