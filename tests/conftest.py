@@ -31,6 +31,19 @@ def fix_costs(monkeypatch) -> None:
     monkeypatch.setattr("specgen.planning.store.observer", lambda config: None)  # plans from the table alone
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The default run uses every core: with pytest-xdist loaded, no ``-n`` given and not inside a worker,
+    it runs ``-n logical --dist loadfile`` (one worker per schedulable CPU; each file's tests on one worker,
+    so a module-scoped pipeline is built once). ``-n0`` or ``-p no:xdist`` run in this process; the worker
+    count only changes how fast the run is, never what a test asserts."""
+    if (config.pluginmanager.hasplugin("xdist") and getattr(config.option, "numprocesses", 0) is None
+            and not hasattr(config, "workerinput")):
+        config.option.numprocesses = "logical"
+        if config.option.dist == "no":
+            config.option.dist = "loadfile"
+
+
 @pytest.fixture(autouse=True)
 def _fixed_cost_table(monkeypatch):
     fix_costs(monkeypatch)

@@ -169,9 +169,11 @@ def _read_json(path: pathlib.Path) -> dict:
 def _write_json_atomic(path: pathlib.Path, data: dict) -> None:
     """Write ``data`` as JSON to ``path`` via a temporary file and rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = pathlib.Path(name)
     try:
-        tmp.write_text(json.dumps(data, indent=1))
+        with os.fdopen(handle, "w") as out:
+            out.write(json.dumps(data, indent=1))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
