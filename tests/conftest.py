@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import pathlib
 
 import pytest
 
@@ -31,14 +32,20 @@ def fix_costs(monkeypatch) -> None:
     monkeypatch.setattr("specgen.planning.store.observer", lambda config: None)  # plans from the table alone
 
 
+def _one_file(args: list[str]) -> bool:
+    """Whether the command line names a single test file (or tests inside one)."""
+    files = {arg.split("::", 1)[0] for arg in args}
+    return len(files) == 1 and pathlib.Path(next(iter(files))).is_file()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """The default run uses every core: with pytest-xdist loaded, no ``-n`` given and not inside a worker,
-    it runs ``-n logical --dist loadfile`` (one worker per schedulable CPU; each file's tests on one worker,
-    so a module-scoped pipeline is built once). ``-n0`` or ``-p no:xdist`` run in this process; the worker
-    count only changes how fast the run is, never what a test asserts."""
+    """The default run uses every core: with pytest-xdist loaded, no ``-n`` given, not inside a worker and
+    more than one file to run, it runs ``-n logical --dist loadfile`` (one worker per schedulable CPU; each
+    file's tests on one worker, so a module-scoped pipeline is built once). ``-n0`` or ``-p no:xdist`` run
+    in this process; the worker count only changes how fast the run is, never what a test asserts."""
     if (config.pluginmanager.hasplugin("xdist") and getattr(config.option, "numprocesses", 0) is None
-            and not hasattr(config, "workerinput")):
+            and not hasattr(config, "workerinput") and not _one_file(config.args)):
         config.option.numprocesses = "logical"
         if config.option.dist == "no":
             config.option.dist = "loadfile"
