@@ -46,7 +46,8 @@ EOF
 
 if [ "$QUICK" = 0 ]; then
   echo "== gpu_check: CUDA-path tests (tests/test_gpu_check.py, tests/test_syncs.py)"
-  timeout 300 python -m pytest -q -p no:cacheprovider tests/test_gpu_check.py tests/test_syncs.py
+  # one process (-p no:xdist) on the one device (no worker per CPU starting torch and CUDA within the budget)
+  timeout 300 python -m pytest -q -p no:xdist -p no:cacheprovider tests/test_gpu_check.py tests/test_syncs.py
   echo "== gpu_check: bench"
   timeout 150 python scripts/gpu_check.py --device "$DEVICE" --tokens 64
 else

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import pathlib
 
 import pytest
 
@@ -29,6 +31,40 @@ def fix_costs(monkeypatch) -> None:
     monkeypatch.setattr("specgen.planning.store.batch_cost_table", lambda subject, size, new_batch, **kwargs:
                         TEST_BATCH_COSTS)
     monkeypatch.setattr("specgen.planning.store.observer", lambda config: None)  # plans from the table alone
+
+
+#: Memory one test worker may need: two workers' process trees peaked at 7.8 GiB together in a full run.
+WORKER_MEMORY = 4 * 2**30
+
+
+def _one_file(args: list[str]) -> bool:
+    """Whether the command line names a single test file (or tests inside one)."""
+    files = {arg.split("::", 1)[0] for arg in args}
+    return len(files) == 1 and pathlib.Path(next(iter(files))).is_file()
+
+
+def _workers() -> int:
+    """One worker per CPU this process may run on, no more than the memory holds (WORKER_MEMORY each)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return cpus
+    return max(1, min(cpus, memory // WORKER_MEMORY))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The default run uses every core: with pytest-xdist loaded, no ``-n`` given, not inside a worker and
+    more than one file to run, it runs ``-n N --dist loadfile``: N workers (:func:`_workers`, or
+    ``$PYTEST_XDIST_AUTO_NUM_WORKERS``), each file's tests on one worker, so a module-scoped pipeline is
+    built once. ``-n0`` or ``-p no:xdist`` run in this process; the worker count only changes how fast
+    the run is, never what a test asserts."""
+    if (config.pluginmanager.hasplugin("xdist") and getattr(config.option, "numprocesses", 0) is None
+            and not hasattr(config, "workerinput") and not _one_file(config.args)):
+        config.option.numprocesses = "logical" if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") else _workers()
+        if config.option.dist == "no":
+            config.option.dist = "loadfile"
 
 
 @pytest.fixture(autouse=True)

@@ -193,7 +193,12 @@ def test_cache_is_keyed_and_refreshable(real_cost_table, monkeypatch):
     table_of(other)
     assert len(calls) == 3
     assert "v(n) chain" in store.describe(first)
-    compiled = tiny_pipeline("compile=true", drafter="tiny")  # compiled forwards cost differently: another key
+    # compiled forwards cost differently: another key. The key reads the config and the target, not the
+    # guarantee, so the load-time invariance check (every verify bucket compiled) is skipped here;
+    # tests/test_compile.py runs it.
+    monkeypatch.setattr("specgen.build._measured", lambda guarantee, *args: guarantee)
+    compiled = tiny_pipeline("compile=true", drafter="tiny")
+    assert compiled.target.is_compiled
     assert store.cache_key(measuring.facts(compiled.cost_subject())) != store.cache_key(measuring.facts(pipe.cost_subject()))
 
 
@@ -223,6 +228,26 @@ def test_corrupt_cache_file_is_remeasured(real_cost_table, monkeypatch):
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
     assert table_of(pipe).chain == (1.0,)
+
+
+def test_cache_file_is_replaced_whole(real_cost_table, monkeypatch):
+    """Two processes sharing the cache: a reader sees the old table or the new one, never a torn file.
+    The new table is written beside the old one and renamed over it, so a write that fails before the
+    rename leaves the old file as it was and no temporary file behind."""
+    monkeypatch.setattr(store, "measure", lambda pipe, clock=None: CostTable(chain=(1.0,), tree=(1.0,)))
+    pipe = tiny_pipeline(drafter="ngram")
+    path = real_cost_table / "costs" / f"{store.cache_key(measuring.facts(pipe.cost_subject()))}.json"
+    assert table_of(pipe).chain == (1.0,)
+    before = path.read_text()
+
+    def failing_rename(source, target):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store.os, "replace", failing_rename)
+    monkeypatch.setattr(store, "measure", lambda pipe, clock=None: CostTable(chain=(2.0,), tree=(2.0,)))
+    assert table_of(pipe, refresh=True).chain == (2.0,)  # served, though not cached
+    assert path.read_text() == before
+    assert [entry.name for entry in path.parent.iterdir()] == [path.name]
 
 
 def test_measuring_the_cost_table_is_not_part_of_a_requests_time(monkeypatch):

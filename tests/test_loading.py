@@ -243,6 +243,36 @@ def test_interrupted_conversion_leaves_no_cache_entry(cache, tmp_path, monkeypat
     assert list((cache / "converted").iterdir()) == []
 
 
+def test_an_entry_another_process_installs_meanwhile_is_kept(cache, tmp_path, monkeypatch):
+    """Two processes sharing the cache: this one finds no conversion, the other installs a complete one
+    right after; this one keeps it (never deleted under a process loading it, never converted twice)."""
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 60)
+    target = gguf_cache.converted_dir(gguf_cache.file_sha256(gguf), "float32")
+    complete, looks = gguf_cache.is_complete, []
+
+    def installed_after_the_first_look(path):
+        if not looks:
+            looks.append(path)
+            path.mkdir(parents=True)
+            for name in ("config.json", "model.safetensors", gguf_cache._MARKER):
+                (path / name).write_text("{}")
+            return False
+        return complete(path)
+
+    def convert(*args):
+        raise AssertionError("the entry another process installed was converted again")
+
+    monkeypatch.setattr(gguf_cache, "is_complete", installed_after_the_first_look)
+    monkeypatch.setattr(gguf_cache, "_convert_gguf", convert)
+    assert gguf_cache.converted(gguf, "float32", progress=False) == target
+    assert looks == [target] and complete(target)
+    (target / "config.json").unlink()  # an incomplete entry (an older version's) is removed and converted
+    with pytest.raises(AssertionError, match="converted again"):
+        gguf_cache.converted(gguf, "float32", progress=False)
+    assert not target.exists()
+
+
 def test_hub_unreachable_suggests_packaged_source(cache, monkeypatch):
     huggingface_hub = pytest.importorskip("huggingface_hub")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

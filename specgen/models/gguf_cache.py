@@ -76,15 +76,26 @@ def converted(gguf_path: pathlib.Path, cache_dtype: str, progress: bool) -> path
     """Cache directory holding ``gguf_path`` as ``cache_dtype`` safetensors, converting it if needed."""
     check_gguf_file(gguf_path)
     target = converted_dir(file_sha256(gguf_path), cache_dtype)
-    if is_complete(target):
+    if _present(target, is_complete):
         return target
-    if target.exists():
-        shutil.rmtree(target)
     say(progress, _conversion_notice(gguf_path))
     started = time.monotonic()
     _write_entry(target, gguf_path, lambda tmp: _convert_gguf(gguf_path, tmp, CACHE_DTYPES[cache_dtype]))
     say(progress, f"converted {gguf_path.name} in {time.monotonic() - started:.0f} s -> {target}")
     return target
+
+
+def _present(target: pathlib.Path, complete) -> bool:
+    """Whether the cache entry ``target`` is ``complete``; an incomplete one (left by an older version:
+    entries are installed whole) is removed. A process sharing the cache can install the entry between
+    a first look and the removal, so it is looked at again first: a complete entry is never removed."""
+    if complete(target):
+        return True
+    if target.exists():
+        if complete(target):
+            return True
+        shutil.rmtree(target, ignore_errors=True)
+    return False
 
 
 def _install(tmp: pathlib.Path, target: pathlib.Path) -> None:
@@ -169,9 +180,11 @@ def _read_json(path: pathlib.Path) -> dict:
 def _write_json_atomic(path: pathlib.Path, data: dict) -> None:
     """Write ``data`` as JSON to ``path`` via a temporary file and rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = pathlib.Path(name)
     try:
-        tmp.write_text(json.dumps(data, indent=1))
+        with os.fdopen(handle, "w") as out:
+            out.write(json.dumps(data, indent=1))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -211,11 +224,9 @@ def tokenizer_files(gguf_path: pathlib.Path, progress: bool) -> pathlib.Path:
 
     check_gguf_file(gguf_path)
     target = cache_root() / "tokenizers" / file_sha256(gguf_path)
-    if (target / _MARKER).is_file():
+    if _present(target, lambda path: (path / _MARKER).is_file()):
         return target
     say(progress, f"reading the tokenizer of {gguf_path.name} (one-time) ...")
-    if target.exists():
-        shutil.rmtree(target)
 
     def write(tmp: pathlib.Path) -> None:
         config, tokenizer = _read_gguf(gguf_path, lambda: _gguf_config(gguf_path))

@@ -20,6 +20,7 @@ import json
 import os
 import pathlib
 import sys
+import tempfile
 import time
 import typing
 from collections.abc import Callable
@@ -136,12 +137,25 @@ def _cached(kind: type[Table], key: str, refresh: bool, measure_now: Callable[[]
         table = measure_now()
         report(f"done in {time.perf_counter() - began:.0f} s")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(to_dict(table), indent=1))
+            _write_atomic(path, json.dumps(to_dict(table), indent=1))
         except OSError:
             pass  # an unwritable cache only costs a re-measurement next time
     _MEMO[key] = table
     return table
+
+
+def _write_atomic(path: pathlib.Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it and a rename: a process reading
+    the cache while another writes it sees the old file or the new one, never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _read_fixed(path: str) -> dict:
