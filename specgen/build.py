@@ -27,7 +27,6 @@ import torch
 from specgen.checks import check_run_config, parse_threads
 from specgen.config import to_container
 from specgen.drafters import Drafter, DrafterRuntime
-from specgen.drafters.base import MAX_NUM_TOKENS
 from specgen.engine import Defaults, Pipeline
 from specgen.errors import ConfigError, SpecgenError
 from specgen.guarantee import Guarantee
@@ -38,6 +37,7 @@ from specgen.models.invariance import probe_tree
 from specgen.models.quantized import QUANT_DTYPES
 from specgen.models.target import Target
 from specgen.models.threads import resolve_auto_threads
+from specgen.options import MAX_NUM_TOKENS
 from specgen.grammar import grammar_processor
 from specgen.processors import build_stack
 

@@ -19,8 +19,8 @@ from typing import NamedTuple
 from specgen import machine
 from specgen.errors import ConfigError
 from specgen.sampling.logprobs import MAX_TOP_LOGPROBS
-from specgen.options import (check_temperature, check_unicode, parse_batch_size, parse_bool, parse_chat, parse_int, parse_optional_text,
-                             parse_seed, parse_stop)
+from specgen.options import (check_temperature, check_unicode, parse_batch_size, parse_bool, parse_chat, parse_int,
+                             parse_num_tokens, parse_optional_text, parse_seed, parse_stop)
 from specgen.paths import check_output_file
 
 #: Hydra's marker for a value that must be given on the command line.
@@ -114,9 +114,7 @@ def check_components(cfg: Mapping) -> None:
         parse_spec(cfg["grammar"])
     drafter = cfg.get("drafter")
     if isinstance(drafter, Mapping) and drafter.get("kind", "none") != "none" and "num_tokens" in drafter:
-        from specgen.drafters.base import check_num_tokens
-
-        check_num_tokens(drafter["num_tokens"])
+        parse_num_tokens(drafter["num_tokens"], "drafter.num_tokens")
 
 
 #: The llama.cpp group's choices (specgen.models.llama_cpp, specgen.models.gguf_write).

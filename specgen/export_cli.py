@@ -50,7 +50,7 @@ def run_export(args: Sequence[str], out=None) -> Path:
     import torch
 
     from specgen.config import compose, to_container
-    from specgen.drafters.base import MAX_NUM_TOKENS
+    from specgen.options import MAX_NUM_TOKENS
     from specgen.heads.export import check_export_dir, export_eagle3
     from specgen.heads.store import load_head
     from specgen.models import load_model, resolve_device

@@ -137,13 +137,28 @@ def parse_stop(value: object, name: str = "stop") -> tuple[str, ...]:
     return stops
 
 
+#: The most draft tokens a round may verify: a round's verify forward holds logits for each of them.
+MAX_NUM_TOKENS = 64
+
+
 def parse_num_tokens(value: object, name: str = "num_tokens") -> int | Literal["auto"]:
-    """Draft tokens per round: a positive int, or ``"auto"`` (the planner chooses)."""
+    """Draft tokens per round, the one parser and bound of them (a request's ``num_tokens``, the
+    config's ``drafter.num_tokens``, every drafter's): ``"auto"`` (the planner chooses) or an integer
+    (an int, an integral float, or an integer type such as numpy's) from 1 to MAX_NUM_TOKENS;
+    ConfigError naming ``name`` otherwise."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
-    if isinstance(value, str):
-        raise ConfigError(f"{name} must be a positive integer or 'auto', got {value!r}")
-    return parse_int(value, name, minimum=1)
+    number = None
+    if isinstance(value, float):
+        number = int(value) if value.is_integer() else None
+    elif not isinstance(value, bool):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            number = None
+    if number is None or not 1 <= number <= MAX_NUM_TOKENS:
+        raise ConfigError(f"{name} must be a positive integer up to {MAX_NUM_TOKENS} or auto, got {value!r}")
+    return number
 
 
 def parse_optional_text(value: object, name: str) -> str | None:

@@ -179,5 +179,7 @@ def test_per_call_gamma():
     assert len(wide.stats.proposed_per_position) == 5
     assert wide.token_ids == pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=30).token_ids
     assert len(pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=30).stats.proposed_per_position) == 2
-    with pytest.raises(ConfigError, match="num_tokens must be at least 1"):
-        pipe.generate(prompt_ids=[1], num_tokens=0)
+    for bad in (0, 65, 10**9, 2.5, True, "3"):  # one parser and bound with drafter.num_tokens (64)
+        with pytest.raises(ConfigError, match=f"^num_tokens must be a positive integer up to 64 or auto, got {bad!r}$"):
+            pipe.generate(prompt_ids=[1], num_tokens=bad)
+    assert len(pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=4, num_tokens=64.0).token_ids) == 4

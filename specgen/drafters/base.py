@@ -15,6 +15,7 @@ from typing import Literal
 
 import torch
 
+from specgen.options import parse_num_tokens
 from specgen.processors import CommittedCounts, ProcessorStack
 
 
@@ -110,24 +111,6 @@ class DraftSession(ABC):
         one (normally ``len(committed) - 2``; the newest token is not yet fed)."""
 
 
-#: The most draft tokens a round may verify: a round's verify forward holds logits for each of them.
-MAX_NUM_TOKENS = 64
-
-
-def check_num_tokens(num_tokens: object) -> int | str:
-    """``drafter.num_tokens`` as ``"auto"`` or an int from 1 to MAX_NUM_TOKENS; ConfigError otherwise
-    (checked before anything loads, and again by every drafter)."""
-    if isinstance(num_tokens, str) and num_tokens.strip().lower() == "auto":
-        return "auto"
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, float)) or int(num_tokens) != num_tokens \
-            or not 1 <= num_tokens <= MAX_NUM_TOKENS:
-        from specgen.errors import ConfigError
-
-        raise ConfigError(f"drafter.num_tokens must be a positive integer up to {MAX_NUM_TOKENS} or auto, "
-                          f"got {num_tokens!r}")
-    return int(num_tokens)
-
-
 #: What a drafter proposes: a chain (``Proposal.parents`` None) or a tree of candidates.
 DraftShape = Literal["chain", "tree"]
 
@@ -176,7 +159,7 @@ class Drafter(ABC):
     feature_layers: list[int] | None = None
 
     def __init__(self, num_tokens: int | str):
-        self.num_tokens: int | str = check_num_tokens(num_tokens)
+        self.num_tokens: int | str = parse_num_tokens(num_tokens, "drafter.num_tokens")
 
     @property
     def max_tokens(self) -> int:

@@ -31,7 +31,7 @@ import torch
 from omegaconf import DictConfig
 
 from specgen.config import compose, conf_dir, exits_on_error, run_console, to_container
-from specgen.drafters.base import MAX_NUM_TOKENS
+from specgen.options import MAX_NUM_TOKENS
 from specgen.heads.modules import MAX_MEDUSA_HEADS
 from specgen.errors import ConfigError, OutputError
 from specgen.options import parse_int
