@@ -33,7 +33,7 @@ from specgen.errors import ConfigError, SpecgenError
 from specgen.guarantee import Guarantee
 from specgen.models import (LoadedModel, cuda_condition, load_llama_cpp, load_model, load_quantized, resolve_device,
                             resolve_dtype)
-from specgen.models.backends import choose_backend, loads_on_llama_cpp, quantized_dtype
+from specgen.models.backends import choose_backend, loads_on_llama_cpp, quantized_dtype, reads_features
 from specgen.models.invariance import probe_tree
 from specgen.models.quantized import QUANT_DTYPES
 from specgen.models.target import Target
@@ -181,7 +181,8 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
 
     def load(source, name="drafter", dtype=dtype, backend=backend, vocab_size=None):
         if quant and name == "target":
-            return load_quantized(source, name=name, quant=quant, extra_eos=extra_eos, progress=progress)
+            return load_quantized(source, name=name, quant=quant, extra_eos=extra_eos, progress=progress,
+                                  keep_model=reads_features(cfg))
         if loads_on_llama_cpp(backend, source):
             return load_llama_cpp(source, name=name, threads=threads, extra_eos=extra_eos, progress=progress,
                                   sequences=int(llama.get("sequences", 64)), context=llama.get("context", "auto"),

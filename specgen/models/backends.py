@@ -82,11 +82,12 @@ def quantized_dtype(cfg: Mapping, device: torch.device) -> str | None:
     if cfg.get("compile"):
         raise ConfigError(f"compile=true compiles the transformers model; dtype={name} runs its own eager "
                           "forward, so set compile=false")
-    drafter = str((cfg.get("drafter") or {}).get("kind"))
-    if drafter in FEATURE_DRAFTERS and cfg.get("speculative", True):
-        raise ConfigError(f"drafter={drafter} needs the target's hidden states and tree forwards, which "
-                          f"dtype={name} does not serve; use a chain drafter (ngram, small_model) or dtype=float32")
     return name
+
+
+def reads_features(cfg: Mapping) -> bool:
+    """Whether a checked run config's drafter reads the target's hidden states (a learned head)."""
+    return str((cfg.get("drafter") or {}).get("kind")) in FEATURE_DRAFTERS and bool(cfg.get("speculative", True))
 
 
 def loads_on_llama_cpp(backend: BackendName, source: Mapping) -> bool:

@@ -96,12 +96,30 @@ class KVBuffers:
 @dataclass
 class Feed:
     """One sequence's part of a forward: ``n`` new tokens after ``start`` cached entries of ``kv``,
-    and how many of its last rows' logits to return (``keep``)."""
+    and how many of its last rows' logits to return (``keep``).
+
+    tree: None for a chain (token i at position and slot ``start + i``); else the tree part of the
+    feed: the first ``n - len(tree)`` tokens are a chain and token ``n - len(tree) + j`` is tree
+    node j, written at slot ``start + n - len(tree) + j`` (see :class:`TreePart`)."""
 
     kv: KVBuffers
     start: int
     n: int
     keep: int
+    tree: TreePart | None = None
+
+
+@dataclass
+class TreePart:
+    """The draft-tree nodes after a feed's chain: ``paths[j]`` is node j's path from the root's child
+    down to node j itself, as node indices in depth order (so node j's position is the last chain
+    token's plus ``len(paths[j])``). Node j attends, in the shapes of a one-token step at its
+    position, over the chain's slots followed by its path's slots, gathered into one contiguous span."""
+
+    paths: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.paths)
 
 
 @dataclass
@@ -143,6 +161,7 @@ class LeanLlama:
             layer_smoothing = None if kind in WEIGHT_ONLY else smoothing  # weight-only kernels keep their grids
             self.layers = [self._layer(block, kind, index, layer_smoothing) for index, block in enumerate(decoder.layers)]
             self.norm = decoder.norm.weight.detach().float().clone()  # [d]
+            self.feature_norm = self.norm  # [d]: the final norm as the model has it, for features
             head = model.get_output_embeddings().weight.detach().float()  # [vocab', d]
             if smoothing is not None and head_kind not in WEIGHT_ONLY:
                 self.norm, head = smoothing.apply_head(self.norm, head)
@@ -178,6 +197,7 @@ class LeanLlama:
     @property
     def memory_bytes(self) -> int:
         tables = [self.embedding, self.norm, self.cos, self.sin]
+        tables += [self.feature_norm] if self.feature_norm is not self.norm else []
         tables += [t for layer in self.layers for t in (layer.attention_norm, layer.mlp_norm)]
         return sum(t.numel() * t.element_size() for t in tables) + sum(l.memory_bytes for l in self.linears())
 
@@ -186,21 +206,42 @@ class LeanLlama:
         return KVBuffers(torch.zeros(shape), torch.zeros(shape))
 
     def forward(self, feeds: list[Feed], ids: torch.Tensor) -> torch.Tensor:
-        """Feed each of ``feeds`` its ``n`` ids (``ids``: [sum n] long, the feeds' ids in order) at
-        positions ``start..start + n - 1`` after ``start`` cached entries of its own ``kv``, writing their
-        keys and values; -> the last ``keep`` rows of each feed, in order: logits [sum keep, vocab']
+        """Feed each of ``feeds`` its ``n`` ids (``ids``: [sum n] long, the feeds' ids in order) after
+        ``start`` cached entries of its own ``kv``, writing their keys and values at slots
+        ``start..start + n - 1``; -> the last ``keep`` rows of each feed, in order: logits [sum keep, vocab']
         float32 (vocab' = the LM head's rows). A row's logits do not depend on the other feeds."""
+        return self.logits(self.hidden(feeds, ids)[0])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Normalised final hidden rows [rows, d] (:meth:`hidden`) -> logits [rows, vocab'] float32, row by row."""
+        if not hidden.shape[0]:
+            return hidden.new_zeros(0, self.head.out_features)
+        return self.head(hidden)
+
+    def hidden(self, feeds: list[Feed], ids: torch.Tensor, feature_layers: list[int] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward of :meth:`forward` up to the LM head: -> (the kept rows' normalised final hidden
+        states [sum keep, d] float32, features [sum n, F] float32 of every fed row or None).
+
+        feature_layers: None for no features; else the entries of a transformers ``hidden_states``
+        tuple (0 = the embeddings, i = the output of layer i, the last entry normalised by the final
+        norm; negative indices count from the end) as ``select_features`` picks them: the last entry
+        for ``[]``, else the named entries concatenated (F = d * max(1, len(feature_layers)))."""
         for feed in feeds:
+            chain = feed.n - (len(feed.tree) if feed.tree else 0)
             feed.kv.reserve(feed.start + feed.n, feed.start, self.context_length)
-            feed.kv.reserve(self._span(feed.start + feed.n - 1), feed.start, self.context_length)
+            if chain:
+                feed.kv.reserve(self._span(feed.start + chain - 1), feed.start, self.context_length)
         groups = [self._spans(feed) for feed in feeds]  # per feed, its queries by span; shared by every layer
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
-        if len(feeds) == 1:
+        if len(feeds) == 1 and feeds[0].tree is None:
             positions = slice(feeds[0].start, feeds[0].start + feeds[0].n)
         else:
-            positions = torch.cat([torch.arange(feed.start, feed.start + feed.n) for feed in feeds])  # [T]
+            positions = torch.cat([_positions(feed) for feed in feeds])  # [T]
         cos, sin = self.cos[positions, None], self.sin[positions, None]  # [T, 1, head_dim]
+        entries = self._entries(feature_layers)
         x = self.embedding[ids]  # [T, d]
+        states = {0: x.clone()} if 0 in entries else {}  # hidden_states entry -> [T, d]
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv.native(_rms_norm(x, layer.attention_norm, self.eps))  # [T, (heads + 2 kv) * hd], bf16
             qkv = qkv.view(-1, heads + 2 * kv_heads, head_dim)
@@ -211,41 +252,81 @@ class LeanLlama:
                 end = offset + feed.n
                 feed.kv.keys[index, feed.start:feed.start + feed.n] = rotated[offset:end, heads:]
                 feed.kv.values[index, feed.start:feed.start + feed.n] = qkv[offset:end, heads + kv_heads:]
-                mixed += [F.scaled_dot_product_attention(  # [rows, kv, groups, hd] -> [rows, heads * hd] per span
-                    queries[offset + span.row:offset + span.row + span.rows], span.keys[index], span.values[index],
-                    attn_mask=span.mask, scale=self.scale).reshape(span.rows, -1) for span in spans]
+                for span in spans:  # [rows, kv, groups, hd] -> [rows, heads * hd] per span
+                    keys, values = span.layer(feed.kv, index)  # [rows, kv, span, hd] each
+                    mixed.append(F.scaled_dot_product_attention(
+                        queries[offset + span.row:offset + span.row + span.rows], keys, values,
+                        attn_mask=span.mask, scale=self.scale).reshape(span.rows, -1))
                 offset = end
             x += layer.output.native(mixed[0] if len(mixed) == 1 else torch.cat(mixed))
             gate, up = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)  # [T, inter] each
             x += layer.down.native(F.silu(gate).mul_(up))
+            if index + 1 in entries and index + 1 < len(self.layers):
+                states[index + 1] = x.clone()
+        last = len(self.layers)
+        if last in entries:
+            states[last] = _rms_norm(x, self.feature_norm, self.eps)
+        features = None if feature_layers is None else torch.cat([states[e] for e in entries], dim=-1)  # [T, F]
         if len(feeds) == 1:
             kept = x[x.shape[0] - feeds[0].keep:]  # [keep, d]
         else:
             ends = torch.tensor([feed.n for feed in feeds]).cumsum(0).tolist()
             kept = x[torch.cat([torch.arange(end - feed.keep, end) for feed, end in zip(feeds, ends)])]
-        if not kept.shape[0]:
-            return x.new_zeros(0, self.head.out_features)
-        return self.head(_rms_norm(kept, self.norm, self.eps))  # [sum keep, vocab']
+        return _rms_norm(kept, self.norm, self.eps), features  # [sum keep, d]
+
+    def _entries(self, feature_layers: list[int] | None) -> list[int]:
+        """The ``hidden_states`` entries (0..layers) that ``feature_layers`` names, in order (see :meth:`hidden`)."""
+        if feature_layers is None:
+            return []
+        count = len(self.layers) + 1
+        chosen = list(feature_layers) or [-1]
+        if any(not -count <= e < count for e in chosen):
+            raise ValueError(f"feature_layers {list(feature_layers)} name entries outside 0..{count - 1}")
+        return [e % count for e in chosen]
 
     def _span(self, position: int) -> int:
         """How many cache slots a query at ``position`` attends over (the rest of them masked)."""
         return min(-(-(position + 1) // KEY_BUCKET) * KEY_BUCKET, self.context_length)
 
     def _spans(self, feed: Feed) -> list[Span]:
-        """A feed's queries grouped by span (:class:`Span`), in order; call after the buffers are reserved."""
+        """A feed's queries grouped by span (:class:`Span`), in order: its chain's queries, then its
+        tree nodes' in runs of one span each; call after the buffers are reserved."""
         spans: list[Span] = []
         row = 0
+        chain = feed.n - (len(feed.tree) if feed.tree else 0)
         keys, values = feed.kv.keys.transpose(1, 2), feed.kv.values.transpose(1, 2)  # [layers, kv, capacity, hd]
-        while row < feed.n:
+        while row < chain:
             span = self._span(feed.start + row)
-            rows = min(feed.n, span - feed.start) - row  # the queries whose span is this one
+            rows = min(chain, span - feed.start) - row  # the queries whose span is this one
             positions = torch.arange(feed.start + row, feed.start + row + rows)  # [rows]
-            mask = torch.zeros(rows, 1, 1, span).masked_fill_(torch.arange(span) > positions[:, None, None, None],
-                                                              float("-inf"))
             shape = (keys.shape[0], rows, keys.shape[1], span, keys.shape[3])  # [layers, rows, kv, span, hd]
-            spans.append(Span(row, rows, mask, keys[:, None, :, :span].expand(shape),
+            spans.append(Span(row, rows, _mask(positions, span), keys[:, None, :, :span].expand(shape),
                               values[:, None, :, :span].expand(shape)))
             row += rows
+        if feed.tree is not None:
+            spans += self._tree_spans(feed, chain)
+        return spans
+
+    def _tree_spans(self, feed: Feed, chain: int) -> list[Span]:
+        """Runs of a feed's tree nodes sharing one span: each node's keys are the ``start + chain``
+        slots before the tree, then its path's slots in depth order, then (masked) slot 0 up to its
+        span: the order and count of keys a one-token step at its position sees."""
+        spans: list[Span] = []
+        base = feed.start + chain  # the first node's slot
+        node, count = 0, len(feed.tree)
+        while node < count:
+            span = self._span(base - 1 + len(feed.tree.paths[node]))
+            rows = 1
+            while node + rows < count and self._span(base - 1 + len(feed.tree.paths[node + rows])) == span:
+                rows += 1
+            paths = feed.tree.paths[node:node + rows]
+            index = torch.zeros(rows, span, dtype=torch.long)  # [rows, span]: slots, masked ones read slot 0
+            index[:, :base] = torch.arange(base)
+            for r, path in enumerate(paths):
+                index[r, base:base + len(path)] = torch.tensor(path) + base
+            positions = torch.tensor([base - 1 + len(path) for path in paths])  # [rows]
+            spans.append(Span(chain + node, rows, _mask(positions, span), index=index))
+            node += rows
         return spans
 
 
@@ -253,14 +334,37 @@ class LeanLlama:
 class Span:
     """Queries ``row..row + rows - 1`` of a feed, whose positions round up to the same key count
     ``span``: their attention's mask [rows, 1, 1, span] (0 where the row's query sees the slot, -inf
-    past its position) and the feed's keys and values as a batch of ``rows`` [layers, rows, kv_heads,
-    span, head_dim] (views of its buffers, the batch axis expanded)."""
+    past its position) and either the feed's keys and values as a batch of ``rows`` [layers, rows,
+    kv_heads, span, head_dim] (views of its buffers, the batch axis expanded: chain queries) or
+    ``index`` [rows, span], the buffer slots each row's keys are gathered from (tree nodes)."""
 
     row: int
     rows: int
     mask: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    index: torch.Tensor | None = None
+
+    def layer(self, kv: KVBuffers, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s keys and values for these queries: [rows, kv_heads, span, head_dim] each."""
+        if self.index is None:
+            return self.keys[layer], self.values[layer]
+        return kv.keys[layer][self.index].transpose(1, 2), kv.values[layer][self.index].transpose(1, 2)
+
+
+def _mask(positions: torch.Tensor, span: int) -> torch.Tensor:
+    """Queries at ``positions`` [rows] over ``span`` slots -> additive mask [rows, 1, 1, span]: -inf past each position."""
+    return torch.zeros(len(positions), 1, 1, span).masked_fill_(
+        torch.arange(span) > positions[:, None, None, None], float("-inf"))
+
+
+def _positions(feed: Feed) -> torch.Tensor:
+    """Each fed token's position [n]: the chain's in order, then each tree node's (the last chain token's plus its depth)."""
+    if feed.tree is None:
+        return torch.arange(feed.start, feed.start + feed.n)
+    chain = feed.n - len(feed.tree)
+    depths = torch.tensor([len(path) for path in feed.tree.paths], dtype=torch.long)  # [nodes]
+    return torch.cat([torch.arange(feed.start, feed.start + chain), feed.start + chain - 1 + depths])
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
