@@ -4,6 +4,8 @@ negative controls), KV kept for the accepted path, greedy identity and distribut
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import TINY, TREE_NODES, TREE_PARENTS, TREE_PREFIX
@@ -85,19 +87,16 @@ def test_tree_rows_equal_each_paths_single_token_steps_bit_for_bit(quant):
     assert torch.equal(cache.buffers.keys[:, :width], chain.buffers.keys[:, :width])
 
 
-def test_negative_control_tree_keys_in_node_order_differ(monkeypatch):
-    """Gathering a node's path in node order with one slot fewer (a wrong span) moves its logits:
-    the bit-for-bit comparison above is one that can fail."""
+def test_negative_control_tree_nodes_attending_in_node_order_differ(monkeypatch):
+    """Nodes attending over the slots as stored (node order, not each one's path in depth order) get
+    other logits: the bit-for-bit comparison above is one that can fail."""
     lm = load_quantized(TINY_SOURCE, name="target", quant="int8", progress=False).lm
-    spans = model.LeanLlama._tree_spans
+    spans_of = model.spans_of
 
-    def shifted(self, feed, chain):
-        out = spans(self, feed, chain)
-        for span in out:
-            span.index = torch.roll(span.index, 1, dims=1)  # [rows, span]
-        return out
+    def unwritten(*args):
+        return [dataclasses.replace(span, path=None) for span in spans_of(*args)]
 
-    monkeypatch.setattr(model.LeanLlama, "_tree_spans", shifted)
+    monkeypatch.setattr(model, "spans_of", unwritten)
     assert lm.verify_gap([2], parents=probe_tree(3, 3))[0] > 0.0
 
 

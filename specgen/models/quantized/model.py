@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from specgen.models.quantized.kernels import QuantLinear
 from specgen.models.quantized.smooth import Smoothing
+from specgen.models.quantized.spans import Span, TreePart, key_span, positions_of, spans_of
 
 #: transformers model types this forward serves.
 MODEL_TYPES = ("llama", "qwen2")
@@ -100,26 +101,13 @@ class Feed:
 
     tree: None for a chain (token i at position and slot ``start + i``); else the tree part of the
     feed: the first ``n - len(tree)`` tokens are a chain and token ``n - len(tree) + j`` is tree
-    node j, written at slot ``start + n - len(tree) + j`` (see :class:`TreePart`)."""
+    node j, kept at slot ``start + n - len(tree) + j`` (see :mod:`~specgen.models.quantized.spans`)."""
 
     kv: KVBuffers
     start: int
     n: int
     keep: int
     tree: TreePart | None = None
-
-
-@dataclass
-class TreePart:
-    """The draft-tree nodes after a feed's chain: ``paths[j]`` is node j's path from the root's child
-    down to node j itself, as node indices in depth order (so node j's position is the last chain
-    token's plus ``len(paths[j])``). Node j attends, in the shapes of a one-token step at its
-    position, over the chain's slots followed by its path's slots, gathered into one contiguous span."""
-
-    paths: list[list[int]]
-
-    def __len__(self) -> int:
-        return len(self.paths)
 
 
 @dataclass
@@ -228,16 +216,19 @@ class LeanLlama:
         norm; negative indices count from the end) as ``select_features`` picks them: the last entry
         for ``[]``, else the named entries concatenated (F = d * max(1, len(feature_layers)))."""
         for feed in feeds:
-            chain = feed.n - (len(feed.tree) if feed.tree else 0)
             feed.kv.reserve(feed.start + feed.n, feed.start, self.context_length)
-            if chain:
-                feed.kv.reserve(self._span(feed.start + chain - 1), feed.start, self.context_length)
-        groups = [self._spans(feed) for feed in feeds]  # per feed, its queries by span; shared by every layer
+            if feed.tree is None:
+                last = feed.start + feed.n - 1  # the last query's position
+            else:
+                last = feed.start + feed.n - len(feed.tree) - 1 + max(feed.tree.depths())
+            feed.kv.reserve(self._span(last), feed.start, self.context_length)  # the widest span's slots
+        groups = [spans_of(feed.start, feed.n, feed.tree, feed.kv.keys, feed.kv.values, KEY_BUCKET,
+                           self.context_length) for feed in feeds]  # per feed, its queries by span, every layer's
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         if len(feeds) == 1 and feeds[0].tree is None:
             positions = slice(feeds[0].start, feeds[0].start + feeds[0].n)
         else:
-            positions = torch.cat([_positions(feed) for feed in feeds])  # [T]
+            positions = torch.cat([positions_of(feed.start, feed.n, feed.tree) for feed in feeds])  # [T]
         cos, sin = self.cos[positions, None], self.sin[positions, None]  # [T, 1, head_dim]
         entries = self._entries(feature_layers)
         x = self.embedding[ids]  # [T, d]
@@ -247,18 +238,23 @@ class LeanLlama:
             qkv = qkv.view(-1, heads + 2 * kv_heads, head_dim)
             rotated = _rope(qkv[:, :heads + kv_heads], cos, sin)  # [T, heads + kv, head_dim]
             queries = rotated[:, :heads].unflatten(1, (kv_heads, -1))  # [T, kv, groups, hd]: groups as queries
-            mixed, offset = [], 0
+            mixed, order, offset = [], [], 0
             for feed, spans in zip(feeds, groups):
                 end = offset + feed.n
                 feed.kv.keys[index, feed.start:feed.start + feed.n] = rotated[offset:end, heads:]
                 feed.kv.values[index, feed.start:feed.start + feed.n] = qkv[offset:end, heads + kv_heads:]
                 for span in spans:  # [rows, kv, groups, hd] -> [rows, heads * hd] per span
-                    keys, values = span.layer(feed.kv, index)  # [rows, kv, span, hd] each
-                    mixed.append(F.scaled_dot_product_attention(
-                        queries[offset + span.row:offset + span.row + span.rows], keys, values,
-                        attn_mask=span.mask, scale=self.scale).reshape(span.rows, -1))
+                    mixed.append(self._attend(feed, span, index, offset, queries, rotated, qkv))
+                    order.append(span.select + offset if span.select is not None else
+                                 torch.arange(offset + span.row, offset + span.row + span.rows))
+                if feed.tree is not None:  # the nodes back in node order (:mod:`spans`)
+                    feed.kv.keys[index, feed.start:feed.start + feed.n] = rotated[offset:end, heads:]
+                    feed.kv.values[index, feed.start:feed.start + feed.n] = qkv[offset:end, heads + kv_heads:]
                 offset = end
-            x += layer.output.native(mixed[0] if len(mixed) == 1 else torch.cat(mixed))
+            attended = mixed[0] if len(mixed) == 1 else torch.cat(mixed)  # [T, heads * hd], rows in ``order``
+            if any(feed.tree is not None for feed in feeds):
+                attended = attended[torch.cat(order).argsort()]
+            x += layer.output.native(attended)
             gate, up = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)  # [T, inter] each
             x += layer.down.native(F.silu(gate).mul_(up))
             if index + 1 in entries and index + 1 < len(self.layers):
@@ -286,85 +282,24 @@ class LeanLlama:
 
     def _span(self, position: int) -> int:
         """How many cache slots a query at ``position`` attends over (the rest of them masked)."""
-        return min(-(-(position + 1) // KEY_BUCKET) * KEY_BUCKET, self.context_length)
+        return key_span(position, KEY_BUCKET, self.context_length)
 
-    def _spans(self, feed: Feed) -> list[Span]:
-        """A feed's queries grouped by span (:class:`Span`), in order: its chain's queries, then its
-        tree nodes' in runs of one span each; call after the buffers are reserved."""
-        spans: list[Span] = []
-        row = 0
-        chain = feed.n - (len(feed.tree) if feed.tree else 0)
-        keys, values = feed.kv.keys.transpose(1, 2), feed.kv.values.transpose(1, 2)  # [layers, kv, capacity, hd]
-        while row < chain:
-            span = self._span(feed.start + row)
-            rows = min(chain, span - feed.start) - row  # the queries whose span is this one
-            positions = torch.arange(feed.start + row, feed.start + row + rows)  # [rows]
-            shape = (keys.shape[0], rows, keys.shape[1], span, keys.shape[3])  # [layers, rows, kv, span, hd]
-            spans.append(Span(row, rows, _mask(positions, span), keys[:, None, :, :span].expand(shape),
-                              values[:, None, :, :span].expand(shape)))
-            row += rows
-        if feed.tree is not None:
-            spans += self._tree_spans(feed, chain)
-        return spans
-
-    def _tree_spans(self, feed: Feed, chain: int) -> list[Span]:
-        """Runs of a feed's tree nodes sharing one span: each node's keys are the ``start + chain``
-        slots before the tree, then its path's slots in depth order, then (masked) slot 0 up to its
-        span: the order and count of keys a one-token step at its position sees."""
-        spans: list[Span] = []
-        base = feed.start + chain  # the first node's slot
-        node, count = 0, len(feed.tree)
-        while node < count:
-            span = self._span(base - 1 + len(feed.tree.paths[node]))
-            rows = 1
-            while node + rows < count and self._span(base - 1 + len(feed.tree.paths[node + rows])) == span:
-                rows += 1
-            paths = feed.tree.paths[node:node + rows]
-            index = torch.zeros(rows, span, dtype=torch.long)  # [rows, span]: slots, masked ones read slot 0
-            index[:, :base] = torch.arange(base)
-            for r, path in enumerate(paths):
-                index[r, base:base + len(path)] = torch.tensor(path) + base
-            positions = torch.tensor([base - 1 + len(path) for path in paths])  # [rows]
-            spans.append(Span(chain + node, rows, _mask(positions, span), index=index))
-            node += rows
-        return spans
-
-
-@dataclass
-class Span:
-    """Queries ``row..row + rows - 1`` of a feed, whose positions round up to the same key count
-    ``span``: their attention's mask [rows, 1, 1, span] (0 where the row's query sees the slot, -inf
-    past its position) and either the feed's keys and values as a batch of ``rows`` [layers, rows,
-    kv_heads, span, head_dim] (views of its buffers, the batch axis expanded: chain queries) or
-    ``index`` [rows, span], the buffer slots each row's keys are gathered from (tree nodes)."""
-
-    row: int
-    rows: int
-    mask: torch.Tensor
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-    index: torch.Tensor | None = None
-
-    def layer(self, kv: KVBuffers, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s keys and values for these queries: [rows, kv_heads, span, head_dim] each."""
-        if self.index is None:
-            return self.keys[layer], self.values[layer]
-        return kv.keys[layer][self.index].transpose(1, 2), kv.values[layer][self.index].transpose(1, 2)
-
-
-def _mask(positions: torch.Tensor, span: int) -> torch.Tensor:
-    """Queries at ``positions`` [rows] over ``span`` slots -> additive mask [rows, 1, 1, span]: -inf past each position."""
-    return torch.zeros(len(positions), 1, 1, span).masked_fill_(
-        torch.arange(span) > positions[:, None, None, None], float("-inf"))
-
-
-def _positions(feed: Feed) -> torch.Tensor:
-    """Each fed token's position [n]: the chain's in order, then each tree node's (the last chain token's plus its depth)."""
-    if feed.tree is None:
-        return torch.arange(feed.start, feed.start + feed.n)
-    chain = feed.n - len(feed.tree)
-    depths = torch.tensor([len(path) for path in feed.tree.paths], dtype=torch.long)  # [nodes]
-    return torch.cat([torch.arange(feed.start, feed.start + chain), feed.start + chain - 1 + depths])
+    def _attend(self, feed: Feed, span: Span, layer: int, offset: int, queries: torch.Tensor, rotated: torch.Tensor,
+                qkv: torch.Tensor) -> torch.Tensor:
+        """One span's attention in ``layer`` (``offset``: the feed's first row of the forward's [T, ...]
+        rows); a tree span first writes its path's keys and values after the chain. -> [rows, heads * hd]."""
+        heads, kv_heads = self.heads, self.kv_heads
+        if span.path is not None:
+            base = feed.start + feed.n - len(feed.tree)
+            rows = span.path + (base - feed.start + offset)  # [depth]: the path's rows of the forward
+            feed.kv.keys[layer, base:base + len(rows)] = rotated[rows, heads:]
+            feed.kv.values[layer, base:base + len(rows)] = qkv[rows, heads + kv_heads:]
+        if span.select is None:
+            mine = queries[offset + span.row:offset + span.row + span.rows]  # [rows, kv, groups, hd]
+        else:
+            mine = queries[span.select + offset]
+        return F.scaled_dot_product_attention(mine, span.keys[layer], span.values[layer], attn_mask=span.mask,
+                                              scale=self.scale).reshape(span.rows, -1)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -19,9 +19,11 @@ import torch
 from specgen.errors import NumericalError
 from specgen.models.invariance import GAP_PREFIX, chain_gaps, tree_gaps, worst
 from specgen.models.quantized.kernels import KERNELS, w8a8_op
-from specgen.models.quantized.model import KEY_BUCKET, Feed, KVBuffers, LeanLlama, TreePart
+from specgen.models.quantized.model import KEY_BUCKET, Feed, KVBuffers, LeanLlama
+from specgen.models.quantized.spans import TreePart
 from specgen.models.quantized.smooth import Smoothing
 from specgen.models.target import Capabilities, TargetDefaults, TokenCache
+from specgen.sampling.tree_structure import ROOT
 
 
 @dataclass
@@ -182,8 +184,9 @@ class QuantizedLM(TargetDefaults):
         if not chain:
             raise ValueError("forward_tree needs at least one chain token")
         start, m, n = len(cache), len(chain), len(nodes)
-        paths = [sorted(torch.nonzero(ancestors[i]).flatten().tolist(), key=lambda j: depths[j]) for i in range(n)]
-        tree = None if all(path == list(range(i + 1)) for i, path in enumerate(paths)) else TreePart(paths)
+        parents = [next((j for j in torch.nonzero(ancestors[i]).flatten().tolist() if depths[j] == depths[i] - 1), ROOT)
+                   for i in range(n)]
+        tree = None if parents == list(range(-1, n - 1)) else TreePart(parents)
         ids = torch.tensor(list(chain) + list(nodes), dtype=torch.long)  # [m + n]
         hidden, features = self.net.hidden([Feed(cache.buffers, start, m + n, n + 1, tree)], ids, feature_layers)
         cache.tokens.extend(list(chain) + list(nodes))
