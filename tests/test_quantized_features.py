@@ -135,3 +135,15 @@ def test_negative_control_the_same_test_catches_tree_rows_off_by_one(heads, monk
     monkeypatch.setattr(QuantTreeRows, "logits", lambda self, row: logits(self, max(0, row - 1)))
     p_value, _ = goodness_of_fit(sample_counts(pipe, PROMPT, 4, NUM_SAMPLES), expected)
     assert p_value < 1e-3
+
+
+def test_backend_auto_says_why_a_learned_drafter_moves_a_gguf_run_to_torch():
+    from specgen.models.backends import auto_note
+
+    cfg = {"backend": "auto", "target": {"source": {"kind": "package_gguf"}}, "drafter": {"kind": "eagle"},
+           "speculative": True, "dtype": "auto"}
+    note = auto_note(cfg, torch.device("cpu"), "torch")
+    assert note.startswith("; backend=auto chose torch: drafter=eagle needs the target's hidden states")
+    assert "dtype=int4" in note
+    assert auto_note(dict(cfg, drafter={"kind": "ngram"}), torch.device("cpu"), "llama_cpp") == ""
+    assert auto_note(dict(cfg, backend="torch"), torch.device("cpu"), "torch") == ""  # asked for: nothing moved

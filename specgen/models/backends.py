@@ -68,6 +68,19 @@ def choose_backend(cfg: Mapping, device: torch.device) -> BackendName:
     return "llama_cpp"
 
 
+def auto_note(cfg: Mapping, device: torch.device, backend: BackendName) -> str:
+    """Why ``backend=auto`` moved a GGUF target that llama.cpp would run off llama.cpp (another numerical
+    path than a plain run's): ``"; backend=auto chose torch: <why>"``, or "" where it did not."""
+    if str(cfg.get("backend", "torch")) != "auto" or backend != "torch" or _target_kind(cfg) not in GGUF_KINDS:
+        return ""
+    why = _unserved(cfg, device)
+    if why is None or device.type != "cpu":
+        return ""
+    if reads_features(cfg) and str(cfg.get("dtype", "auto")) in ("auto", "float32", "fp32"):
+        why += ", which llama.cpp does not serve; dtype=int4 (or int8, w8a8) serves it on a quantized path"
+    return f"; backend=auto chose torch: {why}"
+
+
 def quantized_dtype(cfg: Mapping, device: torch.device) -> str | None:
     """The quantized path a checked run config asks for with ``dtype`` (``int8``/``int4``/``w8a8``, served by
     :mod:`specgen.models.quantized` on backend=torch), or None for a float dtype; ConfigError,
