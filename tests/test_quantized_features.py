@@ -67,8 +67,8 @@ def test_features_are_transformers_hidden_states(layers):
 def test_tree_rows_equal_each_paths_single_token_steps_bit_for_bit(quant):
     lm = load_quantized(TINY_SOURCE, name="target", quant=quant, progress=False).lm
     assert lm.capabilities.trees and lm.capabilities.features
-    for parents in (probe_tree(3, 5), probe_tree(1, 6), TREE_PARENTS):
-        assert lm.verify_gap(range(2, 8), parents=parents)[0] == 0.0
+    for parents in (probe_tree(3, 4), probe_tree(1, 5)):  # level-ordered prefixes of 1, 3 nodes and the whole
+        assert lm.verify_gap([2, 4], parents=parents)[0] == 0.0
     cache = lm.new_cache()
     lm.forward(cache, [i % 16 for i in range(20)], keep=1)  # the tree's spans cross a key bucket
     out = lm.forward_tree(cache, [3, 4], TREE_NODES, ancestor_matrix(TREE_PARENTS), tree_depths(TREE_PARENTS), [])
@@ -147,3 +147,28 @@ def test_backend_auto_says_why_a_learned_drafter_moves_a_gguf_run_to_torch():
     assert "dtype=int4" in note
     assert auto_note(dict(cfg, drafter={"kind": "ngram"}), torch.device("cpu"), "llama_cpp") == ""
     assert auto_note(dict(cfg, backend="torch"), torch.device("cpu"), "torch") == ""  # asked for: nothing moved
+
+
+def test_the_kept_model_shares_the_embedding_and_is_counted_once():
+    hf = load_model(TINY_SOURCE, name="reference", dtype=torch.float32, device=torch.device("cpu")).lm.model
+    alone = QuantizedLM(hf, 16, kind="int8", head_kind="int8")
+    kept = QuantizedLM(hf, 16, kind="int8", head_kind="int8", keep_model=True)
+    assert alone.hf_model is None and kept.hf_model is hf
+    assert kept.net.embedding.data_ptr() == hf.get_input_embeddings().weight.data_ptr()
+    params = {p.data_ptr(): p.numel() * 4 for p in hf.parameters()}  # tied weights once
+    embedding = hf.get_input_embeddings().weight.numel() * 4
+    assert kept.memory_bytes == alone.memory_bytes + sum(params.values()) - embedding
+
+
+def test_tree_spans_cover_every_node_once_in_depth_order():
+    from specgen.models.quantized.spans import TreePart, spans_of
+
+    tree = TreePart([-1, -1, 0, 0, 2, 1])  # TREE_PARENTS
+    assert tree.depths() == [1, 1, 2, 2, 3, 2]
+    assert tree.cover() == [([0, 3], [0, 3]), ([0, 2, 4], [2, 4]), ([1, 5], [1, 5])]  # leaves 3, 4, 5
+    buffers = torch.zeros(2, 32, 2, 8)  # [layers, capacity, kv, hd]
+    spans = spans_of(12, 8, tree, buffers, buffers.clone(), 16, 512)  # chain 12, 13; nodes at slots 14..19
+    assert [(s.rows, s.mask.shape[-1]) for s in spans] == [(2, 16), (2, 16), (1, 16), (1, 32), (2, 16)]
+    assert [None if s.select is None else s.select.tolist() for s in spans] == [None, [2, 5], [4], [6], [3, 7]]
+    assert [None if s.path is None else s.path.tolist() for s in spans] == [None, [0, 3], [0, 2, 4], None, [1, 5]]
+    assert [int(torch.isfinite(s.mask[-1, 0, 0]).sum()) for s in spans] == [14, 16, 16, 17, 16]  # last query's keys

@@ -222,8 +222,7 @@ class LeanLlama:
             else:
                 last = feed.start + feed.n - len(feed.tree) - 1 + max(feed.tree.depths())
             feed.kv.reserve(self._span(last), feed.start, self.context_length)  # the widest span's slots
-        groups = [spans_of(feed.start, feed.n, feed.tree, feed.kv.keys, feed.kv.values, KEY_BUCKET,
-                           self.context_length) for feed in feeds]  # per feed, its queries by span, every layer's
+        groups = [self._spans(feed) for feed in feeds]  # per feed, its queries by span; shared by every layer
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         if len(feeds) == 1 and feeds[0].tree is None:
             positions = slice(feeds[0].start, feeds[0].start + feeds[0].n)
@@ -283,6 +282,11 @@ class LeanLlama:
     def _span(self, position: int) -> int:
         """How many cache slots a query at ``position`` attends over (the rest of them masked)."""
         return key_span(position, KEY_BUCKET, self.context_length)
+
+    def _spans(self, feed: Feed) -> list[Span]:
+        """A feed's queries grouped by span (:func:`~specgen.models.quantized.spans.spans_of`); call after
+        the buffers are reserved."""
+        return spans_of(feed.start, feed.n, feed.tree, feed.kv.keys, feed.kv.values, KEY_BUCKET, self.context_length)
 
     def _attend(self, feed: Feed, span: Span, layer: int, offset: int, queries: torch.Tensor, rotated: torch.Tensor,
                 qkv: torch.Tensor) -> torch.Tensor:

@@ -94,6 +94,9 @@ class QuantizedLM(TargetDefaults):
                  fallback: str | None = None, smoothing: Smoothing | None = None, keep_model: bool = False):
         self.net = LeanLlama(model, kind, head_kind, smoothing)
         self._model = model if keep_model else None
+        embedding = model.get_input_embeddings().weight.detach()  # [vocab', d]
+        if keep_model and embedding.dtype == torch.float32 and torch.equal(embedding, self.net.embedding):
+            self.net.embedding = embedding  # one copy of the table, the kept model's
         self.smoothing = smoothing
         self.context_length = self.net.context_length
         self.vocab_size = int(vocab_size)
@@ -104,7 +107,11 @@ class QuantizedLM(TargetDefaults):
     @property
     def memory_bytes(self) -> int:
         """The quantized forward's bytes, plus the float32 model's where it is kept (:attr:`hf_model`)."""
-        kept = 0 if self._model is None else sum(p.numel() * p.element_size() for p in self._model.parameters())
+        if self._model is None:
+            return self.net.memory_bytes
+        shared = self.net.embedding.untyped_storage().data_ptr()
+        kept = sum(p.numel() * p.element_size() for p in self._model.parameters()
+                   if p.untyped_storage().data_ptr() != shared)
         return self.net.memory_bytes + kept
 
     @property
