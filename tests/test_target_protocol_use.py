@@ -131,7 +131,8 @@ def test_each_backend_serves_the_protocol_as_its_capabilities_declare():
     quant = QuantizedLM(build_tiny_model(seed=0), 16, kind="int8", head_kind="int8")  # trees and features
     assert QuantizedLM.forward_tree is not TargetDefaults.forward_tree and quant.capabilities.trees
     assert hf_model_of(quant) is None  # the float model is kept only where a loader asks (keep_model)
-    out = quant.forward_tree(quant.new_cache(), [1, 2], [3, 4], torch.eye(2, dtype=torch.bool), [1, 1], feature_layers=[])
+    out = quant.forward_tree(quant.new_cache(), [1, 2], [3, 4], torch.eye(2, dtype=torch.bool), [1, 1],
+                             feature_layers=[])
     assert out.logits(0).shape == (1, 16) and out.all_logits().shape == (3, 16) and out.features.shape == (3, 32)
     assert LlamaCppLM.context_hint == "raise llama_cpp.context" and QuantizedLM.context_hint is None
 

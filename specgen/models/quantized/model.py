@@ -19,8 +19,10 @@ zero entries, never garbage), each key/value head's query heads folded into the 
 (query ``[kv_heads, groups, head_dim]``). A query's shapes depend on its position only, so
 the queries of one forward that share a span go in one ``scaled_dot_product_attention`` call
 as its batch (the kernel computes batch items apart, in the same shapes as alone): a verify
-of ``n`` tokens makes one or two calls per layer where per-query attention made ``n``. The
-target measures the result at load (``verify_gap``).
+of ``n`` tokens makes one or two calls per layer where per-query attention made ``n``. A draft
+tree's nodes attend the same way, each over the prefix and its own path in depth order
+(:mod:`~specgen.models.quantized.spans`). The target measures the result at load (``verify_gap``).
+:meth:`LeanLlama.hidden` also returns the hidden states a learned drafter reads (features).
 
 The weights come from a loaded transformers model (float32, e.g. a GGUF's
 dequantised tensors); :func:`architecture_problem` says which models this

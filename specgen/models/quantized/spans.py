@@ -120,7 +120,8 @@ def spans_of(start: int, n: int, tree: TreePart | None, keys: torch.Tensor, valu
 
 
 def positions_of(start: int, n: int, tree: TreePart | None) -> torch.Tensor:
-    """Each fed token's position [n]: the chain's in order, then each tree node's (the last chain token's plus its depth)."""
+    """Each fed token's position [n]: the chain's in order, then each tree node's (the last chain
+    token's plus its depth)."""
     if tree is None:
         return torch.arange(start, start + n)
     chain = n - len(tree)

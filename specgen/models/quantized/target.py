@@ -78,7 +78,8 @@ class QuantTreeRows:
 class QuantizedLM(TargetDefaults):
     """A Llama-family model on quantized linears (:mod:`specgen.models.quantized.kernels`).
 
-    model: the transformers model whose float32 weights are quantized (it is not kept);
+    model: the transformers model whose float32 weights are quantized (kept only with ``keep_model``,
+    as :attr:`hf_model`);
     vocab_size: the tokenizer's size (logits are cut to it); kind: the layers' kernel as chosen
     (``int8``, ``int4``, ``w8a8`` or ``float``) and head_kind the LM head's; fallback: why the kind asked
     for is not what runs (None when it is), stated in :meth:`describe`; smoothing: the calibrated
