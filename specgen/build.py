@@ -32,7 +32,7 @@ from specgen.errors import ConfigError, SpecgenError
 from specgen.guarantee import Guarantee
 from specgen.models import (LoadedModel, cuda_condition, load_llama_cpp, load_model, load_quantized, resolve_device,
                             resolve_dtype)
-from specgen.models.backends import choose_backend, loads_on_llama_cpp, quantized_dtype
+from specgen.models.backends import auto_note, choose_backend, loads_on_llama_cpp, quantized_dtype, reads_features
 from specgen.models.invariance import probe_tree
 from specgen.models.quantized import QUANT_DTYPES
 from specgen.models.target import Target
@@ -181,7 +181,8 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
 
     def load(source, name="drafter", dtype=dtype, backend=backend, vocab_size=None):
         if quant and name == "target":
-            return load_quantized(source, name=name, quant=quant, extra_eos=extra_eos, progress=progress)
+            return load_quantized(source, name=name, quant=quant, extra_eos=extra_eos, progress=progress,
+                                  keep_model=reads_features(cfg))
         if loads_on_llama_cpp(backend, source):
             return load_llama_cpp(source, name=name, threads=threads, extra_eos=extra_eos, progress=progress,
                                   sequences=int(llama.get("sequences", 64)), context=llama.get("context", "auto"),
@@ -210,6 +211,9 @@ def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
     guarantee = cuda_condition(guarantee, device, dtype)  # TF32 off before the measurement
     if drafter is not None:
         guarantee = _measured(guarantee, target.lm, drafter, str(target_cfg.get("name") or target.lm.name))
-    guarantee = replace(guarantee, against=numerical_path(target.lm))
+    note = auto_note(cfg, device, backend)  # a run that backend=auto moved off llama.cpp says why
+    guarantee = replace(guarantee, against=numerical_path(target.lm) + note)
+    if note and guarantee.kind == "approximate":
+        guarantee = replace(guarantee, reason=guarantee.reason + note)
     return Pipeline(target=target.lm, tokenizer=target.tokenizer, drafter=drafter, stack=stack,
                     guarantee=guarantee, defaults=Defaults.from_config(cfg), config=cfg)

@@ -247,7 +247,7 @@ def test_a_layer_the_kernel_cannot_take_runs_float_and_is_named():
     assert torch.equal(layer(torch.ones(2, 40)), torch.ones(2, 40) @ layer.weight.T)
 
 
-@pytest.mark.parametrize("override,why", [("compile=true", "compile=true"), ("drafter=eagle", "drafter=eagle"),
+@pytest.mark.parametrize("override,why", [("compile=true", "compile=true"),
                                           ("backend=llama_cpp", "dtype=int8 is a torch dtype")])
 def test_what_the_path_cannot_serve_is_refused_before_loading(override, why, monkeypatch):
     monkeypatch.setattr("specgen.build.load_quantized", lambda *a, **k: pytest.fail("loaded before refusing"))

@@ -122,11 +122,18 @@ def test_each_backend_serves_the_protocol_as_its_capabilities_declare():
     out = lm.forward_tree(lm.new_cache(), [1, 2], [3, 4], torch.eye(2, dtype=torch.bool), [1, 1], feature_layers=[])
     assert all(hasattr(out, name) for name in ("features", "chain_features", "logits", "all_logits"))  # TreeRows
     assert out.logits(0).shape == (1, 16) and out.all_logits().shape == (3, 16)  # [1, vocab], [n + 1, vocab]
-    for backend in (LlamaCppLM, QuantizedLM):  # chains only: trees and compile are the refusing defaults
-        assert backend.forward_tree is TargetDefaults.forward_tree
+    for backend in (LlamaCppLM, QuantizedLM):  # compile is the refusing default
         assert backend.enable_compile is TargetDefaults.enable_compile
         assert callable(getattr(backend, "new_batch", None)) and not hasattr(backend, "forward_batch")
-        assert getattr(backend, "hf_model", None) is None and getattr(backend, "compiled", None) is None
+        assert getattr(backend, "compiled", None) is None
+    assert LlamaCppLM.forward_tree is TargetDefaults.forward_tree  # chains only
+    assert getattr(LlamaCppLM, "hf_model", None) is None
+    quant = QuantizedLM(build_tiny_model(seed=0), 16, kind="int8", head_kind="int8")  # trees and features
+    assert QuantizedLM.forward_tree is not TargetDefaults.forward_tree and quant.capabilities.trees
+    assert hf_model_of(quant) is None  # the float model is kept only where a loader asks (keep_model)
+    out = quant.forward_tree(quant.new_cache(), [1, 2], [3, 4], torch.eye(2, dtype=torch.bool), [1, 1],
+                             feature_layers=[])
+    assert out.logits(0).shape == (1, 16) and out.all_logits().shape == (3, 16) and out.features.shape == (3, 32)
     assert LlamaCppLM.context_hint == "raise llama_cpp.context" and QuantizedLM.context_hint is None
 
     class Chains(TargetDefaults):

@@ -157,10 +157,11 @@ def load_llama_cpp(source: Mapping, *, name: str, threads: int, extra_eos: tuple
 
 
 def load_quantized(source: Mapping, *, name: str, quant: str, extra_eos: tuple[int, ...] = (),
-                   progress: bool = True, vocab_size: int | None = None) -> LoadedModel:
+                   progress: bool = True, vocab_size: int | None = None, keep_model: bool = False) -> LoadedModel:
     """The model of ``source`` (a Llama-family model; tiny ones too) on the quantized torch path
     (:mod:`specgen.models.quantized`) with ``quant`` (``int8``/``int4``/``w8a8``) weights, on the CPU; its
-    float32 weights are read as :func:`load_model` reads them and quantized. ConfigError for an
+    float32 weights are read as :func:`load_model` reads them and quantized. ``keep_model``: keep the
+    float32 model too (``hf_model``: a learned head reads its embeddings and fingerprint). ConfigError for an
     architecture the lean forward does not serve, naming the way that works."""
     from specgen.models.quantized import CALIBRATION_TEXT, QuantizedLM, architecture_problem, calibrate, choose_kernels
 
@@ -176,5 +177,5 @@ def load_quantized(source: Mapping, *, name: str, quant: str, extra_eos: tuple[i
         ids = [i % model.config.vocab_size for i in loaded.tokenizer.encode_prompt(CALIBRATION_TEXT, chat=False)]
         smoothing = calibrate(model, ids)
     lm = QuantizedLM(model, loaded.lm.vocab_size, kind=kind, head_kind=head_kind, name=name, fallback=fallback,
-                     smoothing=smoothing)
+                     smoothing=smoothing, keep_model=keep_model)
     return LoadedModel(lm, loaded.tokenizer)

@@ -68,6 +68,19 @@ def choose_backend(cfg: Mapping, device: torch.device) -> BackendName:
     return "llama_cpp"
 
 
+def auto_note(cfg: Mapping, device: torch.device, backend: BackendName) -> str:
+    """Why ``backend=auto`` moved a GGUF target that llama.cpp would run off llama.cpp (another numerical
+    path than a plain run's): ``"; backend=auto chose torch: <why>"``, or "" where it did not."""
+    if str(cfg.get("backend", "torch")) != "auto" or backend != "torch" or _target_kind(cfg) not in GGUF_KINDS:
+        return ""
+    why = _unserved(cfg, device)
+    if why is None or device.type != "cpu":
+        return ""
+    if reads_features(cfg) and str(cfg.get("dtype", "auto")) in ("auto", "float32", "fp32"):
+        why += ", which llama.cpp does not serve; dtype=int4 (or int8, w8a8) serves it on a quantized path"
+    return f"; backend=auto chose torch: {why}"
+
+
 def quantized_dtype(cfg: Mapping, device: torch.device) -> str | None:
     """The quantized path a checked run config asks for with ``dtype`` (``int8``/``int4``/``w8a8``, served by
     :mod:`specgen.models.quantized` on backend=torch), or None for a float dtype; ConfigError,
@@ -82,11 +95,12 @@ def quantized_dtype(cfg: Mapping, device: torch.device) -> str | None:
     if cfg.get("compile"):
         raise ConfigError(f"compile=true compiles the transformers model; dtype={name} runs its own eager "
                           "forward, so set compile=false")
-    drafter = str((cfg.get("drafter") or {}).get("kind"))
-    if drafter in FEATURE_DRAFTERS and cfg.get("speculative", True):
-        raise ConfigError(f"drafter={drafter} needs the target's hidden states and tree forwards, which "
-                          f"dtype={name} does not serve; use a chain drafter (ngram, small_model) or dtype=float32")
     return name
+
+
+def reads_features(cfg: Mapping) -> bool:
+    """Whether a checked run config's drafter reads the target's hidden states (a learned head)."""
+    return str((cfg.get("drafter") or {}).get("kind")) in FEATURE_DRAFTERS and bool(cfg.get("speculative", True))
 
 
 def loads_on_llama_cpp(backend: BackendName, source: Mapping) -> bool:

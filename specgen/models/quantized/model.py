@@ -19,8 +19,10 @@ zero entries, never garbage), each key/value head's query heads folded into the 
 (query ``[kv_heads, groups, head_dim]``). A query's shapes depend on its position only, so
 the queries of one forward that share a span go in one ``scaled_dot_product_attention`` call
 as its batch (the kernel computes batch items apart, in the same shapes as alone): a verify
-of ``n`` tokens makes one or two calls per layer where per-query attention made ``n``. The
-target measures the result at load (``verify_gap``).
+of ``n`` tokens makes one or two calls per layer where per-query attention made ``n``. A draft
+tree's nodes attend the same way, each over the prefix and its own path in depth order
+(:mod:`~specgen.models.quantized.spans`). The target measures the result at load (``verify_gap``).
+:meth:`LeanLlama.hidden` also returns the hidden states a learned drafter reads (features).
 
 The weights come from a loaded transformers model (float32, e.g. a GGUF's
 dequantised tensors); :func:`architecture_problem` says which models this
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 
 from specgen.models.quantized.kernels import QuantLinear
 from specgen.models.quantized.smooth import Smoothing
+from specgen.models.quantized.spans import Span, TreePart, key_span, positions_of, spans_of
 
 #: transformers model types this forward serves.
 MODEL_TYPES = ("llama", "qwen2")
@@ -96,12 +99,17 @@ class KVBuffers:
 @dataclass
 class Feed:
     """One sequence's part of a forward: ``n`` new tokens after ``start`` cached entries of ``kv``,
-    and how many of its last rows' logits to return (``keep``)."""
+    and how many of its last rows' logits to return (``keep``).
+
+    tree: None for a chain (token i at position and slot ``start + i``); else the tree part of the
+    feed: the first ``n - len(tree)`` tokens are a chain and token ``n - len(tree) + j`` is tree
+    node j, kept at slot ``start + n - len(tree) + j`` (see :mod:`~specgen.models.quantized.spans`)."""
 
     kv: KVBuffers
     start: int
     n: int
     keep: int
+    tree: TreePart | None = None
 
 
 @dataclass
@@ -143,6 +151,7 @@ class LeanLlama:
             layer_smoothing = None if kind in WEIGHT_ONLY else smoothing  # weight-only kernels keep their grids
             self.layers = [self._layer(block, kind, index, layer_smoothing) for index, block in enumerate(decoder.layers)]
             self.norm = decoder.norm.weight.detach().float().clone()  # [d]
+            self.feature_norm = self.norm  # [d]: the final norm as the model has it, for features
             head = model.get_output_embeddings().weight.detach().float()  # [vocab', d]
             if smoothing is not None and head_kind not in WEIGHT_ONLY:
                 self.norm, head = smoothing.apply_head(self.norm, head)
@@ -178,6 +187,7 @@ class LeanLlama:
     @property
     def memory_bytes(self) -> int:
         tables = [self.embedding, self.norm, self.cos, self.sin]
+        tables += [self.feature_norm] if self.feature_norm is not self.norm else []
         tables += [t for layer in self.layers for t in (layer.attention_norm, layer.mlp_norm)]
         return sum(t.numel() * t.element_size() for t in tables) + sum(l.memory_bytes for l in self.linears())
 
@@ -186,81 +196,116 @@ class LeanLlama:
         return KVBuffers(torch.zeros(shape), torch.zeros(shape))
 
     def forward(self, feeds: list[Feed], ids: torch.Tensor) -> torch.Tensor:
-        """Feed each of ``feeds`` its ``n`` ids (``ids``: [sum n] long, the feeds' ids in order) at
-        positions ``start..start + n - 1`` after ``start`` cached entries of its own ``kv``, writing their
-        keys and values; -> the last ``keep`` rows of each feed, in order: logits [sum keep, vocab']
+        """Feed each of ``feeds`` its ``n`` ids (``ids``: [sum n] long, the feeds' ids in order) after
+        ``start`` cached entries of its own ``kv``, writing their keys and values at slots
+        ``start..start + n - 1``; -> the last ``keep`` rows of each feed, in order: logits [sum keep, vocab']
         float32 (vocab' = the LM head's rows). A row's logits do not depend on the other feeds."""
+        return self.logits(self.hidden(feeds, ids)[0])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Normalised final hidden rows [rows, d] (:meth:`hidden`) -> logits [rows, vocab'] float32, row by row."""
+        if not hidden.shape[0]:
+            return hidden.new_zeros(0, self.head.out_features)
+        return self.head(hidden)
+
+    def hidden(self, feeds: list[Feed], ids: torch.Tensor, feature_layers: list[int] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward of :meth:`forward` up to the LM head: -> (the kept rows' normalised final hidden
+        states [sum keep, d] float32, features [sum n, F] float32 of every fed row or None).
+
+        feature_layers: None for no features; else the entries of a transformers ``hidden_states``
+        tuple (0 = the embeddings, i = the output of layer i, the last entry normalised by the final
+        norm; negative indices count from the end) as ``select_features`` picks them: the last entry
+        for ``[]``, else the named entries concatenated (F = d * max(1, len(feature_layers)))."""
         for feed in feeds:
             feed.kv.reserve(feed.start + feed.n, feed.start, self.context_length)
-            feed.kv.reserve(self._span(feed.start + feed.n - 1), feed.start, self.context_length)
+            if feed.tree is None:
+                last = feed.start + feed.n - 1  # the last query's position
+            else:
+                last = feed.start + feed.n - len(feed.tree) - 1 + max(feed.tree.depths())
+            feed.kv.reserve(self._span(last), feed.start, self.context_length)  # the widest span's slots
         groups = [self._spans(feed) for feed in feeds]  # per feed, its queries by span; shared by every layer
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
-        if len(feeds) == 1:
+        if len(feeds) == 1 and feeds[0].tree is None:
             positions = slice(feeds[0].start, feeds[0].start + feeds[0].n)
         else:
-            positions = torch.cat([torch.arange(feed.start, feed.start + feed.n) for feed in feeds])  # [T]
+            positions = torch.cat([positions_of(feed.start, feed.n, feed.tree) for feed in feeds])  # [T]
         cos, sin = self.cos[positions, None], self.sin[positions, None]  # [T, 1, head_dim]
+        entries = self._entries(feature_layers)
         x = self.embedding[ids]  # [T, d]
+        states = {0: x.clone()} if 0 in entries else {}  # hidden_states entry -> [T, d]
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv.native(_rms_norm(x, layer.attention_norm, self.eps))  # [T, (heads + 2 kv) * hd], bf16
             qkv = qkv.view(-1, heads + 2 * kv_heads, head_dim)
             rotated = _rope(qkv[:, :heads + kv_heads], cos, sin)  # [T, heads + kv, head_dim]
             queries = rotated[:, :heads].unflatten(1, (kv_heads, -1))  # [T, kv, groups, hd]: groups as queries
-            mixed, offset = [], 0
+            mixed, order, offset = [], [], 0
             for feed, spans in zip(feeds, groups):
                 end = offset + feed.n
                 feed.kv.keys[index, feed.start:feed.start + feed.n] = rotated[offset:end, heads:]
                 feed.kv.values[index, feed.start:feed.start + feed.n] = qkv[offset:end, heads + kv_heads:]
-                mixed += [F.scaled_dot_product_attention(  # [rows, kv, groups, hd] -> [rows, heads * hd] per span
-                    queries[offset + span.row:offset + span.row + span.rows], span.keys[index], span.values[index],
-                    attn_mask=span.mask, scale=self.scale).reshape(span.rows, -1) for span in spans]
+                for span in spans:  # [rows, kv, groups, hd] -> [rows, heads * hd] per span
+                    mixed.append(self._attend(feed, span, index, offset, queries, rotated, qkv))
+                    order.append(span.select + offset if span.select is not None else
+                                 torch.arange(offset + span.row, offset + span.row + span.rows))
+                if feed.tree is not None:  # the nodes back in node order (:mod:`spans`)
+                    feed.kv.keys[index, feed.start:feed.start + feed.n] = rotated[offset:end, heads:]
+                    feed.kv.values[index, feed.start:feed.start + feed.n] = qkv[offset:end, heads + kv_heads:]
                 offset = end
-            x += layer.output.native(mixed[0] if len(mixed) == 1 else torch.cat(mixed))
+            attended = mixed[0] if len(mixed) == 1 else torch.cat(mixed)  # [T, heads * hd], rows in ``order``
+            if any(feed.tree is not None for feed in feeds):
+                attended = attended[torch.cat(order).argsort()]
+            x += layer.output.native(attended)
             gate, up = layer.gate_up(_rms_norm(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)  # [T, inter] each
             x += layer.down.native(F.silu(gate).mul_(up))
+            if index + 1 in entries and index + 1 < len(self.layers):
+                states[index + 1] = x.clone()
+        last = len(self.layers)
+        if last in entries:
+            states[last] = _rms_norm(x, self.feature_norm, self.eps)
+        features = None if feature_layers is None else torch.cat([states[e] for e in entries], dim=-1)  # [T, F]
         if len(feeds) == 1:
             kept = x[x.shape[0] - feeds[0].keep:]  # [keep, d]
         else:
             ends = torch.tensor([feed.n for feed in feeds]).cumsum(0).tolist()
             kept = x[torch.cat([torch.arange(end - feed.keep, end) for feed, end in zip(feeds, ends)])]
-        if not kept.shape[0]:
-            return x.new_zeros(0, self.head.out_features)
-        return self.head(_rms_norm(kept, self.norm, self.eps))  # [sum keep, vocab']
+        return _rms_norm(kept, self.norm, self.eps), features  # [sum keep, d]
+
+    def _entries(self, feature_layers: list[int] | None) -> list[int]:
+        """The ``hidden_states`` entries (0..layers) that ``feature_layers`` names, in order (see :meth:`hidden`)."""
+        if feature_layers is None:
+            return []
+        count = len(self.layers) + 1
+        chosen = list(feature_layers) or [-1]
+        if any(not -count <= e < count for e in chosen):
+            raise ValueError(f"feature_layers {list(feature_layers)} name entries outside 0..{count - 1}")
+        return [e % count for e in chosen]
 
     def _span(self, position: int) -> int:
         """How many cache slots a query at ``position`` attends over (the rest of them masked)."""
-        return min(-(-(position + 1) // KEY_BUCKET) * KEY_BUCKET, self.context_length)
+        return key_span(position, KEY_BUCKET, self.context_length)
 
     def _spans(self, feed: Feed) -> list[Span]:
-        """A feed's queries grouped by span (:class:`Span`), in order; call after the buffers are reserved."""
-        spans: list[Span] = []
-        row = 0
-        keys, values = feed.kv.keys.transpose(1, 2), feed.kv.values.transpose(1, 2)  # [layers, kv, capacity, hd]
-        while row < feed.n:
-            span = self._span(feed.start + row)
-            rows = min(feed.n, span - feed.start) - row  # the queries whose span is this one
-            positions = torch.arange(feed.start + row, feed.start + row + rows)  # [rows]
-            mask = torch.zeros(rows, 1, 1, span).masked_fill_(torch.arange(span) > positions[:, None, None, None],
-                                                              float("-inf"))
-            shape = (keys.shape[0], rows, keys.shape[1], span, keys.shape[3])  # [layers, rows, kv, span, hd]
-            spans.append(Span(row, rows, mask, keys[:, None, :, :span].expand(shape),
-                              values[:, None, :, :span].expand(shape)))
-            row += rows
-        return spans
+        """A feed's queries grouped by span (:func:`~specgen.models.quantized.spans.spans_of`); call after
+        the buffers are reserved."""
+        return spans_of(feed.start, feed.n, feed.tree, feed.kv.keys, feed.kv.values, KEY_BUCKET, self.context_length)
 
-
-@dataclass
-class Span:
-    """Queries ``row..row + rows - 1`` of a feed, whose positions round up to the same key count
-    ``span``: their attention's mask [rows, 1, 1, span] (0 where the row's query sees the slot, -inf
-    past its position) and the feed's keys and values as a batch of ``rows`` [layers, rows, kv_heads,
-    span, head_dim] (views of its buffers, the batch axis expanded)."""
-
-    row: int
-    rows: int
-    mask: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
+    def _attend(self, feed: Feed, span: Span, layer: int, offset: int, queries: torch.Tensor, rotated: torch.Tensor,
+                qkv: torch.Tensor) -> torch.Tensor:
+        """One span's attention in ``layer`` (``offset``: the feed's first row of the forward's [T, ...]
+        rows); a tree span first writes its path's keys and values after the chain. -> [rows, heads * hd]."""
+        heads, kv_heads = self.heads, self.kv_heads
+        if span.path is not None:
+            base = feed.start + feed.n - len(feed.tree)
+            rows = span.path + (base - feed.start + offset)  # [depth]: the path's rows of the forward
+            feed.kv.keys[layer, base:base + len(rows)] = rotated[rows, heads:]
+            feed.kv.values[layer, base:base + len(rows)] = qkv[rows, heads + kv_heads:]
+        if span.select is None:
+            mine = queries[offset + span.row:offset + span.row + span.rows]  # [rows, kv, groups, hd]
+        else:
+            mine = queries[span.select + offset]
+        return F.scaled_dot_product_attention(mine, span.keys[layer], span.values[layer], attn_mask=span.mask,
+                                              scale=self.scale).reshape(span.rows, -1)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

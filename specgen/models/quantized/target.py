@@ -1,8 +1,8 @@
 """The quantized torch target: a Llama-family model on torch's int CPU kernels, batch invariant by construction.
 
-:class:`QuantizedLM` implements :class:`specgen.models.target.Target` for chains
-and batched rows (:class:`QuantBatch`); trees and target features are declared
-unsupported and refused before loading. Its forward is :class:`~specgen.models.quantized.model.LeanLlama`;
+:class:`QuantizedLM` implements :class:`specgen.models.target.Target` for chains,
+draft trees with target features (:meth:`QuantizedLM.forward_tree`, for learned drafters) and
+batched rows (:class:`QuantBatch`). Its forward is :class:`~specgen.models.quantized.model.LeanLlama`;
 its KV handle is :class:`QuantKV`. Batched rows share every linear layer's call
 (each row's result is its own: the kernels compute rows independently) and attend
 each over its own buffers, so a row's logits equal the request's alone. Exactness rests on batch invariance, which
@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specgen.errors import NumericalError
-from specgen.models.invariance import GAP_PREFIX, chain_gaps, worst
+from specgen.models.invariance import GAP_PREFIX, chain_gaps, tree_gaps, worst
 from specgen.models.quantized.kernels import KERNELS, w8a8_op
 from specgen.models.quantized.model import KEY_BUCKET, Feed, KVBuffers, LeanLlama
+from specgen.models.quantized.spans import TreePart
 from specgen.models.quantized.smooth import Smoothing
 from specgen.models.target import Capabilities, TargetDefaults, TokenCache
+from specgen.sampling.tree_structure import ROOT
 
 
 @dataclass
@@ -35,14 +37,49 @@ class QuantKV(TokenCache):
     def _truncate(self, length: int) -> None:
         pass
 
+    def keep_rows(self, prefix: int, rows: list[int]) -> None:
+        """Keep the first ``prefix`` entries plus the entries at ``prefix + r`` for each r in ``rows``
+        (increasing), in that order; drop the rest (after a tree forward: the accepted path's entries,
+        which a tree forward computes as a chain would, move to the slots a chain would have written)."""
+        if rows != list(range(len(rows))):
+            source = torch.tensor([prefix + r for r in rows])  # [kept]
+            for buffer in (self.buffers.keys, self.buffers.values):  # [layers, capacity, kv, hd]
+                buffer[:, prefix:prefix + len(rows)] = buffer[:, source]
+            self.tokens[prefix:] = [self.tokens[prefix + r] for r in rows]
+        self.crop(prefix + len(rows))
+
     def held_bytes(self) -> int:
         return self.buffers.keys.nbytes + self.buffers.values.nbytes
+
+
+@dataclass
+class QuantTreeRows:
+    """The rows of :meth:`QuantizedLM.forward_tree` (:class:`specgen.models.target.TreeRows`): row 0
+    belongs to the last chain token, row 1 + i to node i. ``hidden``: their normalised final hidden
+    states [n + 1, d], which the LM head reads on demand (row by row, as it computes rows apart);
+    features [n + 1, F] and chain_features [m - 1, F] float32, or None."""
+
+    lm: QuantizedLM
+    hidden: torch.Tensor
+    features: torch.Tensor | None
+    chain_features: torch.Tensor | None
+
+    @torch.inference_mode()
+    def logits(self, row: int) -> torch.Tensor:
+        """Raw logits [1, vocab] float32 of ``row``."""
+        return self.lm.net.logits(self.hidden[row:row + 1])[:, : self.lm.vocab_size]
+
+    @torch.inference_mode()
+    def all_logits(self) -> torch.Tensor:
+        """Raw logits [n + 1, vocab] float32 of every row."""
+        return self.lm.net.logits(self.hidden)[:, : self.lm.vocab_size]
 
 
 class QuantizedLM(TargetDefaults):
     """A Llama-family model on quantized linears (:mod:`specgen.models.quantized.kernels`).
 
-    model: the transformers model whose float32 weights are quantized (it is not kept);
+    model: the transformers model whose float32 weights are quantized (kept only with ``keep_model``,
+    as :attr:`hf_model`);
     vocab_size: the tokenizer's size (logits are cut to it); kind: the layers' kernel as chosen
     (``int8``, ``int4``, ``w8a8`` or ``float``) and head_kind the LM head's; fallback: why the kind asked
     for is not what runs (None when it is), stated in :meth:`describe`; smoothing: the calibrated
@@ -50,13 +87,17 @@ class QuantizedLM(TargetDefaults):
     """
 
     backend = "torch_quant"
-    capabilities = Capabilities(trees=False, features=False, batches=True)
+    capabilities = Capabilities(trees=True, features=True, batches=True)
     device = torch.device("cpu")
     dtype = torch.float32  # the logits' (the weights are int8/int4 with bfloat16 scales)
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, *, kind: str, head_kind: str, name: str = "model",
-                 fallback: str | None = None, smoothing: Smoothing | None = None):
+                 fallback: str | None = None, smoothing: Smoothing | None = None, keep_model: bool = False):
         self.net = LeanLlama(model, kind, head_kind, smoothing)
+        self._model = model if keep_model else None
+        embedding = model.get_input_embeddings().weight.detach()  # [vocab', d]
+        if keep_model and embedding.dtype == torch.float32 and torch.equal(embedding, self.net.embedding):
+            self.net.embedding = embedding  # one copy of the table, the kept model's
         self.smoothing = smoothing
         self.context_length = self.net.context_length
         self.vocab_size = int(vocab_size)
@@ -66,7 +107,20 @@ class QuantizedLM(TargetDefaults):
 
     @property
     def memory_bytes(self) -> int:
-        return self.net.memory_bytes
+        """The quantized forward's bytes, plus the float32 model's where it is kept (:attr:`hf_model`)."""
+        if self._model is None:
+            return self.net.memory_bytes
+        shared = self.net.embedding.untyped_storage().data_ptr()
+        kept = sum(p.numel() * p.element_size() for p in self._model.parameters()
+                   if p.untyped_storage().data_ptr() != shared)
+        return self.net.memory_bytes + kept
+
+    @property
+    def hf_model(self) -> torch.nn.Module | None:
+        """The float32 transformers model the weights were quantized from, where the loader kept it
+        (``keep_model``: a learned head reads its embeddings and fingerprint); None otherwise
+        (:class:`specgen.models.target.HFBacked`)."""
+        return self._model
 
     def describe(self) -> dict:
         """What this path's costs and numerics depend on; ``dtype`` names the kernels that run."""
@@ -123,17 +177,49 @@ class QuantizedLM(TargetDefaults):
             cache.tokens.extend(feed)
         return list(logits.split(list(keeps)))
 
+    @torch.inference_mode()
+    def forward_tree(self, cache: QuantKV, chain: list[int], nodes: list[int], ancestors: torch.Tensor,
+                     depths: list[int], feature_layers: list[int] | None = None) -> QuantTreeRows:
+        """One forward over ``chain`` (uncached committed tokens, at least one) then draft-tree ``nodes``
+        (ancestors: [N, N] bool, True where node j is node i or one of its ancestors; depths: each
+        node's, 1 = a child of the root), as :meth:`specgen.models.causal_lm.CausalLM.forward_tree`.
+
+        Node i is computed in the shapes of a one-token step at position ``len(cache) + len(chain) - 1
+        + depths[i]`` over the cache, the chain and its ancestors in depth order (a chain-shaped tree
+        is fed as a chain), so its row equals its path fed token by token bit for bit where
+        :meth:`verify_gap` with ``parents`` is 0. The cache then holds chain + every node in node
+        order; :meth:`QuantKV.keep_rows` keeps the accepted path."""
+        if not chain:
+            raise ValueError("forward_tree needs at least one chain token")
+        start, m, n = len(cache), len(chain), len(nodes)
+        parents = [next((j for j in torch.nonzero(ancestors[i]).flatten().tolist() if depths[j] == depths[i] - 1), ROOT)
+                   for i in range(n)]
+        tree = None if parents == list(range(-1, n - 1)) else TreePart(parents)
+        ids = torch.tensor(list(chain) + list(nodes), dtype=torch.long)  # [m + n]
+        hidden, features = self.net.hidden([Feed(cache.buffers, start, m + n, n + 1, tree)], ids, feature_layers)
+        cache.tokens.extend(list(chain) + list(nodes))
+        if features is None:
+            return QuantTreeRows(self, hidden, None, None)
+        return QuantTreeRows(self, hidden, features[m - 1:], features[:m - 1])  # [n + 1, F], [m - 1, F]
+
     def verify_gap(self, widths, parents: list[int] | None = None, prefix: int = GAP_PREFIX) -> tuple[float, int]:
         """Batch invariance (:mod:`specgen.models.invariance`): the largest |logit| difference between
         positions fed ``width`` at a time and the same positions fed one by one, over ``widths``;
         -> (max difference, its width). Widths are measured once per process (for the default
-        prefix). ``parents``: a tree, which this target does not verify (ValueError)."""
+        prefix). ``parents``: tree forwards over that tree and its level-ordered prefixes of
+        ``width - 1`` nodes instead, rows read one by one as rounds on the CPU read them."""
         if parents is not None:
-            raise ValueError("the quantized target verifies chains, not trees")
+            sizes = [int(w) - 1 for w in widths] + [len(parents)]
+            return worst(tree_gaps(self, parents, sizes, _rows_one_by_one, prefix))
         widths = sorted({int(w) for w in widths})
         memo = self._gaps if prefix == GAP_PREFIX else {}
         memo.update(chain_gaps(self, [w for w in widths if w not in memo], prefix))
         return worst({w: memo[w] for w in widths})
+
+
+def _rows_one_by_one(out: QuantTreeRows, n: int) -> torch.Tensor:
+    """[n + 1, vocab] rows of a tree forward, each through the LM head on its own (as rounds on the CPU read them)."""
+    return torch.cat([out.logits(row) for row in range(n + 1)])
 
 
 class QuantBatch:
