@@ -33,11 +33,15 @@ def _lm(onednn: bool, monkeypatch):
     return lm
 
 
-def _needs_onednn():
-    """Skip where this torch build has no oneDNN int8 linear (a build property, not the CPU's)."""
+def _needs_onednn(serving: bool = True):
+    """Skip where this torch build has no oneDNN int8 linear, or (``serving``) where its probe finds it
+    not exact here (on CPUs without VNNI its int8 products saturate; w8a8 then runs another route,
+    tested everywhere by ``test_the_exact_route_computes_the_same_logits_as_the_probes_choice``)."""
     ops = getattr(torch.ops, "onednn", None)
     if ops is None or not hasattr(ops, "qlinear_prepack") or not hasattr(ops, "qlinear_pointwise"):
         pytest.skip(f"torch {torch.__version__} has no torch.ops.onednn.qlinear_pointwise")
+    if serving and kernels.onednn_problem() is not None:
+        pytest.skip(f"oneDNN's int8 linear does not serve here: {kernels.onednn_problem()}")
 
 
 @pytest.mark.parametrize("onednn", [True, False])
@@ -67,10 +71,14 @@ def test_a_layer_computes_its_float_product_within_quantization_error():
         assert float(error.max()) < 0.05 and not torch.equal(got, expected)
 
 
-def test_the_probe_chooses_onednn_where_the_build_has_it():
-    _needs_onednn()
-    assert kernels.onednn_problem() is None and kernels.w8a8_op() == kernels.ONEDNN
-    assert kernels.QuantLinear(torch.randn(8, 32), None, "w8a8").packed is not None
+def test_the_probe_chooses_onednn_where_the_build_has_it_and_it_is_exact_here():
+    _needs_onednn(serving=False)
+    problem, layer = kernels.onednn_problem(), kernels.QuantLinear(torch.randn(8, 32), None, "w8a8")
+    if problem is None:
+        assert kernels.w8a8_op() == kernels.ONEDNN and layer.packed is not None
+    else:  # e.g. a CPU without VNNI, where its int8 products saturate
+        assert "other values than torch._int_mm" in problem and layer.packed is None
+        assert kernels.w8a8_op() in ("_int_mm", kernels.EXACT_FLOAT)
 
 
 def test_negative_control_a_onednn_op_whose_rows_depend_on_their_batch_is_refused(monkeypatch):
@@ -83,9 +91,49 @@ def test_negative_control_a_onednn_op_whose_rows_depend_on_their_batch_is_refuse
         return out + 1e-3 * (codes.shape[0] - 1)
 
     monkeypatch.setattr(torch.ops.onednn, "qlinear_pointwise", skewed)
+    kernels.onednn_problem.cache_clear()
     assert "other values than torch._int_mm" in kernels.onednn_problem()
-    assert kernels.w8a8_op() == "_int_mm"
+    assert kernels.w8a8_op() in ("_int_mm", kernels.EXACT_FLOAT)
     assert kernels.QuantLinear(torch.randn(8, 32), None, "w8a8").packed is None
+
+
+def test_the_exact_route_computes_the_same_logits_as_the_probes_choice(monkeypatch):
+    """Where neither oneDNN's linear nor torch._int_mm is exact (CPUs without VNNI), w8a8 multiplies in
+    float32 over chunks of integer-valued inputs: the same logits bit for bit as the route chosen here,
+    batch invariant; forced here on every CPU."""
+    chosen = load_quantized(TINY_SOURCE, name="target", quant="w8a8", progress=False).lm
+    monkeypatch.setattr(kernels, "onednn_problem", lambda: "turned off by the test")
+    monkeypatch.setattr(kernels, "int_mm_problem", lambda: "turned off by the test")
+    try:
+        exact = load_quantized(TINY_SOURCE, name="target", quant="w8a8", progress=False).lm
+        assert kernels.w8a8_op() == kernels.EXACT_FLOAT and kernels.EXACT_FLOAT in exact.describe()["dtype"]
+    finally:
+        monkeypatch.undo()  # before the autouse fixture clears the probes' caches
+    assert all(linear._float_weight is not None and linear.packed is None for linear in exact.net.linears())
+    assert torch.equal(exact.forward(exact.new_cache(), IDS, keep=40), chosen.forward(chosen.new_cache(), IDS, keep=40))
+    for width in (2, 7, 16):
+        assert exact.verify_gap([width]) == (0.0, width)
+
+
+def test_exact_products_are_the_integer_products_past_a_chunk_and_at_the_extremes():
+    generator = torch.Generator().manual_seed(5)
+    codes = torch.randint(-128, 128, (3, 2 * kernels.EXACT_CHUNK + 40), generator=generator, dtype=torch.int8)
+    weight = torch.randint(-127, 128, (codes.shape[1], 6), generator=generator, dtype=torch.int8)  # [in, out]
+    codes[0], weight[:, 0] = -128, -127  # the largest magnitudes, summed over more than one chunk
+    got = kernels.exact_products(codes, weight.float())  # [3, 6] int32
+    assert got.dtype == torch.int32 and torch.equal(got.long(), codes.long() @ weight.long())
+    assert int(got[0, 0]) == 128 * 127 * codes.shape[1]  # past 2**24: a single float32 sum would round it
+
+
+def test_int_mm_is_probed_for_exact_products_and_a_saturating_one_is_refused(monkeypatch):
+    kernels.int_mm_problem.cache_clear()
+    real = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: real(a, b).clamp(-2**15, 2**15 - 1))  # int16 saturation
+    try:
+        assert kernels.int_mm_problem() == "torch._int_mm does not compute exact integer products here"
+    finally:
+        monkeypatch.undo()
+        kernels.int_mm_problem.cache_clear()
 
 
 def test_a_torch_build_without_the_onednn_ops_runs_int_mm(monkeypatch):

@@ -18,8 +18,11 @@ float32, returning [rows, out] float32:
   channel's scale and the row's applied in float32 and the row's offset times the
   weight's column sums added. The products run on oneDNN's int8 linear over
   weights prepacked once at load (``torch.ops.onednn.qlinear_pointwise``) where
-  :func:`onednn_problem` finds it serving, else on ``torch._int_mm``; both compute
-  the same values bit for bit.
+  :func:`onednn_problem` finds it serving, else on ``torch._int_mm`` where
+  :func:`int_mm_problem` finds its products exact, else as float32 matrix products
+  over chunks of :data:`EXACT_CHUNK` inputs (integer-valued, so exact in any
+  summation order; slower, and its cost grows with the rows): every route computes
+  the same values bit for bit. (``torch._int_mm`` saturates on CPUs without VNNI.)
   Its cost barely grows with the rows fed (the weight-only kernels' grows in
   proportion), but per-row activation scales lose outlier channels' neighbours:
   the model folds per-channel smoothing into the weights first
@@ -52,6 +55,11 @@ ACTIVATION = torch.bfloat16
 ONEDNN = "onednn.qlinear_pointwise"
 #: w8a8's activation codes: ``round((x - rowmin) * LEVELS / (rowmax - rowmin))`` as uint8 (0..LEVELS).
 LEVELS = 255
+#: Inputs per float32 product of the exact route: 1024 * 128 * 127 < 2**24, so every partial sum of
+#: those integer-valued products is an exact float32 integer, whatever order a matmul sums in.
+EXACT_CHUNK = 1024
+#: The exact route's name (where neither oneDNN's int8 linear nor ``torch._int_mm`` is exact here).
+EXACT_FLOAT = "float32 matmul over exact integer chunks"
 
 
 def kernel_problem(kind: str) -> str | None:
@@ -81,8 +89,40 @@ def kernel_problem(kind: str) -> str | None:
 
 
 def w8a8_op() -> str:
-    """The op that computes w8a8's integer products here: :data:`ONEDNN` or ``_int_mm``."""
-    return "_int_mm" if onednn_problem() else ONEDNN
+    """The op that computes w8a8's integer products here: :data:`ONEDNN`, ``_int_mm`` or :data:`EXACT_FLOAT`."""
+    if not onednn_problem():
+        return ONEDNN
+    return EXACT_FLOAT if int_mm_problem() else "_int_mm"
+
+
+@functools.cache
+def int_mm_problem() -> str | None:
+    """Why w8a8's products do not run on ``torch._int_mm`` here (None: they do): missing, failing, or
+    not the exact integer products on a probe of full-range codes (it saturates intermediate sums on
+    CPUs without VNNI). Probed once per process."""
+    if not hasattr(torch, "_int_mm"):
+        return f"this torch build ({torch.__version__}) has no torch._int_mm"
+    generator = torch.Generator().manual_seed(2)
+    codes = torch.randint(-128, 128, (5, 64), generator=generator, dtype=torch.int8)  # [rows, in]
+    weight = torch.randint(-127, 128, (64, 24), generator=generator, dtype=torch.int8)  # [in, out]
+    codes[0], weight[:, 0] = -128, -127  # the extremes, where pairs of products overflow int16
+    try:
+        out = torch._int_mm(codes, weight)  # [5, 24] int32
+    except RuntimeError as error:
+        return f"torch._int_mm fails here: {str(error).splitlines()[0][:160]}"
+    if not torch.equal(out.long(), codes.long() @ weight.long()):
+        return "torch._int_mm does not compute exact integer products here"
+    return None
+
+
+def exact_products(codes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """codes [rows, in] int8, weight [in, out] float32 holding int8 values -> [rows, out] int32, the exact
+    integer products: float32 matmuls over chunks of :data:`EXACT_CHUNK` inputs, each exact (see there)."""
+    out = None
+    for start in range(0, codes.shape[1], EXACT_CHUNK):
+        part = (codes[:, start:start + EXACT_CHUNK].float() @ weight[start:start + EXACT_CHUNK]).to(torch.int32)
+        out = part if out is None else out.add_(part)
+    return out
 
 
 @functools.cache
@@ -144,14 +184,17 @@ class QuantLinear:
         else:
             self.weight, self.scales = weight, None
         self.packed = None  # [in, out] int8, oneDNN's layout (w8a8 on oneDNN only)
+        self._float_weight = None  # [in, out] float32 holding the int8 codes (w8a8's exact route only)
         if self.kind == "w8a8" and (onednn if onednn is not None else onednn_problem() is None):
             self.packed = torch.ops.onednn.qlinear_prepack(self.weight.T.contiguous(), None)
             self.weight = None
             self._zero_points = torch.zeros(self.out_features, dtype=torch.long)  # [out]
+        elif self.kind == "w8a8" and int_mm_problem() is not None:
+            self._float_weight, self.weight = self.weight.float(), None
 
     @property
     def memory_bytes(self) -> int:
-        tensors = [t for t in (self.weight, self.packed, self.scales, self.bias) if t is not None]
+        tensors = [t for t in (self.weight, self.packed, self._float_weight, self.scales, self.bias) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -185,7 +228,9 @@ class QuantLinear:
                                                      self._zero_points, None, 1.0, 0, torch.float32, "none", [], "")
         else:
             signed = codes.bitwise_xor_(0x80).view(torch.int8)  # code - 128
-            out = torch._int_mm(signed, self.weight).add_(self._code_offsets).float().mul_(self.scales)  # [rows, out]
+            products = (exact_products(signed, self._float_weight) if self._float_weight is not None
+                        else torch._int_mm(signed, self.weight))  # [rows, out] int32
+            out = products.add_(self._code_offsets).float().mul_(self.scales)  # [rows, out]
         base = low * self._column_sums if self.bias is None else torch.addcmul(self.bias, low, self._column_sums)
         return torch.addcmul(base, out, span)  # [rows, out]
 
