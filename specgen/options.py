@@ -148,17 +148,11 @@ def parse_num_tokens(value: object, name: str = "num_tokens") -> int | Literal["
     ConfigError naming ``name`` otherwise."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
-    number = None
-    if isinstance(value, float):
-        number = int(value) if value.is_integer() else None
-    elif not isinstance(value, bool):
-        try:
-            number = operator.index(value)
-        except TypeError:
-            number = None
-    if number is None or not 1 <= number <= MAX_NUM_TOKENS:
-        raise ConfigError(f"{name} must be a positive integer up to {MAX_NUM_TOKENS} or auto, got {value!r}")
-    return number
+    number = int(value) if isinstance(value, float) and value.is_integer() else value  # a YAML 4.0
+    try:
+        return parse_int(number, name, minimum=1, maximum=MAX_NUM_TOKENS)
+    except ConfigError:
+        raise ConfigError(f"{name} must be a positive integer up to {MAX_NUM_TOKENS} or auto, got {value!r}") from None
 
 
 def parse_optional_text(value: object, name: str) -> str | None:

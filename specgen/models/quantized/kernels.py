@@ -127,9 +127,10 @@ def exact_products(codes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def onednn_problem() -> str | None:
-    """Why w8a8 layers run ``torch._int_mm`` rather than :data:`ONEDNN` (None: they run oneDNN's):
-    the ops missing from this torch build, failing on a probe, or computing other values than
-    ``torch._int_mm``'s route bit for bit, rows fed together or alone. Probed once per process."""
+    """Why w8a8 layers do not run :data:`ONEDNN` (None: they do): the ops missing from this torch
+    build, failing on a probe, or computing other values than the integer route (``torch._int_mm``,
+    or the exact float32 route where that is not exact) bit for bit, rows fed together or alone.
+    Probed once per process."""
     ops = getattr(torch.ops, "onednn", None)
     if ops is None or not all(hasattr(ops, name) for name in ("qlinear_prepack", "qlinear_pointwise")):
         return f"this torch build ({torch.__version__}) has no torch.ops.{ONEDNN}"
@@ -162,7 +163,8 @@ class QuantLinear:
     weight: [out, in] float; bias: [out] or None (added in float32); kind: one of KERNELS or
     ``float``. A layer whose shape the kernel cannot take runs ``float``; ``kind`` says what runs
     and ``reason`` why it is not the kind asked for (None when it is). onednn (w8a8 only): whether
-    the products run on :data:`ONEDNN` (prepacked weights, ``packed``) or ``torch._int_mm``;
+    the products run on :data:`ONEDNN` (prepacked weights, ``packed``) or the integer route
+    (``torch._int_mm``, or :func:`exact_products` where :func:`int_mm_problem` finds it inexact);
     None: oneDNN's where :func:`onednn_problem` finds it serving.
     """
 
