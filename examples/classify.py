@@ -19,8 +19,8 @@ import sys
 from collections import Counter
 
 import specgen
-from specgen.config import refuse_owned
-from specgen.options import parse_int
+from specgen.config.compose import refuse_owned
+from specgen.config.options import parse_int
 
 SCHEMA = pathlib.Path(__file__).resolve().parent.parent / "grammars" / "sentiment.schema.json"
 

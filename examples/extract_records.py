@@ -46,11 +46,11 @@ from tqdm import tqdm
 
 import specgen
 from specgen.batch import stream_batch
-from specgen.checks import check_output_file
-from specgen.config import refuse_owned
+from specgen.config.checks import check_output_file
+from specgen.config.compose import refuse_owned
 from specgen.events import FinishEvent
-from specgen.jsonl_output import sort_records
-from specgen.options import parse_int, parse_seed
+from specgen.cli.jsonl_output import sort_records
+from specgen.config.options import parse_int, parse_seed
 
 PROMPT = "Extract the {title} from the text below as a JSON object with the fields {fields}.\n\n{instructions}Text:\n{text}"
 _SCHEMA_FLAG = "the grammar is the --schema file: give the schema with --schema"

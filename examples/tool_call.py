@@ -19,8 +19,8 @@ import pathlib
 import sys
 
 import specgen
-from specgen.config import refuse_owned
-from specgen.options import parse_seed
+from specgen.config.compose import refuse_owned
+from specgen.config.options import parse_seed
 
 SCHEMA = pathlib.Path(__file__).resolve().parent.parent / "grammars" / "tool_call.schema.json"
 SYSTEM = ("You can call one tool. Tools: get_weather(location: {city, country_code}, unit: celsius|fahrenheit); "

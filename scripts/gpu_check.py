@@ -30,7 +30,7 @@ def _synchronize(device: str) -> None:
 
 
 def reads_per_round(pipe, prompt_ids: list[int], gamma: int, rounds: int = 5) -> float:
-    from specgen.round import speculative_round
+    from specgen.engine.round import speculative_round
 
     request, ctx = pipe.open_request(prompt_ids, max_new_tokens=gamma * (rounds + 3) + 8, seed=0)
     speculative_round(request, ctx, gamma)

@@ -6,7 +6,7 @@
 
 Each ``--variant LABEL=OVERRIDES`` builds ``specgen.pipeline(*OVERRIDES.split(","))`` (plus
 ``--common`` overrides) and takes its cost table: cached, else measured (``--remeasure``:
-always measured now). The tables are also printed with specgen.planning.store.describe.
+always measured now). The tables are also printed with specgen.planning.cost_cache.describe.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 
 import specgen
 from specgen.bench.plots import plot_costs
-from specgen.planning.store import describe
+from specgen.planning.cost_cache import describe
 
 
 def main(argv: list[str] | None = None) -> int:

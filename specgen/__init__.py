@@ -31,11 +31,11 @@ __all__ = [
 ]
 
 #: Where the public names that need torch live. They load on first use, so that ``import specgen`` (and
-#: the console scripts' :mod:`specgen.entry`) stays light until torch is needed.
+#: the console scripts' :mod:`specgen.cli.entry`) stays light until torch is needed.
 _EXPORTS = {
     **dict.fromkeys(("FinishEvent", "Generation", "TokenEvent"), "specgen.events"),
     "Guarantee": "specgen.guarantee",
-    "RequestOptions": "specgen.options",
+    "RequestOptions": "specgen.config.options",
     "TokenLogprob": "specgen.sampling.logprobs",
 }
 
@@ -56,9 +56,9 @@ def pipeline(*overrides: str, progress: bool = True):
     overrides: strings like ``"target=tiny"``; anything else raises ConfigError
     naming the argument. progress: show load progress (a bool or its usual spellings).
     """
-    from specgen.build import build_pipeline
-    from specgen.config import compose
-    from specgen.options import parse_bool
+    from specgen.engine.assemble import build_pipeline
+    from specgen.config.compose import compose
+    from specgen.config.options import parse_bool
 
     for index, override in enumerate(overrides):
         if not isinstance(override, str):

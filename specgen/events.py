@@ -69,7 +69,7 @@ class Generation:
     finish_reason: "eos" | "length" | "stop" | "context" (context window full) | "dead_end".
     logprobs: one per token of token_ids when the request asked (``logprobs=k``), else None.
     prompt_logprobs: with ``echo=True``, one per prompt token (the first None: nothing predicts it),
-        the target's teacher-forced raw log-softmax (see :meth:`specgen.engine.Pipeline.score`), else None.
+        the target's teacher-forced raw log-softmax (see :meth:`specgen.engine.pipeline.Pipeline.score`), else None.
     """
 
     text: str

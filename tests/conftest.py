@@ -27,10 +27,10 @@ TEST_BATCH_COSTS = BatchCostTable((1, 8), (1, 17), ((1.0, 1.8), (1.2, 2.4)), ste
 def fix_costs(monkeypatch) -> None:
     """Pipelines plan from TEST_COSTS / TEST_BATCH_COSTS alone (monkeypatch: pytest's, or a
     ``pytest.MonkeyPatch()`` in a test's child process)."""
-    monkeypatch.setattr("specgen.planning.store.cost_table", lambda subject, **kwargs: TEST_COSTS)
-    monkeypatch.setattr("specgen.planning.store.batch_cost_table", lambda subject, size, new_batch, **kwargs:
+    monkeypatch.setattr("specgen.planning.cost_cache.cost_table", lambda subject, **kwargs: TEST_COSTS)
+    monkeypatch.setattr("specgen.planning.cost_cache.batch_cost_table", lambda subject, size, new_batch, **kwargs:
                         TEST_BATCH_COSTS)
-    monkeypatch.setattr("specgen.planning.store.observer", lambda config: None)  # plans from the table alone
+    monkeypatch.setattr("specgen.planning.cost_cache.observer", lambda config: None)  # plans from the table alone
 
 
 #: Memory one test worker may need: two workers' process trees peaked at 7.8 GiB together in a full run.

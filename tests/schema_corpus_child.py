@@ -21,8 +21,8 @@ from grammar_helpers import char_info  # noqa: E402
 from schema_corpus import ACCEPTED, CHARS, REFUSED, bound_sweep  # noqa: E402
 
 import specgen  # noqa: E402
-from specgen import cli  # noqa: E402
-from specgen.config import compose, exits_on_error, to_container  # noqa: E402
+from specgen.cli import main as cli  # noqa: E402
+from specgen.config.compose import compose, exits_on_error, to_container  # noqa: E402
 from specgen.errors import SpecgenError  # noqa: E402
 from specgen.grammar import grammar_processor  # noqa: E402
 

@@ -9,7 +9,7 @@ import torch
 import specgen
 from conftest import tiny_pipeline
 from specgen.errors import ConfigError, PromptError, SpecgenError
-from specgen.options import parse_bool, parse_chat, parse_num_tokens, parse_stop
+from specgen.config.options import parse_bool, parse_chat, parse_num_tokens, parse_stop
 from specgen.stats import Stats
 
 

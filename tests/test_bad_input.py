@@ -14,10 +14,10 @@ import sys
 import pytest
 
 import specgen
-from specgen import cli
+from specgen.cli import main as cli
 from specgen.bench import cli as bench_cli
-from specgen.checks import check_run_config
-from specgen.config import compose, to_container
+from specgen.config.checks import check_run_config
+from specgen.config.compose import compose, to_container
 from specgen.errors import ConfigError, ModelLoadError, PromptError
 from specgen.train import cli as train_cli
 
@@ -150,9 +150,9 @@ def test_invalid_utf8_prompts(monkeypatch, capsys, tmp_path):
 def test_arguments_that_are_not_utf8_are_refused_before_loading(monkeypatch, capsys):
     """Python decodes argument bytes that are not UTF-8 to lone surrogates, which no tokenizer can encode
     (the default model's raised TypeError after loading): one line, before anything loads."""
-    import specgen.build
+    import specgen.engine.assemble
 
-    monkeypatch.setattr(specgen.build, "build_pipeline", lambda cfg: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(specgen.engine.assemble, "build_pipeline", lambda cfg: pytest.fail("the model was loaded"))
     code, _, err = run_command(monkeypatch, capsys, cli.main, "specgen", *TINY_ARGS, "prompt=caf\udce9")
     assert_one_error_line(code, err, "specgen", "prompt is not valid Unicode text: a lone surrogate U+DCE9 at "
                                                 "character 3")
@@ -171,7 +171,7 @@ def test_ctrl_c_while_loading_is_one_line_130(monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("specgen.build.load_model", interrupted)
+    monkeypatch.setattr("specgen.engine.assemble.load_model", interrupted)
     code, out, err = run_command(monkeypatch, capsys, cli.main, "specgen", *TINY_ARGS, "prompt=hi")
     assert code == 130 and err == "specgen: cancelled\n"
 
@@ -325,7 +325,7 @@ def test_train_out_that_cannot_be_written_fails_before_loading(monkeypatch, caps
 
 
 def test_output_checks_create_nothing(tmp_path):
-    from specgen.paths import check_output_file
+    from specgen.config.paths import check_output_file
 
     check_output_file(tmp_path / "new" / "dir" / "head.safetensors", "train.out", create_parents=True)
     with pytest.raises(ConfigError, match="new does not exist; create it first"):
@@ -337,9 +337,9 @@ def test_output_checks_create_nothing(tmp_path):
 
 
 def test_jsonl_output_in_a_missing_directory_fails_before_loading(monkeypatch, capsys, tmp_path):
-    import specgen.build
+    import specgen.engine.assemble
 
-    monkeypatch.setattr(specgen.build, "build_pipeline", lambda cfg: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(specgen.engine.assemble, "build_pipeline", lambda cfg: pytest.fail("the model was loaded"))
     (tmp_path / "rows.jsonl").write_text('"hi"\n')
     out = tmp_path / "nodir" / "out.jsonl"
     code, _, err = run_command(monkeypatch, capsys, cli.main, "specgen", *TINY_ARGS,

@@ -1,4 +1,4 @@
-"""The batch planner (specgen.planning.batch, specgen.batch.plan): joint draft lengths for a batched step.
+"""The batch planner (specgen.planning.batch, specgen.batch.drafting): joint draft lengths for a batched step.
 
 Pure tests use hand-written tables (nothing depends on this machine's speed): the
 plan is optimal against brute force, never below plain batched decoding under its
@@ -211,7 +211,7 @@ def test_sampled_auto_rows_follow_their_law(table, monkeypatch):
     padding skipped) rows draft different lengths in one step, and still do."""
     if table == "ragged":
         flat_ragged = BatchCostTable((1, 8), (1, 9), ((1.0, 1.1), (1.2, 1.8)), ragged=((1.0, 1.1), (1.2, 1.3)))
-        monkeypatch.setattr("specgen.planning.store.batch_cost_table", lambda *args, **kwargs: flat_ragged)
+        monkeypatch.setattr("specgen.planning.cost_cache.batch_cost_table", lambda *args, **kwargs: flat_ragged)
     pipe = tiny_pipeline(*VOCAB8, "sampling.temperature=1.0")
     assert str(pipe.guarantee) == "exact" and pipe.drafter.num_tokens == "auto"
     p_value, gens = _p_value(pipe)
@@ -237,7 +237,7 @@ def test_anticipating_truncation_is_caught_in_a_batch(monkeypatch):
 
 def test_expensive_batch_runs_plain_but_for_probes(monkeypatch):
     """With the measured-like table, 8 rows of a low-acceptance drafter speculate only in probes."""
-    monkeypatch.setattr("specgen.planning.store.batch_cost_table", lambda *args, **kwargs: MEASURED)
+    monkeypatch.setattr("specgen.planning.cost_cache.batch_cost_table", lambda *args, **kwargs: MEASURED)
     pipe = tiny_pipeline(*VOCAB8, "sampling.temperature=1.0")
     gens = pipe.generate_batch([dict(prompt_ids=PROMPT, seed=s, max_new_tokens=40) for s in range(8)], batch_size=8)
     rounds = sum(g.stats.rounds for g in gens)
@@ -253,7 +253,7 @@ def test_batched_lookup_rows_learn_from_shadows_not_probes(shadows, monkeypatch,
     without shadows keeps probing. Either way greedy rows equal their requests alone."""
     from specgen.drafters.ngram import NgramSession
 
-    monkeypatch.setattr("specgen.planning.store.batch_cost_table", lambda *args, **kwargs: MEASURED)
+    monkeypatch.setattr("specgen.planning.cost_cache.batch_cost_table", lambda *args, **kwargs: MEASURED)
     monkeypatch.setattr(NgramSession, "shadows", shadows)
     monkeypatch.setattr(NgramSession, "propose", lambda self, budget: Proposal([6] * budget, None, None,
                                                                                [0.5] * budget))

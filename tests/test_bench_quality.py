@@ -65,7 +65,7 @@ def test_bad_path_is_refused_before_loading(monkeypatch):
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("specgen.build.build_pipeline", no_load)
+    monkeypatch.setattr("specgen.engine.assemble.build_pipeline", no_load)
     with pytest.raises(ConfigError, match="fp8"):
         run_bench(compose_bench([*QUALITY, "bench.quality_paths=[int8,fp8]"]), out=io.StringIO(), err=io.StringIO())
     with pytest.raises(ConfigError, match="bench.quality"):

@@ -8,9 +8,9 @@ import struct
 import pytest
 from test_bad_input import TINY_ARGS, assert_one_error_line, run_command
 
-from specgen import cli
-from specgen.checks import check_run_config, source_from_text
-from specgen.config import compose, prepare_overrides, to_container
+from specgen.cli import main as cli
+from specgen.config.checks import check_run_config, source_from_text
+from specgen.config.compose import compose, prepare_overrides, to_container
 from specgen.errors import ConfigError
 from specgen.serve import protocol
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import TINY
 
-from specgen import cli
-from specgen.config import compose, prepare_overrides, quote_text_value, to_container
+from specgen.cli import main as cli
+from specgen.config.compose import compose, prepare_overrides, quote_text_value, to_container
 
 TINY_ARGS = [*TINY, "drafter=tiny", "max_new_tokens=8"]  # the exact torch configuration (conftest.TINY)
 AWKWARD = [
@@ -105,7 +105,7 @@ def test_console_script_end_to_end(tmp_path):
 
 def test_ctrl_c_mid_stream_exits_cleanly(monkeypatch, capsys):
     """KeyboardInterrupt inside a round: partial text kept, status 130, no traceback."""
-    import specgen.round as round_module
+    import specgen.engine.round as round_module
 
     real_round = round_module.speculative_round
     calls = {"n": 0}
@@ -116,7 +116,7 @@ def test_ctrl_c_mid_stream_exits_cleanly(monkeypatch, capsys):
             raise KeyboardInterrupt
         return real_round(*args, **kwargs)
 
-    monkeypatch.setattr("specgen.engine.speculative_round", interrupted)
+    monkeypatch.setattr("specgen.engine.pipeline.speculative_round", interrupted)
     code, out, err = _run_main(monkeypatch, capsys, *TINY_ARGS[:-1], "max_new_tokens=50", "prompt=count")
     assert code == 130
     assert "specgen: cancelled" in err and "Traceback" not in err

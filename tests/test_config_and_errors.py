@@ -9,7 +9,7 @@ import torch
 
 import specgen
 from conftest import TINY, tiny_pipeline
-from specgen.config import compose, conf_dir, to_container
+from specgen.config.compose import compose, conf_dir, to_container
 from specgen.errors import ConfigError, ModelLoadError, NumericalError, PromptError
 
 

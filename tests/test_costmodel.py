@@ -1,4 +1,4 @@
-"""Cost-table measurement (specgen.planning.measure), caching and keying (specgen.planning.store),
+"""Cost-table measurement (specgen.planning.measure), caching and keying (specgen.planning.cost_cache),
 with an injected timer (never timed asserts)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 
 from conftest import TEST_COSTS, tiny_pipeline
 from specgen.batch.kv import BatchKV
-from specgen.batch.plan import batch_costs
+from specgen.batch.drafting import batch_costs
 from specgen.planning import BatchCostTable, CostTable
 from specgen.planning import measure as measuring
-from specgen.planning import store
+from specgen.planning import cost_cache
 from specgen.errors import ConfigError
 
 
@@ -30,17 +30,17 @@ class FakeTimer:
 @pytest.fixture
 def real_cost_table(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path))
-    monkeypatch.setattr(store, "cost_table", _ORIGINAL)
-    monkeypatch.setattr(store, "_MEMO", {})
+    monkeypatch.setattr(cost_cache, "cost_table", _ORIGINAL)
+    monkeypatch.setattr(cost_cache, "_MEMO", {})
     return tmp_path
 
 
-_ORIGINAL = store.cost_table
-_ORIGINAL_BATCH = store.batch_cost_table
+_ORIGINAL = cost_cache.cost_table
+_ORIGINAL_BATCH = cost_cache.batch_cost_table
 
 
 def table_of(pipe, **kwargs):
-    return store.cost_table(pipe.cost_subject(), **kwargs)
+    return cost_cache.cost_table(pipe.cost_subject(), **kwargs)
 
 
 def new_batch(pipe):
@@ -180,34 +180,34 @@ def test_cache_is_keyed_and_refreshable(real_cost_table, monkeypatch):
         calls.append(pipe)
         return CostTable(chain=(1.0, 1.5), tree=(1.0, 2.0), step_s=0.01, facts=measuring.facts(pipe))
 
-    monkeypatch.setattr(store, "measure", fake_measure)
+    monkeypatch.setattr(cost_cache, "measure", fake_measure)
     pipe = tiny_pipeline(drafter="tiny")
     first = table_of(pipe)
     assert list((real_cost_table / "costs").glob("*.json"))
-    store._MEMO.clear()
+    cost_cache._MEMO.clear()
     assert table_of(pipe) == first and len(calls) == 1  # served from disk
     table_of(pipe, refresh=True)
     assert len(calls) == 2
     other = tiny_pipeline("drafter.num_tokens=2", drafter="tiny")  # a different drafter config: another key
-    assert store.cache_key(measuring.facts(other.cost_subject())) != store.cache_key(measuring.facts(pipe.cost_subject()))
+    assert cost_cache.cache_key(measuring.facts(other.cost_subject())) != cost_cache.cache_key(measuring.facts(pipe.cost_subject()))
     table_of(other)
     assert len(calls) == 3
-    assert "v(n) chain" in store.describe(first)
+    assert "v(n) chain" in cost_cache.describe(first)
     # compiled forwards cost differently: another key. The key reads the config and the target, not the
     # guarantee, so the load-time invariance check (every verify bucket compiled) is skipped here;
     # tests/test_compile.py runs it.
-    monkeypatch.setattr("specgen.build._measured", lambda guarantee, *args: guarantee)
+    monkeypatch.setattr("specgen.engine.assemble._measured", lambda guarantee, *args: guarantee)
     compiled = tiny_pipeline("compile=true", drafter="tiny")
     assert compiled.target.is_compiled
-    assert store.cache_key(measuring.facts(compiled.cost_subject())) != store.cache_key(measuring.facts(pipe.cost_subject()))
+    assert cost_cache.cache_key(measuring.facts(compiled.cost_subject())) != cost_cache.cache_key(measuring.facts(pipe.cost_subject()))
 
 
 def test_fixed_table_from_the_environment_replaces_measuring(real_cost_table, monkeypatch):
     """$SPECGEN_COST_TABLE: that table for every pipeline, nothing measured or cached; bad files are one line."""
-    monkeypatch.setattr(store, "measure", lambda pipe, clock=None: pytest.fail("measured despite a fixed table"))
+    monkeypatch.setattr(cost_cache, "measure", lambda pipe, clock=None: pytest.fail("measured despite a fixed table"))
     path = real_cost_table / "fixed.json"
-    path.write_text(json.dumps(store.to_dict(TEST_COSTS)))
-    monkeypatch.setenv(store.FIXED_TABLE_ENV, str(path))
+    path.write_text(json.dumps(cost_cache.to_dict(TEST_COSTS)))
+    monkeypatch.setenv(cost_cache.FIXED_TABLE_ENV, str(path))
     pipe = tiny_pipeline(drafter="tiny")
     assert table_of(pipe) == TEST_COSTS
     assert table_of(pipe, refresh=True) == TEST_COSTS
@@ -215,16 +215,16 @@ def test_fixed_table_from_the_environment_replaces_measuring(real_cost_table, mo
     for content, message in ((None, "cannot read"), ("{}", "not a cost table"), ('{"chain": [1', "not a cost table")):
         if content is not None:
             path.write_text(content)
-        monkeypatch.setenv(store.FIXED_TABLE_ENV, str(path) if content else str(real_cost_table / "missing"))
+        monkeypatch.setenv(cost_cache.FIXED_TABLE_ENV, str(path) if content else str(real_cost_table / "missing"))
         with pytest.raises(ConfigError, match=message) as caught:
             table_of(pipe)
         assert "SPECGEN_COST_TABLE" in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_corrupt_cache_file_is_remeasured(real_cost_table, monkeypatch):
-    monkeypatch.setattr(store, "measure", lambda pipe, clock=None: CostTable(chain=(1.0,), tree=(1.0,)))
+    monkeypatch.setattr(cost_cache, "measure", lambda pipe, clock=None: CostTable(chain=(1.0,), tree=(1.0,)))
     pipe = tiny_pipeline(drafter="ngram")
-    path = real_cost_table / "costs" / f"{store.cache_key(measuring.facts(pipe.cost_subject()))}.json"
+    path = real_cost_table / "costs" / f"{cost_cache.cache_key(measuring.facts(pipe.cost_subject()))}.json"
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
     assert table_of(pipe).chain == (1.0,)
@@ -234,17 +234,17 @@ def test_cache_file_is_replaced_whole(real_cost_table, monkeypatch):
     """Two processes sharing the cache: a reader sees the old table or the new one, never a torn file.
     The new table is written beside the old one and renamed over it, so a write that fails before the
     rename leaves the old file as it was and no temporary file behind."""
-    monkeypatch.setattr(store, "measure", lambda pipe, clock=None: CostTable(chain=(1.0,), tree=(1.0,)))
+    monkeypatch.setattr(cost_cache, "measure", lambda pipe, clock=None: CostTable(chain=(1.0,), tree=(1.0,)))
     pipe = tiny_pipeline(drafter="ngram")
-    path = real_cost_table / "costs" / f"{store.cache_key(measuring.facts(pipe.cost_subject()))}.json"
+    path = real_cost_table / "costs" / f"{cost_cache.cache_key(measuring.facts(pipe.cost_subject()))}.json"
     assert table_of(pipe).chain == (1.0,)
     before = path.read_text()
 
     def failing_rename(source, target):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store.os, "replace", failing_rename)
-    monkeypatch.setattr(store, "measure", lambda pipe, clock=None: CostTable(chain=(2.0,), tree=(2.0,)))
+    monkeypatch.setattr(cost_cache.os, "replace", failing_rename)
+    monkeypatch.setattr(cost_cache, "measure", lambda pipe, clock=None: CostTable(chain=(2.0,), tree=(2.0,)))
     assert table_of(pipe, refresh=True).chain == (2.0,)  # served, though not cached
     assert path.read_text() == before
     assert [entry.name for entry in path.parent.iterdir()] == [path.name]
@@ -252,16 +252,16 @@ def test_cache_file_is_replaced_whole(real_cost_table, monkeypatch):
 
 def test_measuring_the_cost_table_is_not_part_of_a_requests_time(monkeypatch):
     """The one-off measurement happens before the request's clock starts (a fake clock: no timing)."""
-    import specgen.engine
+    import specgen.engine.pipeline
 
     now = [0.0]
-    monkeypatch.setattr(specgen.engine.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(specgen.engine.pipeline.time, "perf_counter", lambda: now[0])
 
     def slow_measurement(pipe, **kwargs):
         now[0] += 100.0  # a measurement that "takes" 100 s
         return TEST_COSTS
 
-    monkeypatch.setattr("specgen.planning.store.cost_table", slow_measurement)
+    monkeypatch.setattr("specgen.planning.cost_cache.cost_table", slow_measurement)
     pipe = tiny_pipeline(drafter="tiny")
     gen = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=8)
     assert pipe.drafter.num_tokens == "auto" and pipe.costs is TEST_COSTS
@@ -317,26 +317,26 @@ class SpanTimer:
 
 
 def test_batch_table_is_cached_and_fixed_by_the_environment(real_cost_table, monkeypatch):
-    monkeypatch.setattr(store, "batch_cost_table", _ORIGINAL_BATCH)
+    monkeypatch.setattr(cost_cache, "batch_cost_table", _ORIGINAL_BATCH)
     calls = []
     made = BatchCostTable((1, 4), (1, 9), ((1.0, 2.0), (2.0, 5.0)), 0.01, 0.01)
-    monkeypatch.setattr(store, "measure_batch", lambda subject, size, new, **kwargs: calls.append(size) or made)
+    monkeypatch.setattr(cost_cache, "measure_batch", lambda subject, size, new, **kwargs: calls.append(size) or made)
     pipe = tiny_pipeline(drafter="ngram")
     assert batch_costs(pipe, 4) == made
-    store._MEMO.clear()
+    cost_cache._MEMO.clear()
     assert batch_costs(pipe, 4) == made and calls == [8]  # served from disk
     assert batch_costs(pipe, 7) == made and batch_costs(pipe, 1) == made
     assert calls == [8]  # one table serves every batch up to 8 rows (a run's last, smaller batch included)
     assert batch_costs(pipe, 9) == made and batch_costs(pipe, 64) == made and batch_costs(pipe, 10**6) == made
     assert calls == [8]  # and every larger one: measured with at most MAX_MEASURED_ROWS rows
-    assert "B=4: 2.00 5.00" in store.describe_batch(made)
+    assert "B=4: 2.00 5.00" in cost_cache.describe_batch(made)
     path = real_cost_table / "fixed.json"
-    path.write_text(json.dumps(store.to_dict(TEST_COSTS)))
-    monkeypatch.setenv(store.FIXED_TABLE_ENV, str(path))
+    path.write_text(json.dumps(cost_cache.to_dict(TEST_COSTS)))
+    monkeypatch.setenv(cost_cache.FIXED_TABLE_ENV, str(path))
     assert batch_costs(pipe, 8) == BatchCostTable.from_chain(TEST_COSTS.chain, (1, 2, 4, 8))
-    path.write_text(json.dumps(dict(store.to_dict(TEST_COSTS), batch=store.to_dict(made))))
+    path.write_text(json.dumps(dict(cost_cache.to_dict(TEST_COSTS), batch=cost_cache.to_dict(made))))
     assert batch_costs(pipe, 8) == made and calls == [8]
-    path.write_text(json.dumps(dict(store.to_dict(TEST_COSTS), batch={"sizes": [1]})))
+    path.write_text(json.dumps(dict(cost_cache.to_dict(TEST_COSTS), batch={"sizes": [1]})))
     with pytest.raises(ConfigError, match="not a batch cost table"):
         batch_costs(pipe, 8)
 
@@ -354,14 +354,14 @@ def test_batch_table_prices_the_shared_width_between_its_two_measurements():
     assert table.at(800).verify(8, 2) == pytest.approx(5.0) and table.at(800).head == 0.01
     single = BatchCostTable((1, 8), (1, 2), ((1.0, 1.2), (1.5, 2.0)))
     assert single.at(5000) is single
-    again = store.from_dict(BatchCostTable, json.loads(json.dumps(store.to_dict(table))))
+    again = cost_cache.from_dict(BatchCostTable, json.loads(json.dumps(cost_cache.to_dict(table))))
     assert again == table and again.wide == table.wide and again.slots == (100, 800)
     ragged = BatchCostTable((1, 8), (1, 2), ((1.0, 1.2), (1.5, 2.0)), ragged=((1.0, 1.2), (1.5, 1.7)))
-    assert store.from_dict(BatchCostTable, json.loads(json.dumps(store.to_dict(ragged)))).ragged == ragged.ragged
-    assert "one row w wide, the others 1: B=1: 1.00 1.20; B=8: 1.50 1.70" in store.describe_batch(ragged)
-    assert "800 slots: B=1: 1.40 2.00" in store.describe_batch(table)
+    assert cost_cache.from_dict(BatchCostTable, json.loads(json.dumps(cost_cache.to_dict(ragged)))).ragged == ragged.ragged
+    assert "one row w wide, the others 1: B=1: 1.00 1.20; B=8: 1.50 1.70" in cost_cache.describe_batch(ragged)
+    assert "800 slots: B=1: 1.40 2.00" in cost_cache.describe_batch(table)
     with pytest.raises(ValueError, match="wide"):
-        store.from_dict(BatchCostTable, dict(store.to_dict(table), slots=[100]))
+        cost_cache.from_dict(BatchCostTable, dict(cost_cache.to_dict(table), slots=[100]))
 
 
 def test_measure_batch_is_clamped_for_a_big_batch():
@@ -386,22 +386,22 @@ def test_old_or_torn_cache_files_are_measured_over(real_cost_table, monkeypatch,
     """A cache file of another format (an older method's fields, a list, a torn write) is measured
     over, never an error; the measurement says so on stderr."""
     made = BatchCostTable((1, 8), (1, 9), ((1.0, 2.0), (2.0, 5.0)), 0.01, 0.01)
-    monkeypatch.setattr(store, "batch_cost_table", _ORIGINAL_BATCH)
-    monkeypatch.setattr(store, "measure", lambda subject, clock=None: CostTable(chain=(1.0, 1.25), tree=()))
-    monkeypatch.setattr(store, "measure_batch", lambda subject, size, new, **kwargs: made)
+    monkeypatch.setattr(cost_cache, "batch_cost_table", _ORIGINAL_BATCH)
+    monkeypatch.setattr(cost_cache, "measure", lambda subject, clock=None: CostTable(chain=(1.0, 1.25), tree=()))
+    monkeypatch.setattr(cost_cache, "measure_batch", lambda subject, size, new, **kwargs: made)
     pipe = tiny_pipeline(drafter="ngram")
     subject = pipe.cost_subject()
     costs = real_cost_table / "costs"
     costs.mkdir()
-    single = costs / f"{store.cache_key(measuring.facts(subject))}.json"
-    batch = costs / f"batch-{store.cache_key(measuring.batch_facts(subject, 8))}.json"
+    single = costs / f"{cost_cache.cache_key(measuring.facts(subject))}.json"
+    batch = costs / f"batch-{cost_cache.cache_key(measuring.batch_facts(subject, 8))}.json"
     for old in ('{"sizes": [1, 8], "widths": [1], "body": [[1.0]]}', "[1, 2]", '{"chain": [1.0, "x"], "tree": []}'):
         single.write_text(old)
         batch.write_text(old)
-        store._MEMO.clear()
+        cost_cache._MEMO.clear()
         assert table_of(pipe).chain == (1.0, 1.25)
         assert batch_costs(pipe, 8) == made
     assert "measuring the batched cost table" in capsys.readouterr().err
-    store._MEMO.clear()
-    assert store.from_dict(CostTable, json.loads(single.read_text())) == CostTable(chain=(1.0, 1.25), tree=())
-    assert store.from_dict(BatchCostTable, json.loads(batch.read_text())) == made
+    cost_cache._MEMO.clear()
+    assert cost_cache.from_dict(CostTable, json.loads(single.read_text())) == CostTable(chain=(1.0, 1.25), tree=())
+    assert cost_cache.from_dict(BatchCostTable, json.loads(batch.read_text())) == made

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specgen.checks import check_batch_size
+from specgen.config.checks import check_batch_size
 from specgen.drafters import HFAssistant, NgramDrafter, batch_refusal, drafter_class
 from specgen.errors import ConfigError
 from specgen.processors import ProcessorStack, Temperature

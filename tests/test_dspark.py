@@ -121,7 +121,7 @@ def test_verifying_against_the_rows_before_the_markov_correction_is_caught(head_
 @pytest.fixture
 def costly(head_file, monkeypatch):
     """A processor stack, γ = auto with a drafter paid per token, and every stopper question recorded."""
-    monkeypatch.setattr("specgen.planning.store.cost_table", lambda subject, **kwargs: COSTLY_DRAFTS)
+    monkeypatch.setattr("specgen.planning.cost_cache.cost_table", lambda subject, **kwargs: COSTLY_DRAFTS)
     pipe = _pipe(head_file, *STACK)
     asked: list[float] = []
     decisions: list[tuple[str, bool]] = []

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specgen.cli import main as specgen_main
+from specgen.cli.main import main as specgen_main
 from specgen.errors import ConfigError, ModelLoadError
 from specgen.heads import HeadConfig, build_head, load_head, save_head, target_fingerprint
 from specgen.heads.export import aux_layer_ids, export_eagle3, load_eagle3_dir

@@ -9,7 +9,7 @@ from conftest import tiny_pipeline
 from specgen.errors import ConfigError
 from specgen.events import FinishEvent, TokenEvent
 from specgen.processors import CommittedCounts
-from specgen.round import speculative_round
+from specgen.engine.round import speculative_round
 
 PROMPTS = [[1, 2, 3], [5, 4, 3, 2, 1], [7], [2, 9, 2, 9, 2, 9], [11, 3, 14, 15, 9, 2, 6]]
 
@@ -80,7 +80,7 @@ def test_failed_round_rolls_back_everything(monkeypatch):
     rngs = (request.target_rng.get_state(), request.draft_rng.get_state())
     text_state = request.text.snapshot()
 
-    import specgen.round as round_module
+    import specgen.engine.round as round_module
 
     def failing_verify(*args, **kwargs):
         raise Boom("injected")

@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from specgen import entry
+from specgen.cli import entry
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 
 
 def test_every_console_script_imports_its_command_inside_the_guard():
-    """Each [project.scripts] entry is specgen.entry's function for it, which runs the command's main()."""
+    """Each [project.scripts] entry is specgen.cli.entry's function for it, which runs the command's main()."""
     assert set(SCRIPTS) == set(entry.COMMANDS)
     for name, target in SCRIPTS.items():
-        assert target == f"specgen.entry:{name.replace('-', '_')}", name
+        assert target == f"specgen.cli.entry:{name.replace('-', '_')}", name
         assert callable(__import__(entry.COMMANDS[name], fromlist=["main"]).main)
 
 
@@ -55,7 +55,7 @@ def _slow_module(tmp_path: Path) -> None:
 def test_ctrl_c_inside_an_import_exits_130_with_one_line(tmp_path):
     _slow_module(tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    code = "import sys\nfrom specgen.entry import run\nsys.exit(run('specgen', 'slow_import'))"
+    code = "import sys\nfrom specgen.cli.entry import run\nsys.exit(run('specgen', 'slow_import'))"
     status, lines = _interrupt_when([sys.executable, "-c", code], "importing", env, tmp_path)
     assert (status, lines) == (130, ["importing", "specgen: cancelled"])
 

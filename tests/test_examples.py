@@ -186,7 +186,7 @@ def test_extract_records_refuses_to_overwrite_and_resumes_in_input_order(tmp_pat
 
 
 def test_extract_records_takes_grammar_keys_and_checks_the_output_first(tmp_path, json_tiny_grammar, capsys):
-    from specgen.config import compose
+    from specgen.config.compose import compose
 
     module = load_example("extract_records")
     calls = json_tiny_grammar(module)
@@ -263,7 +263,7 @@ def _has_default_model() -> bool:
 def _run(*args: str, costs: pathlib.Path) -> subprocess.CompletedProcess:
     """Runs an example script; it plans with the fixed table at ``costs`` (as in-process tests do), so
     no subprocess spends seconds measuring the model's cost table (test_costmodel measures for real)."""
-    from specgen.planning.store import FIXED_TABLE_ENV
+    from specgen.planning.cost_cache import FIXED_TABLE_ENV
 
     env = {**os.environ, FIXED_TABLE_ENV: str(costs)}
     return subprocess.run([sys.executable, *args, "--override", "threads=1"], cwd=ROOT, capture_output=True,
@@ -273,7 +273,7 @@ def _run(*args: str, costs: pathlib.Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @pytest.mark.skipif(not _has_default_model(), reason="the default model package is not installed")
 def test_examples_run_on_the_default_model(tmp_path):
-    from specgen.planning.store import to_dict
+    from specgen.planning.cost_cache import to_dict
 
     jsonschema = pytest.importorskip("jsonschema")
     costs = tmp_path / "costs.json"

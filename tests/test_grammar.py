@@ -25,7 +25,7 @@ from grammar_helpers import (
 )
 
 import specgen.grammar
-from specgen.config import compose, to_container
+from specgen.config.compose import compose, to_container
 from specgen.errors import ConfigError, DeadEndError
 from specgen.grammar import (
     GrammarProcessor,

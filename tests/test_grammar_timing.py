@@ -16,12 +16,12 @@ from grammar_helpers import history
 
 import specgen.grammar
 from specgen.batch import generate_batch
-from specgen.cli import summary_line
+from specgen.cli.main import summary_line
 from specgen.grammar import TokenAutomaton, grammar_processor
 from specgen.grammar import backend as grammar_backend
 from specgen.models.tiny import TinyTokenizer
 from specgen.models.tokenizer import TokenizerInfo
-from specgen.round import plain_step, speculative_round
+from specgen.engine.round import plain_step, speculative_round
 from specgen.stats import Clock, GrammarTimer, percentile
 
 PATTERN = "[eaoiu]{3,10}( [tnshrdlcm]{1,4}){0,3}"  # over the tiny models' alphabet

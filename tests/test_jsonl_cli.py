@@ -1,4 +1,4 @@
-"""JSONL in, JSONL out: ``specgen prompt_file=rows.jsonl output=out.jsonl`` (specgen.jsonl, cli.run_jsonl)."""
+"""JSONL in, JSONL out: ``specgen prompt_file=rows.jsonl output=out.jsonl`` (specgen.cli.jsonl, cli.run_jsonl)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from specgen import cli
-from specgen.checks import check_run_config
-from specgen.config import compose, to_container
+from specgen.cli import main as cli
+from specgen.config.checks import check_run_config
+from specgen.config.compose import compose, to_container
 from specgen.errors import ConfigError
-from specgen.jsonl import RecordWriter
+from specgen.cli.jsonl import RecordWriter
 
 from conftest import TINY, tiny_pipeline
 
@@ -141,18 +141,18 @@ def test_resume_over_a_gap_ends_in_input_order(tmp_path, full_run, batch_size):
 
 
 def test_an_interrupted_resume_over_a_gap_keeps_every_record_in_order(tmp_path, monkeypatch, full_run):
-    import specgen.jsonl
+    import specgen.cli.jsonl
 
     reference = read_records(full_run[0] / "out.jsonl")
     (tmp_path / "out.jsonl").write_text("".join(json.dumps(reference[i]) + "\n" for i in (0, 5)), encoding="utf-8")
-    real_record = specgen.jsonl.generate_record
+    real_record = specgen.cli.jsonl.generate_record
 
     def interrupted_at_row_3(pipe, row):
         if row.index == 3:
             raise KeyboardInterrupt
         return real_record(pipe, row)
 
-    monkeypatch.setattr(specgen.jsonl, "generate_record", interrupted_at_row_3)
+    monkeypatch.setattr(specgen.cli.jsonl, "generate_record", interrupted_at_row_3)
     code, records, _ = run_file(tmp_path, "resume=true")
     assert code == 130 and [r["index"] for r in records] == [0, 1, 2, 5]
 
@@ -228,10 +228,10 @@ def test_resume_reruns_a_record_without_a_fingerprint(tmp_path):
 
 def test_ctrl_c_after_k_rows_leaves_k_valid_rows(tmp_path, monkeypatch, full_run):
     """KeyboardInterrupt mid-generation of row 2: status 130, rows 0 and 1 on disk, resume completes."""
-    import specgen.engine
-    import specgen.jsonl
+    import specgen.engine.pipeline
+    import specgen.cli.jsonl
 
-    real_record, real_step = specgen.jsonl.generate_record, specgen.engine.plain_step
+    real_record, real_step = specgen.cli.jsonl.generate_record, specgen.engine.pipeline.plain_step
     state = {"row": None, "steps": 0}
 
     def tracking(pipe, row):
@@ -244,14 +244,14 @@ def test_ctrl_c_after_k_rows_leaves_k_valid_rows(tmp_path, monkeypatch, full_run
             raise KeyboardInterrupt
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(specgen.jsonl, "generate_record", tracking)
-    monkeypatch.setattr(specgen.engine, "plain_step", interrupting)
+    monkeypatch.setattr(specgen.cli.jsonl, "generate_record", tracking)
+    monkeypatch.setattr(specgen.engine.pipeline, "plain_step", interrupting)
     code, records, err = run_file(tmp_path, "speculative=false")
     assert code == 130
     assert err.strip() == f"specgen: cancelled; 2 of 7 rows are in {tmp_path / 'out.jsonl'} (resume=true continues)"
     assert [r["index"] for r in records] == [0, 1]
     assert (tmp_path / "out.jsonl").read_bytes().endswith(b"\n")
-    monkeypatch.setattr(specgen.engine, "plain_step", real_step)
+    monkeypatch.setattr(specgen.engine.pipeline, "plain_step", real_step)
     code, records, _ = run_file(tmp_path, "speculative=false", "resume=true")
     reference = read_records(full_run[0] / "out.jsonl")
     assert code == 1 and [r["index"] for r in records] == list(range(7))
@@ -327,10 +327,10 @@ def test_a_failed_batch_step_sends_the_unfinished_rows_one_at_a_time(tmp_path, m
     """A SpecgenError out of a batched step cannot be pinned on one row: the rows without a record
     run alone on pipe.stream, so each gets its own result (or error) record and the file is complete."""
     import specgen.batch.steps
-    import specgen.jsonl
+    import specgen.cli.jsonl
     from specgen.errors import SpecgenError
 
-    real_step, real_record = specgen.batch.steps.step, specgen.jsonl.generate_record
+    real_step, real_record = specgen.batch.steps.step, specgen.cli.jsonl.generate_record
     calls, alone = [], []
 
     def failing(kv, live, *rest):
@@ -344,7 +344,7 @@ def test_a_failed_batch_step_sends_the_unfinished_rows_one_at_a_time(tmp_path, m
         return real_record(pipe, row)
 
     monkeypatch.setattr(specgen.batch.steps, "step", failing)
-    monkeypatch.setattr(specgen.jsonl, "generate_record", tracking)
+    monkeypatch.setattr(specgen.cli.jsonl, "generate_record", tracking)
     code, records, _ = run_file(tmp_path, "batch_size=4")
     reference = read_records(full_run[0] / "out.jsonl")
     assert code == 1 and [r.get("text", r.get("error")) for r in records] == \

@@ -1,5 +1,5 @@
 """The JSONL mode's files under stress: a full disk, rows that are not UTF-8, a file read as it runs
-(specgen.jsonl, jsonl_input, jsonl_output)."""
+(specgen.cli.jsonl, jsonl_input, jsonl_output)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import json
 import pytest
 
 import specgen.batch
-import specgen.jsonl
-import specgen.jsonl_input
-import specgen.jsonl_output
-from specgen import cli
-from specgen.config import compose, exits_on_error, to_container
+import specgen.cli.jsonl
+import specgen.cli.jsonl_input
+import specgen.cli.jsonl_output
+from specgen.cli import main as cli
+from specgen.config.compose import compose, exits_on_error, to_container
 from specgen.errors import OutputError
 from specgen.outputs import OUTPUT_FAILED
 
@@ -45,12 +45,12 @@ class FillingFile:
 
 
 def _fill_output_after(monkeypatch, room: int) -> None:
-    real = specgen.jsonl_output.RecordWriter.__init__
+    real = specgen.cli.jsonl_output.RecordWriter.__init__
 
     def init(self, file, done=()):
         real(self, FillingFile(file, room), done)
 
-    monkeypatch.setattr(specgen.jsonl_output.RecordWriter, "__init__", init)
+    monkeypatch.setattr(specgen.cli.jsonl_output.RecordWriter, "__init__", init)
 
 
 def _cli_status(tmp_path, *extra):
@@ -100,7 +100,7 @@ def test_a_full_disk_during_the_resume_rewrite_leaves_the_file_whole(tmp_path, m
         file = real_open(path, mode, *args, **kwargs)
         return FillingFile(file, 100) if str(path).endswith(".jsonl.tmp") else file
 
-    monkeypatch.setattr(specgen.jsonl_output, "open", filling_open, raising=False)
+    monkeypatch.setattr(specgen.cli.jsonl_output, "open", filling_open, raising=False)
     code, _ = _cli_status(tmp_path, "resume=true")
     message = capsys.readouterr().err
     assert code == OUTPUT_FAILED and len(message.splitlines()) == 1 and "(ENOSPC)" in message, message
@@ -131,7 +131,7 @@ def test_rows_are_read_as_they_run(tmp_path, monkeypatch, batch_size):
     window (batched): memory follows the rows in flight, not the file."""
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(f"row {i}") + "\n" for i in range(80)))
     parsed, at_run = [], {}
-    real_parse, real_record = specgen.jsonl_input.parse_row, specgen.jsonl.generate_record
+    real_parse, real_record = specgen.cli.jsonl_input.parse_row, specgen.cli.jsonl.generate_record
 
     def parse(*args, **kwargs):
         parsed.append(args[1])
@@ -141,8 +141,8 @@ def test_rows_are_read_as_they_run(tmp_path, monkeypatch, batch_size):
         at_run[row.index] = len(parsed)
         return real_record(pipe, row)
 
-    monkeypatch.setattr(specgen.jsonl_input, "parse_row", parse)
-    monkeypatch.setattr(specgen.jsonl, "generate_record", record)
+    monkeypatch.setattr(specgen.cli.jsonl_input, "parse_row", parse)
+    monkeypatch.setattr(specgen.cli.jsonl, "generate_record", record)
     if batch_size > 1:  # batched rows finish through stream_batch: count the parsed rows at each admission
         real_prepare = specgen.batch.prepare
 
@@ -153,6 +153,6 @@ def test_rows_are_read_as_they_run(tmp_path, monkeypatch, batch_size):
         monkeypatch.setattr(specgen.batch, "prepare", prepare)
     code, records, _ = run_file(tmp_path, "max_new_tokens=1", f"batch_size={batch_size}")
     assert code == 0 and len(records) == 80 and parsed == list(range(80))
-    window = 1 if batch_size == 1 else specgen.jsonl.WINDOW_PER_BATCH_ROW * batch_size
+    window = 1 if batch_size == 1 else specgen.cli.jsonl.WINDOW_PER_BATCH_ROW * batch_size
     assert at_run and all(seen <= (index // window + 1) * window for index, seen in at_run.items()), at_run
     assert max(at_run.values()) == 80 and min(at_run.values()) < 80  # negative control: reading went on as rows ran

@@ -19,7 +19,7 @@ from conftest import TINY, TREE_PREFIX, check_tree_forward_matches_each_path
 from exact import exact_distribution, goodness_of_fit, sample_counts
 from specgen.errors import ConfigError, ModelLoadError
 from specgen.heads import HeadConfig, build_head, save_head, target_fingerprint
-from specgen.round import speculative_round
+from specgen.engine.round import speculative_round
 
 VOCAB8 = ("target.source.vocab_size=8",)
 PROMPT = [1, 2, 3]
@@ -129,7 +129,7 @@ def test_tree_round_rolls_back_and_continues(heads, monkeypatch, kind):
     tokens, cache_len = list(request.committed.tokens), len(request.target_cache)
     mark = request.draft.mark()
 
-    import specgen.round as round_module
+    import specgen.engine.round as round_module
 
     def boom(*args, **kwargs):
         raise RuntimeError("injected")

@@ -13,7 +13,7 @@ from conftest import TINY
 from exact import assert_greedy_identity, exact_distribution, goodness_of_fit, sample_counts
 
 import specgen
-from specgen.build import verify_shapes
+from specgen.engine.assemble import verify_shapes
 from specgen.errors import ConfigError, SpecgenError
 from specgen.models import llama_context, llama_cpp, load_llama_cpp, load_model
 from specgen.models.backends import choose_backend
@@ -152,7 +152,7 @@ def test_flash_attention_is_off_unless_only_flash_attention_is_batch_invariant(m
 
 
 def test_the_draft_model_repacks_unless_repacking_is_off():
-    from specgen.build import _repack
+    from specgen.engine.assemble import _repack
 
     assert [_repack(s, "target") for s in llama_cpp.REPACK] == list(llama_cpp.REPACK)
     assert [_repack(s, "drafter") for s in llama_cpp.REPACK] == ["on", "on", "off"]
@@ -437,8 +437,8 @@ def test_what_llama_cpp_cannot_serve_is_refused_before_loading(override, why, mo
     def no_loading(*args, **kwargs):
         raise AssertionError("loaded a model")
 
-    monkeypatch.setattr("specgen.build.load_model", no_loading)
-    monkeypatch.setattr("specgen.build.load_llama_cpp", no_loading)
+    monkeypatch.setattr("specgen.engine.assemble.load_model", no_loading)
+    monkeypatch.setattr("specgen.engine.assemble.load_llama_cpp", no_loading)
     with pytest.raises(ConfigError, match=f"backend=llama_cpp cannot serve this run: .*{why}.*use backend=torch"):
         specgen.pipeline(*TINY, *LLAMA, *override.split(), progress=False)
 

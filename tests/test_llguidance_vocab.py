@@ -143,7 +143,7 @@ def test_a_dead_end_leaves_the_automaton_usable():
 
 def test_tiny_model_refuses_a_schema_it_cannot_spell_before_any_token(monkeypatch, capsys):
     """``specgen target=tiny ... grammar=json_schema grammar.schema={"type":"string"}``: no ``"`` token."""
-    from specgen import cli
+    from specgen.cli import main as cli
 
     argv = ["specgen", "target=tiny", "drafter=tiny", "threads=1", "prompt=hi", "grammar=json_schema",
             'grammar.schema={"type":"string"}']

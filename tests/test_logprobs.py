@@ -204,8 +204,8 @@ def test_jsonl_rows_and_the_override_put_logprobs_in_the_record(tmp_path):
     import io
     import json
 
-    from specgen import cli
-    from specgen.config import compose, to_container
+    from specgen.cli import main as cli
+    from specgen.config.compose import compose, to_container
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("\n".join(json.dumps(r) for r in [{"prompt": "ab", "id": "a"},

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from specgen.build import verify_shapes
+from specgen.engine.assemble import verify_shapes
 from specgen.models.causal_lm import CausalLM
 from specgen.models.invariance import probe_tree, worst
 from specgen.sampling import tree_depths

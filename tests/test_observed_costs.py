@@ -12,7 +12,7 @@ import specgen
 from conftest import TINY
 from specgen.planning import AcceptanceHistory, CostTable, plan_budget
 from specgen.planning.observed import ObservedCosts
-from specgen.planning.store import FIXED_TABLE_ENV, observer
+from specgen.planning.cost_cache import FIXED_TABLE_ENV, observer
 from specgen.stats import Clock
 
 TABLE = CostTable(chain=(1.0, 1.4, 1.8, 2.2), tree=())
@@ -108,7 +108,7 @@ def test_a_run_whose_wide_forwards_cost_more_drafts_less_and_says_the_same(monke
         return forward(cache, tokens, *args, **kwargs)
 
     monkeypatch.setattr(pipe.target, "forward", slow_forward)
-    monkeypatch.setattr("specgen.engine.Clock", lambda device: Clock(device, timer=lambda: now[0]))
+    monkeypatch.setattr("specgen.engine.pipeline.Clock", lambda device: Clock(device, timer=lambda: now[0]))
     prompt = "one two three four one two three four one two three four one two"
     blind = pipe.generate(prompt)
     pipe.observed = ObservedCosts()

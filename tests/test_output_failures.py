@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from specgen import cli
-from specgen.config import compose, exits_on_error, to_container
+from specgen.cli import main as cli
+from specgen.config.compose import compose, exits_on_error, to_container
 from specgen.errors import OutputError
 from specgen.outputs import OUTPUT_FAILED, STDOUT_CLOSED, StdoutClosed, TolerantStream, write_stdout
 
@@ -44,9 +44,9 @@ def test_closed_pipe_full_device_closed_stdout_and_failing_stderr():
 
 
 def test_a_closed_stdout_is_refused_before_the_model_loads(monkeypatch, capsys):
-    import specgen.build
+    import specgen.engine.assemble
 
-    monkeypatch.setattr(specgen.build, "build_pipeline", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(specgen.engine.assemble, "build_pipeline", lambda *a, **k: pytest.fail("the model was loaded"))
     monkeypatch.setattr(sys, "stdout", None)
     cfg = to_container(compose([*TINY_ARGS, "prompt=hi"]))
     with pytest.raises(SystemExit) as info, exits_on_error("specgen"):

@@ -27,7 +27,7 @@ def test_wheel_contains_conf_and_finds_it(tmp_path):
         assert expected in names
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    probe = "import specgen.config as c; print(c.conf_dir()); print(c.to_container(c.compose(['target=tiny']))['target']['name'])"
+    probe = "import specgen.config.compose as c; print(c.conf_dir()); print(c.to_container(c.compose(['target=tiny']))['target']['name'])"
     env = {**os.environ, "PYTHONPATH": str(site)}
     out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=120).stdout.split()

@@ -314,7 +314,7 @@ def test_a_stopper_decision_reads_only_the_confidences_given_so_far():
 def _shadowed_round(history: AcceptanceHistory, table: CostTable, rng: random.Random, rate: float,
                     shadows: bool = True) -> int:
     """One planned round of a cheap drafter whose drafts (confidence 0.5) are each accepted with
-    probability ``rate``, as :func:`specgen.round.plan_and_draft` runs it: plan, draft, truncate,
+    probability ``rate``, as :func:`specgen.engine.round.plan_and_draft` runs it: plan, draft, truncate,
     and where nothing is verified the first draft shadows the plain step. -> drafts verified."""
     budget = plan_budget(table, history, 8)
     keep = truncate_chain(table, history, [0.5] * budget) if budget else 0

@@ -128,7 +128,7 @@ COSTLY_DRAFTS = CostTable(chain=tuple(1.0 + 0.02 * n for n in range(8)), tree=()
 
 @pytest.fixture
 def costly(monkeypatch):
-    monkeypatch.setattr("specgen.planning.store.cost_table", lambda subject, **kwargs: COSTLY_DRAFTS)
+    monkeypatch.setattr("specgen.planning.cost_cache.cost_table", lambda subject, **kwargs: COSTLY_DRAFTS)
     pipe = tiny_pipeline(*VOCAB8, "sampling.temperature=1.0")
     decisions: list[tuple[str, bool]] = []
     for name in ("keep", "more"):
@@ -169,7 +169,7 @@ def test_auto_prompt_lookup_learning_from_shadows_is_exact(monkeypatch, settled_
     draft lengths it then chooses keep the target's law: chi-square against the enumeration."""
     from specgen.drafters.ngram import NgramSession
 
-    monkeypatch.setattr("specgen.planning.store.cost_table", lambda subject, **kwargs: SHADOW_TABLE)
+    monkeypatch.setattr("specgen.planning.cost_cache.cost_table", lambda subject, **kwargs: SHADOW_TABLE)
     pipe = tiny_pipeline(VOCAB8[0], "sampling.temperature=1.0", drafter="ngram")
     assert str(pipe.guarantee) == "exact" and pipe.drafter.num_tokens == "auto" and NgramSession.shadows
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]

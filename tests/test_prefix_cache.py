@@ -219,7 +219,7 @@ def two_turns():
 
 
 def test_the_summary_line_and_the_tui_panel_show_cached_and_prefilled_prompt_tokens():
-    from specgen.cli import summary_line
+    from specgen.cli.main import summary_line
     from specgen.tui.panel import numbers_content
     from specgen.tui.tally import PanelSnapshot
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-import specgen.build
-from specgen import cli
+import specgen.engine.assemble
+from specgen.cli import main as cli
 
 from test_bad_input import assert_one_error_line, run_command
 
@@ -19,7 +19,7 @@ TINY_ARGS = ["target=tiny", "drafter=tiny", "threads=1", "dtype=float32", "max_n
 def no_loading(monkeypatch):
     """Fails the test if a model is loaded."""
     loads = []
-    monkeypatch.setattr(specgen.build, "build_pipeline", lambda *a, **k: loads.append(1) or pytest.fail("loaded"))
+    monkeypatch.setattr(specgen.engine.assemble, "build_pipeline", lambda *a, **k: loads.append(1) or pytest.fail("loaded"))
     return loads
 
 

@@ -12,10 +12,10 @@ import tracemalloc
 
 import pytest
 
-from specgen import cli
+from specgen.cli import main as cli
 from specgen.errors import PromptError
 from specgen.models.tokenizer import TokenizerInfo
-from specgen.options import PROMPT_BYTES_PER_TOKEN, check_prompt, check_prompt_size, prompt_size_bound
+from specgen.config.options import PROMPT_BYTES_PER_TOKEN, check_prompt, check_prompt_size, prompt_size_bound
 
 from conftest import TINY, tiny_pipeline
 from test_bad_input import assert_one_error_line, run_command
@@ -66,9 +66,9 @@ def test_the_api_refuses_empty_prompts_before_the_template(no_tokenising):
 
 
 def test_cli_empty_prompt_is_refused_before_loading(monkeypatch, capsys):
-    import specgen.build
+    import specgen.engine.assemble
 
-    monkeypatch.setattr(specgen.build, "build_pipeline", lambda cfg: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(specgen.engine.assemble, "build_pipeline", lambda cfg: pytest.fail("the model was loaded"))
     code, _, err = run_command(monkeypatch, capsys, cli.main, "specgen", *TINY_ARGS, "prompt=")
     assert_one_error_line(code, err, "specgen", "prompt is empty; give some text to generate from")
 
@@ -83,9 +83,9 @@ def test_cli_empty_stdin_is_one_line(monkeypatch, capsys, no_tokenising):
 @pytest.mark.parametrize("source", ["prompt=-", "prompt_file=-"])
 def test_cli_reading_a_closed_stdin_is_one_line_before_loading(monkeypatch, capsys, source):
     """Started with stdin closed (``<&-``), Python has no sys.stdin: prompt=- raised AttributeError after loading."""
-    import specgen.build
+    import specgen.engine.assemble
 
-    monkeypatch.setattr(specgen.build, "build_pipeline", lambda cfg: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(specgen.engine.assemble, "build_pipeline", lambda cfg: pytest.fail("the model was loaded"))
     monkeypatch.setattr(sys, "stdin", None)
     code, out, err = run_command(monkeypatch, capsys, cli.main, "specgen", *TINY_ARGS, source)
     assert_one_error_line(code, err, "specgen", f"{source} reads stdin, but stdin is closed")
@@ -150,7 +150,7 @@ def test_jsonl_rows_too_big_for_the_context_are_error_rows(tmp_path, no_tokenisi
 
 
 def _run_jsonl(rows, out, *extra):
-    from specgen.config import compose, to_container
+    from specgen.config.compose import compose, to_container
 
     cfg = to_container(compose([*TINY_ARGS, f"prompt_file={rows}", f"output={out}", *extra]))
     err = io.StringIO()

@@ -250,7 +250,7 @@ def test_a_layer_the_kernel_cannot_take_runs_float_and_is_named():
 @pytest.mark.parametrize("override,why", [("compile=true", "compile=true"),
                                           ("backend=llama_cpp", "dtype=int8 is a torch dtype")])
 def test_what_the_path_cannot_serve_is_refused_before_loading(override, why, monkeypatch):
-    monkeypatch.setattr("specgen.build.load_quantized", lambda *a, **k: pytest.fail("loaded before refusing"))
+    monkeypatch.setattr("specgen.engine.assemble.load_quantized", lambda *a, **k: pytest.fail("loaded before refusing"))
     with pytest.raises(ConfigError, match=why):
         specgen.pipeline(*TINY, "dtype=int8", override, progress=False)
 

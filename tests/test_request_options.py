@@ -10,7 +10,7 @@ from conftest import tiny_pipeline
 from specgen import RequestOptions
 from specgen.errors import ConfigError, SpecgenError
 from specgen.events import FinishEvent
-from specgen.options import OPTION_NAMES, request_options, set_fields, with_overrides
+from specgen.config.options import OPTION_NAMES, request_options, set_fields, with_overrides
 from specgen.stats import Stats
 
 

@@ -26,14 +26,14 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
 import specgen  # noqa: E402
-from specgen.config import compose, to_container  # noqa: E402
+from specgen.config.compose import compose, to_container  # noqa: E402
 from specgen.errors import ConfigError  # noqa: E402
 from specgen.guarantee import Guarantee  # noqa: E402
 from specgen.serve import create_app  # noqa: E402
 from specgen.serve.cli import check_server_config  # noqa: E402
 from specgen.serve.metrics import CONTENT_TYPE  # noqa: E402
 from specgen.serve.protocol import Sampling  # noqa: E402
-from specgen.serve.sampling import with_sampling  # noqa: E402
+from specgen.serve.request_stack import with_sampling  # noqa: E402
 from specgen.serve.worker import BatchWorker, SerialWorker, make_scheduler  # noqa: E402
 
 JSON_CHARS = '{}":,[] ab0123-'  # 15 characters + EOS = the tiny models' 16 ids

@@ -15,7 +15,7 @@ from conftest import tiny_pipeline
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
-from specgen.config import compose, to_container  # noqa: E402
+from specgen.config.compose import compose, to_container  # noqa: E402
 from specgen.errors import ConfigError  # noqa: E402
 from specgen.serve import create_app  # noqa: E402
 from specgen.serve.app import MAX_REQUEST_BYTES  # noqa: E402
@@ -195,7 +195,7 @@ def test_serve_config_has_a_body_limit_and_ipv6_urls_are_bracketed():
     (["--max-new-tokens", "5"], "write max_new_tokens=5"),
 ])
 def test_flags_get_the_override_to_write(args, hint):
-    from specgen.config import check_command_line
+    from specgen.config.compose import check_command_line
 
     with pytest.raises(ConfigError, match="unrecognized arguments") as info:
         check_command_line(args, "serve")

@@ -25,8 +25,8 @@ httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("uvicorn")
 
-from specgen.build import build_pipeline  # noqa: E402
-from specgen.config import compose, to_container  # noqa: E402
+from specgen.engine.assemble import build_pipeline  # noqa: E402
+from specgen.config.compose import compose, to_container  # noqa: E402
 from specgen.serve import create_app  # noqa: E402
 from specgen.serve.cli import check_server_config  # noqa: E402
 from specgen.serve.worker import make_scheduler  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_pipeline
-from specgen.round import speculative_round
+from specgen.engine.round import speculative_round
 from specgen.stats import Clock, RoundResult, Stats
 
 

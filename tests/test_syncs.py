@@ -17,7 +17,7 @@ import specgen
 from conftest import TINY
 from specgen.bench.host_reads import counting_reads
 from specgen.heads import HeadConfig, build_head, save_head, target_fingerprint
-from specgen.round import speculative_round
+from specgen.engine.round import speculative_round
 
 CHAIN_LIMIT, TREE_LIMIT = 3, 5
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4]  # repeats, so the n-gram drafter proposes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specgen.build import set_threads
+from specgen.engine.assemble import set_threads
 from specgen.errors import ConfigError
 from specgen.models import threads
 

@@ -19,7 +19,7 @@ from exact import exact_distribution, goodness_of_fit, sample_counts
 import specgen
 from specgen.grammar import TokenAutomaton, grammar_processor
 from specgen.heads import HeadConfig, build_head, save_head, target_fingerprint
-from specgen.round import speculative_round
+from specgen.engine.round import speculative_round
 from specgen.sampling import sample_token
 from specgen.sampling import tree as tree_sampling
 

@@ -20,9 +20,9 @@ import time
 import pytest
 
 import specgen
-from specgen.build import build_pipeline
-from specgen.config import compose
-from specgen.chat import ChatHistory
+from specgen.engine.assemble import build_pipeline
+from specgen.config.compose import compose
+from specgen.engine.chat import ChatHistory
 from specgen.errors import PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.guarantee import Guarantee

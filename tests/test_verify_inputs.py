@@ -11,7 +11,7 @@ import specgen
 from conftest import TINY
 from specgen.errors import ModelLoadError, NumericalError
 from specgen.heads import HeadConfig, build_head, save_head, target_fingerprint
-from specgen.round import speculative_round
+from specgen.engine.round import speculative_round
 from specgen.sampling import NoAllowedToken, verify_chain
 
 
@@ -211,11 +211,11 @@ def test_forged_head_metadata_is_refused_before_a_head_is_allocated(tmp_path, mo
         tensors, meta = {n: f.get_tensor(n) for n in f.keys()}, dict(f.metadata())
     built = []
     monkeypatch.setattr(store, "build_head", lambda *args: built.append(args))
-    store.check_shapes("shipped", HeadConfig.from_json(meta["specgen.config"]),
+    store.check_shapes("shipped", HeadConfig.from_json(meta["specgen.config.compose"]),
                        {n: t.shape for n, t in tensors.items()}, "x")  # the negative control: the shipped head fits
     forged = tmp_path / "forged.safetensors"
-    save_file(tensors, str(forged), metadata=meta | {"specgen.config": json.dumps(
-        json.loads(meta["specgen.config"]) | change)})
+    save_file(tensors, str(forged), metadata=meta | {"specgen.config.compose": json.dumps(
+        json.loads(meta["specgen.config.compose"]) | change)})
     with pytest.raises(ModelLoadError, match=match) as caught:
         store.load_head(forged, None, check_fingerprint=False)
     assert "\n" not in str(caught.value) and built == []

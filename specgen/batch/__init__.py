@@ -1,16 +1,16 @@
 """Many requests advancing together: ragged verification and continuous batching.
 
-Every active row is a :class:`specgen.state.Request` whose ``target_cache`` is a
+Every active row is a :class:`specgen.engine.state.Request` whose ``target_cache`` is a
 row of the batched cache of the target's backend (:func:`~specgen.batch.kv.batch_cache`):
 on torch a :class:`RowCache`, a view of one row of a shared batch-B DynamicCache
 (:class:`BatchKV`, described below); on llama.cpp one KV stream of a context of the
 batch's own (:class:`specgen.models.llama_cpp.LlamaBatch`). A step runs plan + draft for every row (its own drafter
 session and γ; with num_tokens="auto" the rows' draft lengths are chosen together
-against the batched cost table, :mod:`specgen.batch.plan`, because one row's long
+against the batched cost table, :mod:`specgen.batch.drafting`, because one row's long
 draft widens every row's forward; a row without a drafter runs a plain step), then ONE
 target forward over every row's feed (its uncached committed tokens + its
 candidates), then each row's process / accept / commit with its own processor
-stack, grammar and RNG -- the same functions :mod:`specgen.round` uses for a
+stack, grammar and RNG -- the same functions :mod:`specgen.engine.round` uses for a
 single request, so a row's output law equals a single-request run's.
 
 The shared torch cache: each forward appends the same number w of slots to every row

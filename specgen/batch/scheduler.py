@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from specgen.batch.steps import Batch, prepare, unbatched_reason
 from specgen.errors import ConfigError, SpecgenError, first_line
 from specgen.events import FinishEvent, Generation, TokenEvent
-from specgen.options import RequestOptions, parse_batch_size, with_overrides
+from specgen.config.options import RequestOptions, parse_batch_size, with_overrides
 
 log = logging.getLogger("specgen.batch")
 
@@ -122,7 +122,7 @@ class BatchScheduler:
     def submit(self, prompt=None, *, prompt_ids=None, variant: Hashable | None = None,
                callback: Callable[[object], None] | None = None, cancelled: threading.Event | None = None,
                options: RequestOptions | None = None, **overrides) -> Handle:
-        """Queue one request (options and overrides as :meth:`specgen.engine.Pipeline.stream` takes
+        """Queue one request (options and overrides as :meth:`specgen.engine.pipeline.Pipeline.stream` takes
         them); -> its handle. An unknown override raises ConfigError here; the values are checked
         when admitted: a bad one's handle gets the SpecgenError. cancelled: an Event that cancels
         the request when set (default: a new one; :meth:`cancel` sets it)."""

@@ -8,20 +8,20 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 
 from specgen.batch.kv import BatchKV, batch_cache
-from specgen.batch.plan import batch_costs, plan_rows
+from specgen.batch.drafting import batch_costs, plan_rows
 from specgen.drafters import batch_refusal
 from specgen.errors import ConfigError, DeadEndError, PromptError, SpecgenError
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.models.prefix_cache import common_prefix
-from specgen.options import RequestOptions, parse_batch_size, request_options, set_fields, with_overrides
+from specgen.config.options import RequestOptions, parse_batch_size, request_options, set_fields, with_overrides
 from specgen.planning import AUTO, BatchCostTable
-from specgen.request_plan import RequestPlan, finish, record
-from specgen.round import RoundContext, accept_chain, accept_plain, chain_feed, plain_events, round_events
-from specgen.state import Request
+from specgen.engine.request import RequestPlan, finish, record
+from specgen.engine.round import RoundContext, accept_chain, accept_plain, chain_feed, plain_events, round_events
+from specgen.engine.state import Request
 
 @dataclass
 class RowSpec(RequestPlan):
-    """One prompt's checked request (:meth:`specgen.engine.Pipeline.plan_request`) and its index."""
+    """One prompt's checked request (:meth:`specgen.engine.pipeline.Pipeline.plan_request`) and its index."""
 
     index: int | None
 
@@ -269,7 +269,7 @@ def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None 
     -> (row index, events) for each live row (none for a row still prefilling). costs: the
     batched cost table the auto rows are planned with (None: a stand-in from their
     single-request table); draining: no request waits for a row (see
-    :func:`specgen.batch.plan.plan_rows`); chunked: long prompts feed a chunk a step
+    :func:`specgen.batch.drafting.plan_rows`); chunked: long prompts feed a chunk a step
     (:func:`prefill_chunks`), else each whole in its row's first step."""
     feeds: list[list[int]] = [[] for _ in kv.rows]
     keeps = [0] * len(kv.rows)

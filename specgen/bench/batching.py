@@ -31,7 +31,7 @@ from specgen.bench.baselines import hf_kernels, hf_unavailable
 from specgen.drafters import batch_refusal
 from specgen.errors import ConfigError
 from specgen.events import FinishEvent
-from specgen.options import RequestOptions
+from specgen.config.options import RequestOptions
 
 BATCH_METHODS = ("plain", "specgen", "hf_generate")
 

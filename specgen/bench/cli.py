@@ -28,10 +28,10 @@ from specgen.bench.report import LEGEND, header, markdown, run_config, write_jso
 from specgen.bench.runner import run_matrix
 from specgen.bench.settings import Settings
 from specgen.bench.summary import summarise
-from specgen.checks import check_run_config
-from specgen.config import compose, conf_dir, exits_on_error, run_console, to_container
+from specgen.config.checks import check_run_config
+from specgen.config.compose import compose, conf_dir, exits_on_error, run_console, to_container
 from specgen.errors import ConfigError
-from specgen.paths import check_output_dir
+from specgen.config.paths import check_output_dir
 
 CONFIG_NAME = "bench"
 
@@ -136,7 +136,7 @@ def _batch_result(run, resolved: Mapping, names, bench: Mapping, out, err) -> Be
 def _show_costs(cfg: DictConfig, settings: Settings, out) -> BenchResult:
     """``bench.costs_only=true``: print the pipeline's cost table (``bench.remeasure_costs=true``: measure again)."""
     from specgen.bench.runner import build_variant
-    from specgen.planning.store import describe
+    from specgen.planning.cost_cache import describe
 
     pipe = build_variant(cfg, settings.temperatures[0], settings, progress=False)
     if not pipe.speculative:

@@ -128,7 +128,7 @@ def run_quality(cfg, paths: Sequence[str], prompts: Sequence, new_tokens: int,
     """{path: quality} for each of ``paths`` (the reference first) over the reference's greedy
     continuations of ``prompts`` (prompt strings or chat messages, encoded as each run would);
     paths are loaded one at a time; one that cannot load on this machine is skipped with a notice."""
-    from specgen.build import build_pipeline
+    from specgen.engine.assemble import build_pipeline
 
     reference = build_pipeline(path_config(cfg, REFERENCE), progress=progress)
     ids = [reference.encode(p) for p in prompts]

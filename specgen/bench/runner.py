@@ -37,9 +37,9 @@ from specgen.drafters import HFAssistant
 from specgen.errors import ConfigError
 from specgen.models.target import hf_model_of
 from specgen.planning.observed import describe_observed
-from specgen.planning.store import describe
+from specgen.planning.cost_cache import describe
 from specgen.planning import AUTO
-from specgen.options import RequestOptions, parse_bool, parse_int, parse_seed
+from specgen.config.options import RequestOptions, parse_bool, parse_int, parse_seed
 from specgen.events import FinishEvent
 from specgen.stats import Clock, Stats
 
@@ -113,7 +113,7 @@ def build_variant(cfg: DictConfig, temperature: float, settings: Settings, progr
     """The pipeline for one temperature (EOS masked until max_new_tokens when ignore_eos), with its
     prefix cache off: arms run the same prompts in turn, and a cached prompt would give every arm
     after the first a prefill the baselines pay in full."""
-    from specgen.build import build_pipeline
+    from specgen.engine.assemble import build_pipeline
 
     variant = copy.deepcopy(cfg)
     OmegaConf.update(variant, "sampling.temperature", float(temperature))
@@ -314,9 +314,9 @@ def _measure_batches(pipe, encoded: list[tuple], temperature: float, settings: S
                            seed=settings.seed, clock=clock)
 
     if "specgen" in methods:  # the planner's tables: measured (or read from the cache) before any timing
-        from specgen.batch.plan import batch_costs
+        from specgen.batch.drafting import batch_costs
         from specgen.planning.measure import table_size
-        from specgen.planning.store import describe_batch
+        from specgen.planning.cost_cache import describe_batch
 
         pipe.cost_table(refresh=settings.remeasure_costs)
         refreshed: set[int] = set()

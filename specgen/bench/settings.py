@@ -12,7 +12,7 @@ from specgen.bench.baselines import HF_KERNELS
 from specgen.bench.llama_baselines import LLAMA_METHODS
 from specgen.bench.quality import PATHS, parse_paths
 from specgen.errors import ConfigError
-from specgen.options import SEED_MAX, check_temperature, parse_batch_size, parse_bool, parse_int, parse_seed
+from specgen.config.options import SEED_MAX, check_temperature, parse_batch_size, parse_bool, parse_int, parse_seed
 from specgen.planning import AUTO
 
 BASELINES = ("plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", *LLAMA_METHODS)

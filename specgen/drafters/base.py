@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from specgen.options import parse_num_tokens
+from specgen.config.options import parse_num_tokens
 from specgen.processors import CommittedCounts, ProcessorStack
 
 
@@ -75,7 +75,7 @@ class DraftSession(ABC):
     shadows: ``propose(1)`` is cheap and a deterministic function of the committed
     tokens, so a planned round that drafts nothing still asks for it, and the planner
     learns the first position's acceptance from every plain step instead of from
-    probes (:meth:`~specgen.planning.history.AcceptanceHistory.expect`).
+    probes (:meth:`~specgen.planning.acceptance.AcceptanceHistory.expect`).
     """
 
     stops_online = False

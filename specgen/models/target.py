@@ -12,7 +12,7 @@ models on torch's int8/int4 CPU kernels, chains) and
 :class:`specgen.models.llama_cpp.LlamaCppLM` (GGUF files on a CPU through
 llama.cpp). Each declares what it serves in :class:`Capabilities`; a
 combination a backend cannot serve is refused before loading
-(:func:`specgen.checks`), never approximated.
+(:func:`specgen.config.checks`), never approximated.
 
 Consumers (engine, rounds, batches, planning, drafters) see a :class:`Target` only: they
 never name a backend class or branch on :attr:`Target.backend` (a name for reports and

@@ -14,7 +14,7 @@ for B rows, width w = max_i(feed_i + k_i), T = sum_i (feed_i + k_i) real tokens,
 K = sum_i (k_i + 1) logits rows (:class:`BatchCostTable`, measured by
 :func:`specgen.planning.measure.measure_batch`: uniform and ragged forwards), and
 it commits sum_i E_i(k_i) tokens in expectation (E_i from row i's own
-per-position acceptance estimates, :func:`specgen.planning.history.expected_tokens`).
+per-position acceptance estimates, :func:`specgen.planning.acceptance.expected_tokens`).
 :func:`plan_batch` chooses the k_i that maximise committed tokens per unit of cost, pricing
 every candidate with :func:`batch_rate` (:func:`batch_cost`).
 All k_i = 0 (a plain batched step) is always a candidate, so a plan is never
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specgen.planning.costs import BatchCostTable, CostTable, draft_cost
-from specgen.planning.history import AcceptanceHistory, expected_tokens, planning_rates
+from specgen.planning.acceptance import AcceptanceHistory, expected_tokens, planning_rates
 
 
 @dataclass(frozen=True)

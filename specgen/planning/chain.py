@@ -29,7 +29,7 @@ import heapq
 from collections.abc import Callable, Sequence
 
 from specgen.planning.costs import CostTable
-from specgen.planning.history import AcceptanceHistory, expected_tokens, planning_rates
+from specgen.planning.acceptance import AcceptanceHistory, expected_tokens, planning_rates
 
 #: The planner's setting in ``drafter.num_tokens``.
 AUTO = "auto"
@@ -44,7 +44,7 @@ def plan_budget(costs: CostTable, history: AcceptanceHistory, max_tokens: int, *
     and v is the tree table's: the cheapest tree reaching depth k has k nodes,
     and :func:`truncate_tree` keeps only the nodes that pay. When drafting is
     cheap (:func:`specgen.planning.costs.is_cheap`) the best estimate of any
-    confidence bin is used (:func:`specgen.planning.history.planning_rates`),
+    confidence bin is used (:func:`specgen.planning.acceptance.planning_rates`),
     because truncation after drafting removes what does not pay; a cheap chain
     drafter that reports confidences then drafts all ``max_tokens`` whenever any
     draft could pay, and :func:`truncate_chain` keeps what its confidences justify.

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from specgen.errors import ConfigError
-from specgen.options import check_temperature
+from specgen.config.options import check_temperature
 from specgen.processors.history import History
 
 NEG_INF = float("-inf")

@@ -31,11 +31,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from specgen.chat import uses_template
-from specgen.engine import Pipeline
+from specgen.engine.chat import uses_template
+from specgen.engine.pipeline import Pipeline
 from specgen.errors import SpecgenError
 from specgen.events import FinishEvent, TokenEvent
-from specgen.options import check_prompt_size
+from specgen.config.options import check_prompt_size
 from specgen.serve import protocol
 from specgen.serve.metrics import CONTENT_TYPE, Metrics
 from specgen.serve.protocol import APIError, GenRequest
@@ -188,7 +188,7 @@ class Server:
 
     async def _parse(self, request: Request, kind: str) -> GenRequest:
         """The checked request (APIError otherwise), its prompt refused by its size alone when it
-        cannot fit the context (:func:`~specgen.options.check_prompt_size`, then by the tokenizer's
+        cannot fit the context (:func:`~specgen.config.options.check_prompt_size`, then by the tokenizer's
         longest token, :func:`_too_many_tokens`): such a prompt never reaches the scheduler, whose
         thread would tokenise it between batched steps."""
         body = await _read_json(request, self.max_request_bytes)

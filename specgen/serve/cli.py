@@ -17,10 +17,10 @@ from collections.abc import Mapping
 import hydra
 from omegaconf import DictConfig
 
-from specgen.checks import check_run_config
-from specgen.config import conf_dir, exits_on_error, run_console, to_container
+from specgen.config.checks import check_run_config
+from specgen.config.compose import conf_dir, exits_on_error, run_console, to_container
 from specgen.errors import ConfigError
-from specgen.options import parse_batch_size, parse_int
+from specgen.config.options import parse_batch_size, parse_int
 from specgen.serve.app import MAX_REQUEST_BYTES
 
 #: Keys of the shared config that only a one-shot run uses.
@@ -70,7 +70,7 @@ def serve(cfg: Mapping, err=None) -> None:
     """Check ``cfg``, build its pipeline and serve it until interrupted."""
     import uvicorn
 
-    from specgen.build import build_pipeline
+    from specgen.engine.assemble import build_pipeline
     from specgen.serve.app import create_app, served_model_name
     from specgen.serve.worker import make_scheduler
 

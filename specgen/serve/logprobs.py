@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from specgen.errors import SpecgenError
-from specgen.options import parse_int
+from specgen.config.options import parse_int
 from specgen.sampling.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 
 Decode = Callable[[list[int]], str]

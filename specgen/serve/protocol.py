@@ -1,7 +1,7 @@
 """The OpenAI wire format: request bodies in, response bodies and SSE chunks out.
 
 Parsing maps a request's OpenAI fields, and only those, onto specgen's
-per-request options (:mod:`specgen.options`): a request can never carry a config
+per-request options (:mod:`specgen.config.options`): a request can never carry a config
 override. Every field is checked here, before the request is queued, and a bad
 one raises :class:`APIError` naming it (an OpenAI-style 4xx body); a field this
 server does not implement is refused, never silently ignored.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from specgen.errors import SpecgenError
 from specgen.events import Generation, TokenEvent
-from specgen.options import RequestOptions, check_prompt, check_temperature, parse_int, parse_seed, parse_stop
+from specgen.config.options import RequestOptions, check_prompt, check_temperature, parse_int, parse_seed, parse_stop
 from specgen.serve.logprobs import (Decode, LogprobRequest, chat_logprobs, completion_logprobs, merge,
                                     parse_chat_logprobs, parse_completion_logprobs)
 
@@ -234,7 +234,7 @@ def parse_chat(body: object, model: str, *, use_template: bool) -> GenRequest:
     """A ``/v1/chat/completions`` body. use_template: render ``messages`` with the tokenizer's chat
     template; else as a ``User: ... / Assistant:`` transcript that also stops at the next ``\\nUser:``
     (tokenizers without a template, as the chat UI does)."""
-    from specgen.chat import ChatHistory
+    from specgen.engine.chat import ChatHistory
 
     body = check_fields(body, "chat")
     check_model(body, model)

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from specgen.batch import BatchScheduler, Cancelled, StepError, unbatched_reason
-from specgen.engine import Pipeline
+from specgen.engine.pipeline import Pipeline
 from specgen.errors import SpecgenError, first_line
 from specgen.events import FinishEvent
 from specgen.serve.protocol import APIError, GenRequest
-from specgen.serve.sampling import Variants, differs
+from specgen.serve.request_stack import Variants, differs
 
 log = logging.getLogger("specgen.serve")
 

@@ -30,13 +30,13 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from specgen.config import compose, conf_dir, exits_on_error, run_console, to_container
-from specgen.options import MAX_NUM_TOKENS
+from specgen.config.compose import compose, conf_dir, exits_on_error, run_console, to_container
+from specgen.config.options import MAX_NUM_TOKENS
 from specgen.heads.modules import MAX_MEDUSA_HEADS
 from specgen.errors import ConfigError, OutputError
-from specgen.options import parse_int
+from specgen.config.options import parse_int
 from specgen.outputs import write_failure, write_stdout
-from specgen.paths import check_output_file
+from specgen.config.paths import check_output_file
 
 CONFIG_NAME = "train"
 
@@ -147,7 +147,7 @@ class _Job:
 
 def _prepare(cfg, err) -> _Job:
     """Validate the config (``train.out`` included) into a :class:`_Job`; nothing is loaded."""
-    from specgen.build import set_threads
+    from specgen.engine.assemble import set_threads
     from specgen.heads.export import train_export_dir
     from specgen.models import resolve_device, resolve_dtype
     from specgen.train.loop import Settings

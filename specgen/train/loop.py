@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-from specgen.checks import NumberRange, check_number
+from specgen.config.checks import NumberRange, check_number
 from specgen.errors import ConfigError
 from specgen.heads.modules import DraftHead
 from specgen.train.data import Features, lm_logits
-from specgen.options import parse_int, parse_seed
+from specgen.config.options import parse_int, parse_seed
 from specgen.outputs import describe, replace_atomically
 from specgen.train.losses import (
     CONFIDENCE_LOSSES,

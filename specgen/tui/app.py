@@ -26,12 +26,12 @@ from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Input, TextArea
 
-from specgen.chat import ChatHistory, uses_template
-from specgen.checks import check_run_config
-from specgen.config import compose as compose_config
-from specgen.config import to_container
+from specgen.engine.chat import ChatHistory, uses_template
+from specgen.config.checks import check_run_config
+from specgen.config.compose import compose as compose_config
+from specgen.config.compose import to_container
 from specgen.errors import SpecgenError
-from specgen.options import SEED_MAX
+from specgen.config.options import SEED_MAX
 from specgen.tui.panel import StatsPanel
 from specgen.tui.reply import ErrorMessage, Legend, Notice, ReplyView, UserMessage
 from specgen.tui.session import ReplyRequest, ReplyUpdate, UpdateInbox, load_pipeline, run_reply

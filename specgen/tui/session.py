@@ -1,4 +1,4 @@
-"""The chat's engine side: fitting the history (:class:`specgen.chat.ChatHistory`) into the
+"""The chat's engine side: fitting the history (:class:`specgen.engine.chat.ChatHistory`) into the
 context, and the streaming loop.
 
 Nothing here imports Textual. :func:`run_reply` runs in the app's thread
@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specgen.chat import ChatHistory, uses_template
+from specgen.engine.chat import ChatHistory, uses_template
 from specgen.errors import PromptError, SpecgenError, first_line
 from specgen.events import FinishEvent, TokenEvent
 from specgen.guarantee import Guarantee
-from specgen.options import RequestOptions, parse_chat
+from specgen.config.options import RequestOptions, parse_chat
 from specgen.stats import Stats
 from specgen.tui.tally import PanelSnapshot, Tally
 
@@ -185,7 +185,7 @@ def _final(emit, batch, tally: Tally, reason: str, dropped: int, *, tail: str = 
 
 def load_pipeline(cfg):
     """Build the pipeline quietly for the app; raise SpecgenError with a clear message on any failure."""
-    from specgen.build import build_pipeline
+    from specgen.engine.assemble import build_pipeline
 
     try:
         pipe = build_pipeline(cfg, progress=False)

@@ -1,4 +1,4 @@
-"""The input file of the JSONL mode (:mod:`specgen.jsonl`): rows read one line at a time, each with
+"""The input file of the JSONL mode (:mod:`specgen.cli.jsonl`): rows read one line at a time, each with
 a fingerprint of what decides its output.
 
 A row is a non-blank line (a line of ASCII whitespace is blank; a UTF-8 byte-order mark before the
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specgen.errors import ConfigError, PromptError, SpecgenError, first_line, not_utf8
-from specgen.options import RequestOptions, check_prompt, check_prompt_size, prompt_size_bound, request_options
+from specgen.config.options import RequestOptions, check_prompt, check_prompt_size, prompt_size_bound, request_options
 
 #: The keys a row object may have: the prompt, an id, and the request options.
 ROW_KEYS = ("prompt", "id", "max_new_tokens", "seed", "stop", "schema", "regex", "speculative", "system", "chat",
@@ -149,7 +149,7 @@ def parse_row(text: str, index: int, line: int, defaults, *, context_length: int
 
     defaults: the pipeline's Defaults (the command line's values) that the row's options override;
     context_length: the model's, when given a prompt too big to fit it is an error (by its length,
-    see :func:`~specgen.options.check_prompt_size`).
+    see :func:`~specgen.config.options.check_prompt_size`).
     """
     try:
         value = json.loads(text)

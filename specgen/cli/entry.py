@@ -13,7 +13,7 @@ import sys
 
 #: Console script -> the module whose ``main()`` it runs.
 COMMANDS = {
-    "specgen": "specgen.cli",
+    "specgen": "specgen.cli.main",
     "specgen-bench": "specgen.bench.cli",
     "specgen-chat": "specgen.tui.app",
     "specgen-train": "specgen.train.cli",

@@ -1,9 +1,9 @@
-"""The output file of the JSONL mode (:mod:`specgen.jsonl`): resuming it, appending records in input
+"""The output file of the JSONL mode (:mod:`specgen.cli.jsonl`): resuming it, appending records in input
 order, and putting a resumed file back in input order.
 
 A record is one JSON object per line with a non-negative integer ``index`` (the row's position in
 the input), a ``text`` or an ``error``, and the ``fingerprint`` of the row that made it
-(:mod:`specgen.jsonl_input`); every write is one whole line in one ``write`` call. A rerun row's new
+(:mod:`specgen.cli.jsonl_input`); every write is one whole line in one ``write`` call. A rerun row's new
 record is appended after its old one, and the later record of an index is the one that counts.
 Rewrites (:func:`tidy_records`, :func:`sort_records`) go to a temporary file that replaces the
 output in one rename, so a failure (a full disk) leaves the old file whole and no temporary behind.

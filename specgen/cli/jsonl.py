@@ -5,7 +5,7 @@ string (the prompt) or an object with ``prompt`` (text or chat messages) and,
 optionally, ``id`` (a string or an integer, copied to the result) and the
 request options ``max_new_tokens``, ``seed``, ``stop``, ``schema`` (a JSON
 object), ``regex``, ``speculative``, ``system``, ``chat`` and ``logprobs`` (k: the record
-gets ``logprobs``, see :func:`~specgen.jsonl_output.logprob_records`). An option a row
+gets ``logprobs``, see :func:`~specgen.cli.jsonl_output.logprob_records`). An option a row
 leaves out (or sets to null) takes the command line's value, so a row's output
 depends neither on its position in the file nor on a resume.
 
@@ -19,18 +19,18 @@ row's 0-based position among the input's non-blank lines::
 A row that cannot run (not UTF-8, not JSON, an unknown key, a bad option, a refused
 schema, a prompt longer than the context) gets an error record and the other rows go on.
 ``fingerprint`` hashes the row's line and the run's generation settings
-(:mod:`specgen.jsonl_input`): a resume keeps a record only when its row and settings are
+(:mod:`specgen.cli.jsonl_input`): a resume keeps a record only when its row and settings are
 unchanged and reruns the others (their new record replaces the old one).
 Each record is one ``write`` of a whole line to an unbuffered file as soon as its
 row and every row before it have finished, so an interrupted run leaves valid
 JSONL up to the last finished row; a resume keeps those records, drops a torn
 last line and runs only the rows that have none (a resumed file with gaps is put
-back in input order when the run ends; see :mod:`specgen.jsonl_output`).
+back in input order when the run ends; see :mod:`specgen.cli.jsonl_output`).
 
 Rows are read one line at a time, after the model is loaded, and run as they are
 read: memory holds the rows in flight, not the file (one pass first counts the rows
 and matches a resumed output's fingerprints). A line or prompt too big for its
-context (:func:`specgen.options.prompt_size_bound`) is an error row, refused by its
+context (:func:`specgen.config.options.prompt_size_bound`) is an error row, refused by its
 size without being tokenised (or, for a line, held in memory). A write that fails
 (a full disk) stops the run with an OutputError; the file keeps every whole record.
 
@@ -54,8 +54,8 @@ from pathlib import Path
 
 from specgen.errors import OutputError, PromptError, SpecgenError, first_line
 from specgen.events import FinishEvent, Generation
-from specgen.jsonl_input import ROW_KEYS, Row, read_rows, row_lines, row_limit, settings_digest
-from specgen.jsonl_output import RecordWriter, Resumed, logprob_records, scan_output, tidy_records
+from specgen.cli.jsonl_input import ROW_KEYS, Row, read_rows, row_lines, row_limit, settings_digest
+from specgen.cli.jsonl_output import RecordWriter, Resumed, logprob_records, scan_output, tidy_records
 from specgen.outputs import write_failure
 
 __all__ = ["ROW_KEYS", "JsonlJob", "RecordWriter", "Row", "Summary", "job_from_config"]
@@ -287,7 +287,7 @@ def _batch_prompt(row: Row) -> dict:
 def job_from_config(cfg: Mapping, context_length: int | None = None) -> JsonlJob:
     """The :class:`JsonlJob` a checked run config describes (``output``, ``prompt_file``, ``resume``)
     for a model with ``context_length`` tokens of context (None: rows are not bounded by size)."""
-    from specgen.engine import Defaults
+    from specgen.engine.pipeline import Defaults
 
     return JsonlJob(Path(cfg["prompt_file"]), Path(cfg["output"]), resume=cfg["resume"],
                     defaults=Defaults.from_config(cfg), context_length=context_length, settings=cfg)

@@ -291,7 +291,7 @@ class RequestOptions:
 
     A field left None takes the pipeline's default when the request is planned
     (:func:`request_options` validates every field and fills them in; the options a
-    :class:`~specgen.request_plan.RequestPlan` holds are resolved so). Resolved:
+    :class:`~specgen.engine.request.RequestPlan` holds are resolved so). Resolved:
     max_new_tokens >= 1; seed in [0, 2**64); stop: the stop strings; speculative:
     False forces plain decoding, True uses the pipeline's setting; chat: True, False
     or "auto"; system: a system message or None; schema / regex: an output

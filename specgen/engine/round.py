@@ -48,8 +48,8 @@ from specgen.sampling import (
     verify_tree,
     verify_tree_greedy,
 )
-from specgen.scoring import kept_scores, score_committed, scored, tree_scores
-from specgen.state import Request
+from specgen.engine.scoring import kept_scores, score_committed, scored, tree_scores
+from specgen.engine.state import Request
 from specgen.stats import Clock, RoundResult, Stats
 
 

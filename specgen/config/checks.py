@@ -19,9 +19,9 @@ from typing import NamedTuple
 from specgen import machine
 from specgen.errors import ConfigError
 from specgen.sampling.logprobs import MAX_TOP_LOGPROBS
-from specgen.options import (check_temperature, check_unicode, parse_batch_size, parse_bool, parse_chat, parse_int,
+from specgen.config.options import (check_temperature, check_unicode, parse_batch_size, parse_bool, parse_chat, parse_int,
                              parse_num_tokens, parse_optional_text, parse_seed, parse_stop)
-from specgen.paths import check_output_file
+from specgen.config.paths import check_output_file
 
 #: Hydra's marker for a value that must be given on the command line.
 MISSING = "???"

@@ -6,7 +6,7 @@ decoding the row after the processors that can change the argmax, at temperature
 raw target row when the request asks for ``logprobs_of="raw"``. A token accepted from a draft is
 scored on its verify row, so it reports what plain decoding reports up to the backend's batch
 invariance (bit for bit where verify rows equal single-token rows). ``ctx`` below is the
-request's :class:`specgen.round.RoundContext`.
+request's :class:`specgen.engine.round.RoundContext`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from specgen.processors import PathHistory
 from specgen.sampling.logprobs import TokenLogprob, token_logprobs
 from specgen.sampling.tree_structure import TreeVerdict
-from specgen.state import Request
+from specgen.engine.state import Request
 
 
 def score_committed(ctx, raw: torch.Tensor, logits: torch.Tensor,

@@ -4,7 +4,7 @@ The planning itself is pure and lives in :mod:`specgen.planning.batch`; this sta
 feeds it the rows and runs their drafters. Rows with ``num_tokens="auto"`` are
 planned jointly against the batched cost table (a row drafting k tokens makes every
 row's forward 1 + k wide); rows with a fixed γ draft it as in a single request
-(:func:`specgen.round.plan_and_draft`) and are fixed points of the plan; rows
+(:func:`specgen.engine.round.plan_and_draft`) and are fixed points of the plan; rows
 without a drafter are plain. Then the joint stopping rule
 (:func:`specgen.planning.batch.truncate_batch`) cuts each auto row's draft. Every
 input is a row's past rounds, its drafter's output, or other rows' (independent of
@@ -20,9 +20,9 @@ from specgen.drafters import Proposal
 from specgen.drafters.base import EMPTY
 from specgen.planning import (AUTO, BatchCostTable, DraftedRow, RowPlan, auto_row, drafted_row, plan_batch,
                               token_values, truncate_batch)
-from specgen.planning import store
+from specgen.planning import cost_cache
 from specgen.planning.measure import BATCH_CONTEXT_TOKENS, BATCH_WIDTHS
-from specgen.round import chain_prefix, draft_budget, plan_and_draft, shadow
+from specgen.engine.round import chain_prefix, draft_budget, plan_and_draft, shadow
 
 
 #: Tokens a row of a measured batch holds at most: its calibration context and the widest feed.
@@ -31,8 +31,8 @@ MEASURE_ROW_CONTEXT = BATCH_CONTEXT_TOKENS + BATCH_WIDTHS[-1] + 1
 
 def batch_costs(pipe, size: int, *, refresh: bool = False) -> BatchCostTable:
     """The pipeline's batched cost table for batches of ``size`` rows (measured once per machine on
-    batched caches of its target (:func:`specgen.batch.kv.batch_cache`), then cached; see :func:`specgen.planning.store.batch_cost_table`)."""
-    return store.batch_cost_table(pipe.cost_subject(), size, lambda rows: batch_cache(pipe.target, rows, MEASURE_ROW_CONTEXT),
+    batched caches of its target (:func:`specgen.batch.kv.batch_cache`), then cached; see :func:`specgen.planning.cost_cache.batch_cost_table`)."""
+    return cost_cache.batch_cost_table(pipe.cost_subject(), size, lambda rows: batch_cache(pipe.target, rows, MEASURE_ROW_CONTEXT),
                                   refresh=refresh)
 
 

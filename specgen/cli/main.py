@@ -1,4 +1,4 @@
-"""The ``specgen`` command: a thin Hydra entry point over :mod:`specgen.build`.
+"""The ``specgen`` command: a thin Hydra entry point over :mod:`specgen.engine.assemble`.
 
 stdout gets only the generated text, streamed token by token; the summary line
 (guarantee, tokens/s, tokens per target call, acceptance by draft position) and
@@ -9,7 +9,7 @@ exits with status 74 and one line; a closed pipe (``| head``) quietly with statu
 (:mod:`specgen.outputs`).
 
 With ``output=out.jsonl`` the command runs every row of ``prompt_file=PATH.jsonl``
-instead (see :mod:`specgen.jsonl`): stdout stays empty, a progress bar (on a
+instead (see :mod:`specgen.cli.jsonl`): stdout stays empty, a progress bar (on a
 terminal) and one summary line go to stderr; ``batch_size=N`` runs N rows at a time on
 the batched engine (same records, in the same order). Status 0: every row ran; 1: the
 output is complete but some rows hold error records; 2: nothing ran (bad config,
@@ -17,7 +17,7 @@ unreadable input, an output that already holds results without ``resume=true``);
 74: the output could not be written (a full disk), valid up to its last whole record;
 130: Ctrl-C, with the output valid up to the last finished row.
 
-``specgen export head=... out=DIR`` writes an eagle3 head for vLLM / SGLang (:mod:`specgen.export_cli`).
+``specgen export head=... out=DIR`` writes an eagle3 head for vLLM / SGLang (:mod:`specgen.cli.export`).
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from specgen.checks import JSONL_SUFFIXES, check_run_config
-from specgen.config import conf_dir, exits_on_error, run_console, to_container
+from specgen.config.checks import JSONL_SUFFIXES, check_run_config
+from specgen.config.compose import conf_dir, exits_on_error, run_console, to_container
 from specgen.errors import ConfigError, PromptError, not_utf8
 from specgen.events import FinishEvent, Generation
-from specgen.jsonl import Summary
-from specgen.options import MAX_CONTEXT_TOKENS, check_prompt, check_prompt_size, prompt_size_bound, size_error
+from specgen.cli.jsonl import Summary
+from specgen.config.options import MAX_CONTEXT_TOKENS, check_prompt, check_prompt_size, prompt_size_bound, size_error
 from specgen.outputs import TolerantStream, require_stdout, write_stdout
 
 _COLOURS = {"accepted": "\033[32m", "resampled": "\033[33m", "bonus": "\033[36m", "plain": ""}
@@ -91,7 +91,7 @@ def read_prompt(cfg: dict, stdin=None, *, context_length: int | None = None) -> 
 
     PromptError for what :func:`check_prompt_source` refuses, text that is not UTF-8 or is empty
     (or only whitespace), and, given the model's ``context_length``, a prompt more than
-    :func:`~specgen.options.prompt_size_bound` bytes long: a file is refused by its size before it
+    :func:`~specgen.config.options.prompt_size_bound` bytes long: a file is refused by its size before it
     is read, stdin after reading at most one byte past the bound.
     """
     stdin = sys.stdin if stdin is None else stdin
@@ -234,7 +234,7 @@ def run(cfg: dict, out=None, err=None) -> Generation | Summary | None:
     check_prompt_source(cfg)
     require_stdout(out)
     stdin = peek_stdin(sys.stdin) if _reads_stdin(cfg) else None
-    from specgen.build import build_pipeline  # after the checks: it imports the models
+    from specgen.engine.assemble import build_pipeline  # after the checks: it imports the models
 
     pipe = build_pipeline(cfg)
     prompt = read_prompt(cfg, stdin, context_length=pipe.target.context_length)
@@ -267,9 +267,9 @@ def run_jsonl(cfg: dict, err) -> Summary:
     when some rows hold error records and SystemExit(130) on Ctrl-C, after the summary line."""
     from tqdm import tqdm
 
-    from specgen.build import build_pipeline
-    from specgen.jsonl import job_from_config
-    from specgen.jsonl_input import check_has_rows
+    from specgen.engine.assemble import build_pipeline
+    from specgen.cli.jsonl import job_from_config
+    from specgen.cli.jsonl_input import check_has_rows
 
     check_has_rows(Path(cfg["prompt_file"]))  # before the model loads
     pipe = build_pipeline(cfg)
@@ -302,9 +302,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     """Console entry point: check the overrides (one line, status 2), quote free text, hand over to Hydra.
 
-    ``specgen export ...`` (first argument) writes a head for vLLM/SGLang instead: :mod:`specgen.export_cli`."""
+    ``specgen export ...`` (first argument) writes a head for vLLM/SGLang instead: :mod:`specgen.cli.export`."""
     if sys.argv[1:2] == ["export"]:
-        from specgen.export_cli import main as export_main
+        from specgen.cli.export import main as export_main
         from specgen.outputs import tolerate_stderr
 
         tolerate_stderr()

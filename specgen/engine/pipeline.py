@@ -24,16 +24,16 @@ from specgen.guarantee import Guarantee
 from specgen.models import TokenizerInfo
 from specgen.models.prefix_cache import DEFAULTS, PrefixCache, common_prefix
 from specgen.models.target import Target, TokenCache
-from specgen.options import (RequestOptions, check_prompt, check_prompt_ids, check_prompt_size, parse_chat, parse_int,
+from specgen.config.options import (RequestOptions, check_prompt, check_prompt_ids, check_prompt_size, parse_chat, parse_int,
                              parse_optional_text, parse_seed, parse_stop, request_options, with_overrides)
 from specgen.planning import AUTO, CostTable
 from specgen.planning.measure import Subject
 from specgen.planning.observed import ObservedCosts
 from specgen.processors import ProcessorStack
-from specgen.request_plan import RequestPlan, finish, record
-from specgen.round import RoundContext, plain_step, speculative_round
+from specgen.engine.request import RequestPlan, finish, record
+from specgen.engine.round import RoundContext, plain_step, speculative_round
 from specgen.sampling.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
-from specgen.state import Request
+from specgen.engine.state import Request
 from specgen.stats import Clock, GrammarTimer, Stats
 from specgen.text import TextStream
 
@@ -69,7 +69,7 @@ class Pipeline:
     speculation runs only when its kind is not "off".
     read_once: rounds that spend FLOPs to read back once per verification (constant
     host reads per round), the default off the CPU; on the CPU, where a read costs
-    nothing, rounds do less arithmetic instead (see :class:`specgen.round.RoundContext`).
+    nothing, rounds do less arithmetic instead (see :class:`specgen.engine.round.RoundContext`).
     observed: the verify timings its requests' rounds record and plan through once the
     cost table is loaded (:mod:`specgen.planning.observed`; None: plans read the table alone).
     prefix_cache: finished requests' target KV handles, which later requests start from
@@ -94,10 +94,10 @@ class Pipeline:
         self.prefix_cache = prefix_cache_for(target, config)
 
     def cost_table(self, *, refresh: bool = False) -> CostTable:
-        """The planner's cost table for this pipeline (measured once, cached on disk; see specgen.planning.store)."""
+        """The planner's cost table for this pipeline (measured once, cached on disk; see specgen.planning.cost_cache)."""
         with self._costs_lock:  # requests on other threads wait for one measurement
             if self.costs is None or refresh:
-                from specgen.planning.store import cost_table, observer
+                from specgen.planning.cost_cache import cost_table, observer
 
                 self.costs = cost_table(self.cost_subject(), refresh=refresh)
                 if self.observed is None or refresh:
@@ -160,11 +160,11 @@ class Pipeline:
                prompt_ids: Sequence[int] | None = None, **overrides) -> Iterator[TokenEvent | FinishEvent]:
         """Generate from ``prompt`` (text or chat messages) or ``prompt_ids``.
 
-        options: a :class:`~specgen.options.RequestOptions` (None: the pipeline's
+        options: a :class:`~specgen.config.options.RequestOptions` (None: the pipeline's
         defaults); overrides: RequestOptions fields by name, set over ``options``
         (``stream(p, max_new_tokens=8)``; an override of None changes nothing). An
         unknown name raises ConfigError naming it (and the closest known one).
-        Every value is checked by :func:`specgen.options.request_options` before
+        Every value is checked by :func:`specgen.config.options.request_options` before
         the first event: a bad one raises a SpecgenError subclass that names it
         (nothing is truncated or coerced). stop: one string is one stop string.
         speculative / chat: bools or the usual spellings ("no", "off", ...);

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specgen.options import parse_chat
+from specgen.config.options import parse_chat
 
 
 @dataclass

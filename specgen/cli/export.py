@@ -49,8 +49,8 @@ def run_export(args: Sequence[str], out=None) -> Path:
     """Check the arguments, load the target and the head, write the export; returns its directory."""
     import torch
 
-    from specgen.config import compose, to_container
-    from specgen.options import MAX_NUM_TOKENS
+    from specgen.config.compose import compose, to_container
+    from specgen.config.options import MAX_NUM_TOKENS
     from specgen.heads.export import check_export_dir, export_eagle3
     from specgen.heads.store import load_head
     from specgen.models import load_model, resolve_device
@@ -85,10 +85,10 @@ def run_export(args: Sequence[str], out=None) -> Path:
 
 
 def main(args: Sequence[str]) -> None:
-    """``specgen export ...`` (called by :func:`specgen.cli.main`)."""
+    """``specgen export ...`` (called by :func:`specgen.cli.main.main`)."""
     from transformers.utils import logging as hf_logging
 
-    from specgen.config import exits_on_error
+    from specgen.config.compose import exits_on_error
 
     hf_logging.set_verbosity_error()
     try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 
-from specgen.engine import Pipeline
+from specgen.engine.pipeline import Pipeline
 from specgen.errors import ConfigError
 from specgen.guarantee import Guarantee
 from specgen.serve.protocol import Sampling
@@ -51,7 +51,7 @@ def with_sampling(pipe: Pipeline, sampling: Sampling) -> Pipeline:
     ConfigError when the config's processor list has no entry for a value the
     request sets (a custom stack), or the grammar in the config cannot be rebuilt.
     """
-    from specgen.build import processor_entries
+    from specgen.engine.assemble import processor_entries
     from specgen.grammar import grammar_processor
     from specgen.processors import build_stack
 

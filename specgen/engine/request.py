@@ -1,7 +1,7 @@
 """One checked request and its bookkeeping, shared by the single engine and the batched one.
 
-:class:`RequestPlan` is what :meth:`specgen.engine.Pipeline.plan_request` derives from a
-prompt and its options; :func:`specgen.engine.Pipeline.stream` runs one, and each row of
+:class:`RequestPlan` is what :meth:`specgen.engine.pipeline.Pipeline.plan_request` derives from a
+prompt and its options; :func:`specgen.engine.pipeline.Pipeline.stream` runs one, and each row of
 :mod:`specgen.batch` is one. :func:`record` and :func:`finish` keep a request's Stats and
 build its :class:`~specgen.events.Generation` the same way in both engines.
 """
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.guarantee import Guarantee
-from specgen.options import RequestOptions
+from specgen.config.options import RequestOptions
 from specgen.processors import ProcessorStack
-from specgen.state import Request
+from specgen.engine.state import Request
 from specgen.stats import Stats
 
 

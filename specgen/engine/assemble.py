@@ -24,10 +24,10 @@ from dataclasses import replace
 
 import torch
 
-from specgen.checks import check_run_config, parse_threads
-from specgen.config import to_container
+from specgen.config.checks import check_run_config, parse_threads
+from specgen.config.compose import to_container
 from specgen.drafters import Drafter, DrafterRuntime
-from specgen.engine import Defaults, Pipeline
+from specgen.engine.pipeline import Defaults, Pipeline
 from specgen.errors import ConfigError, SpecgenError
 from specgen.guarantee import Guarantee
 from specgen.models import (LoadedModel, cuda_condition, load_llama_cpp, load_model, load_quantized, resolve_device,
@@ -37,7 +37,7 @@ from specgen.models.invariance import probe_tree
 from specgen.models.quantized import QUANT_DTYPES
 from specgen.models.target import Target
 from specgen.models.threads import resolve_auto_threads
-from specgen.options import MAX_NUM_TOKENS
+from specgen.config.options import MAX_NUM_TOKENS
 from specgen.grammar import grammar_processor
 from specgen.processors import build_stack
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from specgen.errors import ConfigError, OutputError, SpecgenError
-from specgen import schema  # noqa: F401  (registers the structured-config schemas)
+from specgen.config import schema  # noqa: F401  (registers the structured-config schemas)
 
 #: Keys whose values are free text; the CLI quotes them so Hydra's parser accepts any characters.
 TEXT_KEYS = ("prompt", "system", "prompt_file", "output", "grammar.schema", "grammar.pattern",
@@ -24,10 +24,11 @@ _ABSENT = object()
 
 def conf_dir() -> Path:
     """The conf/ directory: packaged as ``specgen/conf`` when installed, ``<repo>/conf`` in a checkout."""
-    packaged = Path(__file__).resolve().parent / "conf"
+    package = Path(__file__).resolve().parent.parent  # specgen/
+    packaged = package / "conf"
     if (packaged / "config.yaml").is_file():
         return packaged
-    checkout = Path(__file__).resolve().parent.parent / "conf"
+    checkout = package.parent / "conf"
     if (checkout / "config.yaml").is_file():
         return checkout
     raise ConfigError("specgen's conf/ directory is missing from this installation")
@@ -235,7 +236,7 @@ def check_command_line(args: Sequence[str], config_name: str) -> None:
     Runs before Hydra sees the arguments, so a bad override is reported like
     every other user error instead of as Hydra's multi-line text. A multirun
     (``-m seed=1,2``) is expanded into its jobs and each is composed and its
-    values checked (:func:`specgen.checks.check_run_config`). Command lines
+    values checked (:func:`specgen.config.checks.check_run_config`). Command lines
     that do not run a job (``--help``, ``--info``, an unparsable flag, another
     config directory) are left to Hydra; a malformed flag is a ConfigError too.
     """
@@ -244,7 +245,7 @@ def check_command_line(args: Sequence[str], config_name: str) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    from specgen.checks import check_run_config
+    from specgen.config.checks import check_run_config
 
     parser = get_args_parser()
     parser.error = lambda message: _argument_error(message, args)
