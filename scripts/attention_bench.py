@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache
 
 import specgen
-import specgen.batch.kv as batch_kv
+import specgen.models.batch_kv as batch_kv
 import specgen.models.causal_lm as causal_lm
 from specgen.planning.measure import measure
 from specgen.models.attention import NAME

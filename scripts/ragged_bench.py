@@ -1,6 +1,6 @@
 """What skipping the padding of a ragged batched step saves, interleaved in one process.
 
-Times one batched forward (:meth:`specgen.batch.BatchKV.forward`) of 8 rows after
+Times one batched forward (:meth:`specgen.models.batch_kv.BatchKV.forward`) of 8 rows after
 prefills of ``--prefill`` to ``--prefill`` + 35 tokens (compacted) for several feed shapes,
 three ways: everything computed on the padded shape; linear layers multiplying only
 the real tokens (``packed_linear.real_tokens``); and attention also cut to each row's
@@ -21,7 +21,7 @@ import time
 import torch
 
 import specgen
-from specgen.batch.kv import BatchKV
+from specgen.models.batch_kv import BatchKV
 from specgen.models import attention, packed_linear
 
 SHAPES = {

@@ -9,7 +9,7 @@ from conftest import tiny_pipeline
 
 import specgen
 from specgen.models import attention, packed_linear
-from specgen.models.causal_lm import _prefix_lengths
+from specgen.models.batch_kv import prefix_lengths as _prefix_lengths
 from specgen.models.packed_linear import PackedLinear
 from specgen.models.tiny import build_tiny_model
 

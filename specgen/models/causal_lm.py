@@ -17,6 +17,7 @@ from transformers import DynamicCache, StaticCache
 
 from specgen.errors import ConfigError, NumericalError
 from specgen.models import attention, packed_linear
+from specgen.models.batch_kv import BatchKV, prefix_lengths
 from specgen.models.compiled import (BUCKETS, FIRST_CAPACITY, CompiledDecoder, bucket_for, grown, keep_static_rows,
                                      new_static_cache)
 from specgen.models.growing_cache import growing_cache
@@ -144,7 +145,7 @@ class TreeOutput:
 
 class CausalLM(TargetDefaults):
     """The torch/HF target backend (:class:`specgen.models.target.Target`): the reference, serving chains,
-    trees, features, compiled forwards, and batches (:class:`specgen.models.target.SharedBatchTarget`).
+    trees, features, compiled forwards, and batches (:meth:`new_batch`: a :class:`~specgen.models.batch_kv.BatchKV`).
 
     model: a transformers ``*ForCausalLM`` in eval mode (:attr:`hf_model`, for what reads it).
     vocab_size: how many ids have a token in the tokenizer; logits are cut to
@@ -243,6 +244,10 @@ class CausalLM(TargetDefaults):
         if self.compiled is not None:
             return KVCache(new_static_cache(self.config, FIRST_CAPACITY))
         return KVCache(growing_cache(self.config))
+
+    def new_batch(self, size: int, row_context: int | None = None) -> BatchKV:
+        """``size`` rows on one shared batch cache; a row holds up to :attr:`context_length` (``row_context`` unused)."""
+        return BatchKV(self, size)
 
     def _static_forward(self, cache: KVCache, ids: list[int] | torch.Tensor, positions: list[int], allowed: torch.Tensor,
                         all_hidden: bool = False):
@@ -353,7 +358,7 @@ class CausalLM(TargetDefaults):
     @torch.inference_mode()
     def forward_batch(self, cache: DynamicCache, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
                       rows: torch.Tensor, cols: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
-        """One forward of B rows sharing a batch-B DynamicCache (see :mod:`specgen.batch`).
+        """One forward of B rows sharing a batch-B DynamicCache (:class:`BatchKV`).
 
         ids: [B, w] token ids; positions: [B, w] each row's own positions;
         allowed: [B, w, S + w] bool, which of the S cached slots and w new slots each
@@ -376,7 +381,7 @@ class CausalLM(TargetDefaults):
             with ExitStack() as padding:
                 if real is not None:
                     padding.enter_context(packed_linear.real_tokens(real, device))
-                    padding.enter_context(attention.row_lengths(_prefix_lengths(real)))
+                    padding.enter_context(attention.row_lengths(prefix_lengths(real)))
                 if self._plain_lm_head:  # the head's input [K, d] is not the padded shape: every row computed
                     hidden = self.model.get_decoder()(**inputs).last_hidden_state  # [B, w, d]
                     logits = self._head(hidden[rows.to(device), cols.to(device)])  # [K, vocab]
@@ -391,10 +396,3 @@ class CausalLM(TargetDefaults):
                     layer.values = layer.values[..., :start, :]
             raise
 
-
-def _prefix_lengths(real: torch.Tensor) -> list[int] | None:
-    """Each row's count of real tokens when they are a prefix of the row (real: [B, w] bool
-    on the host); None otherwise."""
-    lengths = real.sum(dim=1)  # [B]
-    prefix = torch.arange(real.shape[1]) < lengths[:, None]  # [B, w]
-    return lengths.tolist() if torch.equal(prefix, real) else None

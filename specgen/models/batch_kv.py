@@ -1,4 +1,15 @@
-"""The batched KV state: one DynamicCache of batch B shared by row views (see :mod:`specgen.batch`)."""
+"""The torch backend's :class:`~specgen.models.target.BatchCache`: one DynamicCache of batch B shared
+by row views (:meth:`specgen.models.causal_lm.CausalLM.new_batch`; how :mod:`specgen.batch` uses it).
+
+Each forward appends the same number w of slots to every row (w = the widest feed; shorter feeds
+are padded with dummies nobody attends to and the forward skips, :meth:`BatchKV.forward`). A fresh
+row's prompt is prefilled in a forward of its own and stored in its batch entry's dead slots (a
+refill takes over the finished row's), appending only what does not fit. A row lists the slots
+holding its tokens (:attr:`RowCache.slots`); the 4D additive mask lets each new token see its row's
+listed slots and its own feed causally; positions are per row (token i of a row sits at position
+i). Rolling a row back drops slots from its list (nothing is copied). :meth:`BatchKV.compact`
+gathers each row's slots left-aligned into fresh tensors when dead slots pile up.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specgen.errors import ConfigError
-from specgen.models import KVCache
 from specgen.models.growing_cache import growing_cache
-from specgen.models.target import SharedBatchTarget, Target
+from specgen.models.target import TokenCache
 
 #: Compact once the shared cache is this many slots, plus COMPACT_SHARE of the longest row, wider
 #: than the longest row. Every batched step attends over every shared slot of every row, dead
@@ -20,7 +30,7 @@ COMPACT_SHARE = 1 / 8
 
 
 @dataclass
-class RowCache(KVCache):
+class RowCache(TokenCache):
     """One row of a :class:`BatchKV` behind the single-request KVCache interface.
 
     tokens: this row's cached ids; slots: the shared cache's slot of each, in order
@@ -28,6 +38,8 @@ class RowCache(KVCache):
     last one). ``cache`` is the owning BatchKV.
     """
 
+    cache: BatchKV
+    tokens: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
 
     def crop(self, length: int) -> None:
@@ -39,7 +51,9 @@ class RowCache(KVCache):
 
 
 class BatchKV:
-    """A batch-``size`` DynamicCache shared by ``size`` row views (:attr:`rows`)."""
+    """A batch-``size`` DynamicCache shared by ``size`` row views (:attr:`rows`) of the torch target
+    ``lm`` (its ``config``, ``new_cache``, ``forward`` and ``forward_batch``), a
+    :class:`~specgen.models.target.BatchCache`."""
 
     #: Rows share the cache's width: a forward spans every row's slots up to the widest.
     shares_width = True
@@ -49,7 +63,7 @@ class BatchKV:
     #: prefill here would compute its keys/values in other shapes than a solo run's one forward.
     prefill_chunk = None
 
-    def __init__(self, lm: SharedBatchTarget, size: int):
+    def __init__(self, lm, size: int):
         self.lm = lm
         self.cache = growing_cache(lm.config)  # appends in place: no copy of the whole cache per step
         self.width = 0  # slots per row in the shared tensors
@@ -216,11 +230,10 @@ class BatchKV:
         self.width = longest
 
 
-def batch_cache(target: Target, size: int, row_context: int | None = None):
-    """The batched cache of ``target`` (``capabilities.batches``) for ``size`` rows: :class:`BatchKV`
-    for a :class:`~specgen.models.target.SharedBatchTarget`; else the target's own
-    (:class:`~specgen.models.target.RowBatchTarget`), its rows holding ``row_context`` tokens
-    each (None: the target's context length)."""
-    if isinstance(target, SharedBatchTarget):
-        return BatchKV(target, size)
-    return target.new_batch(size, row_context)
+
+def prefix_lengths(real: torch.Tensor) -> list[int] | None:
+    """Each row's count of real tokens when they are a prefix of the row (real: [B, w] bool
+    on the host); None otherwise."""
+    lengths = real.sum(dim=1)  # [B]
+    prefix = torch.arange(real.shape[1]) < lengths[:, None]  # [B, w]
+    return lengths.tolist() if torch.equal(prefix, real) else None
