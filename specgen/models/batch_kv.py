@@ -1,8 +1,9 @@
 """The torch backend's :class:`~specgen.models.target.BatchCache`: one DynamicCache of batch B shared
 by row views (:meth:`specgen.models.causal_lm.CausalLM.new_batch`; how :mod:`specgen.batch` uses it).
 
-Each forward appends the same number w of slots to every row (w = the widest feed; shorter feeds
-are padded with dummies nobody attends to and the forward skips, :meth:`BatchKV.forward`). A fresh
+Each forward appends the same number w of slots to every row (w = the widest feed; a shorter
+row's extra slots hold zeros nobody attends to); the rows' tokens are fed flat, unpadded
+(:meth:`BatchKV.forward`). A fresh
 row's prompt is prefilled in a forward of its own and stored in its batch entry's dead slots (a
 refill takes over the finished row's), appending only what does not fit. A row lists the slots
 holding its tokens (:attr:`RowCache.slots`); the 4D additive mask lets each new token see its row's
@@ -151,31 +152,32 @@ class BatchKV:
     def forward(self, feeds: list[list[int]], keeps: list[int]) -> list[torch.Tensor | None]:
         """One forward over every row's feed (empty: the row idles); -> per row its last
         ``keeps[r]`` raw logit rows [keeps[r], vocab] (None where keeps[r] == 0).
-        On success each row's cache view gains its feed; on failure nothing changes."""
+        On success each row's cache view gains its feed; on failure nothing changes.
+        The held rows' feeds go flat (:meth:`~specgen.models.causal_lm.CausalLM.forward_batch`):
+        every row gains w = the longest feed's slots, a shorter row's extra ones dead."""
         self._hold([r for r, feed in enumerate(feeds) if feed])
-        size, w, start = len(self.live), max(len(f) for f in feeds), self.width
-        ids = torch.zeros(size, w, dtype=torch.long)  # [B', w], pads are id 0 and masked out
-        positions = torch.zeros(size, w, dtype=torch.long)  # [B', w]
-        allowed = torch.zeros(size, w, start + w, dtype=torch.bool)  # [B', w, S + w]
+        if not self.live:
+            return [None] * len(feeds)
+        lengths, start = [len(feeds[r]) for r in self.live], self.width
+        w = max(lengths)
+        allowed = torch.zeros(len(self.live), w, start + w, dtype=torch.bool)  # [B', w, S + w]
         causal = torch.ones(w, w, dtype=torch.bool).tril()  # [w, w]
-        diagonal = torch.eye(w, dtype=torch.bool)  # [w, w]: a pad query sees itself only
-        real = torch.zeros(size, w, dtype=torch.bool)  # [B', w]: not padding
-        picks: list[tuple[int, int]] = []
+        ids: list[int] = []
+        positions: list[int] = []
+        picks: list[int] = []
         limit = self.lm.context_length - 1
         for j, r in enumerate(self.live):  # batch entry j holds row r
             row, feed, keep = self.rows[r], feeds[r], keeps[r]
             n = len(feed)
-            ids[j, :n] = torch.tensor(feed, dtype=torch.long)
-            real[j, :n] = True
-            positions[j] = torch.arange(len(row), len(row) + w).clamp(max=limit)
             if row.slots:
                 allowed[j, :n, torch.tensor(row.slots)] = True
             allowed[j, :n, start : start + n] = causal[:n, :n]
-            allowed[j, n:, start:] = diagonal[n:]
-            picks.extend((j, c) for c in range(n - keep, n))
-        rows = torch.tensor([p[0] for p in picks], dtype=torch.long)  # [K]
-        cols = torch.tensor([p[1] for p in picks], dtype=torch.long)  # [K]
-        logits = self.lm.forward_batch(self.cache, ids, positions, allowed, rows, cols, real)  # [K, vocab]
+            picks.extend(range(len(ids) + n - keep, len(ids) + n))
+            ids.extend(feed)
+            positions.extend(min(p, limit) for p in range(len(row), len(row) + n))
+        logits = self.lm.forward_batch(self.cache, torch.tensor(ids, dtype=torch.long),  # [T]
+                                       torch.tensor(positions, dtype=torch.long), allowed, lengths,  # [T]
+                                       torch.tensor(picks, dtype=torch.long))  # [K, vocab]
         self.width = start + w
         out: list[torch.Tensor | None] = []
         used = 0
@@ -228,12 +230,3 @@ class BatchKV:
             layer.keys = keys.gather(2, where)  # [B, heads, L, head_dim]
             layer.values = layer.values.gather(2, where)
         self.width = longest
-
-
-
-def prefix_lengths(real: torch.Tensor) -> list[int] | None:
-    """Each row's count of real tokens when they are a prefix of the row (real: [B, w] bool
-    on the host); None otherwise."""
-    lengths = real.sum(dim=1)  # [B]
-    prefix = torch.arange(real.shape[1]) < lengths[:, None]  # [B, w]
-    return lengths.tolist() if torch.equal(prefix, real) else None
