@@ -59,11 +59,7 @@ class BatchRows:
     (w = max(lengths)): row j's query i < lengths[j] over its S cached slots and w new ones."""
 
     cache: object
-    lengths: tuple[int, ...]
-
-    def __init__(self, cache, lengths: Sequence[int]):
-        object.__setattr__(self, "cache", cache)
-        object.__setattr__(self, "lengths", tuple(int(n) for n in lengths))
+    lengths: Sequence[int]
 
     @property
     def width(self) -> int:
