@@ -63,7 +63,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    pipe = specgen.pipeline(f"threads={args.threads}", f"dtype={args.dtype}", "drafter=ngram", progress=False)
+    pipe = specgen.pipeline("backend=torch", f"threads={args.threads}", f"dtype={args.dtype}", "drafter=ngram",
+                            progress=False)
     for _ in range(args.rounds):
         for after in (False, True):
             _use(pipe, after)

@@ -5,7 +5,8 @@ prefills of ``--prefill`` to ``--prefill`` + 35 tokens (compacted) for several f
 two ways: every row fed the widest row's width (what computing the padding costs); and the
 rows' real tokens fed flat (:class:`specgen.models.attention.BatchRows`: no padding reaches a
 linear layer or an attention call; the default). Prints the fastest and the median of the
-timed forwards per cell (the first of each cell is a warm-up).
+timed forwards per cell (the first of each cell is a warm-up). The torch backend (``backend=torch``):
+its rows share one padded cache width.
 Wall-clock figures depend on machine load: report the load with them
 (docs/benchmarks.md, "Batching": one batched forward by feed shape).
 
@@ -39,7 +40,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--prefill", type=int, default=250, help="the shortest row's prefill (tokens)")
     args = parser.parse_args()
-    pipe = specgen.pipeline(f"threads={args.threads}", f"dtype={args.dtype}", progress=False)
+    pipe = specgen.pipeline("backend=torch", f"threads={args.threads}", f"dtype={args.dtype}", progress=False)
     vocab = pipe.tokenizer.vocab_size
     context = [(7919 * i + 11) % vocab for i in range(args.prefill + 50)]
     kv = BatchKV(pipe.target, 8)
