@@ -2,7 +2,9 @@
 
 Times (a) one batched forward of 8 rows × w tokens after 450-token prefills (compacted) and
 (b) the single-request chain cost table, each with transformers' ``sdpa`` + concatenating
-DynamicCache ("before") and with specgen's ``specgen_sdpa`` + GrowingLayer ("after"). Wall-clock
+DynamicCache ("before") and with specgen's ``specgen_sdpa`` + GrowingLayer ("after"); a batched
+forward feeds its rows flat through ``specgen_sdpa`` (:class:`specgen.models.attention.BatchRows`), so
+in (a) "before" is the concatenating DynamicCache alone. Wall-clock
 figures depend on machine load: report the load with them (CHANGELOG.md,
 2026-12-03, first session).
 
@@ -18,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 import specgen
-import specgen.batch.kv as batch_kv
+import specgen.models.batch_kv as batch_kv
 import specgen.models.causal_lm as causal_lm
 from specgen.planning.measure import measure
 from specgen.models.attention import NAME
@@ -32,6 +34,16 @@ def _use(pipe, after: bool) -> None:
 
 
 def batched_forward_ms(pipe, width: int, rows: int = 8, prompt: int = 450, repeats: int = 12) -> float:
+    model = pipe.target.model
+    attention = model.config._attn_implementation
+    model.set_attn_implementation(NAME)  # batched forwards run on specgen_sdpa only
+    try:
+        return _batched_forward_ms(pipe, width, rows, prompt, repeats)
+    finally:
+        model.set_attn_implementation(attention)
+
+
+def _batched_forward_ms(pipe, width: int, rows: int, prompt: int, repeats: int) -> float:
     kv = batch_kv.BatchKV(pipe.target, rows)
     vocab = pipe.tokenizer.vocab_size
     for r in range(rows):
@@ -51,7 +63,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    pipe = specgen.pipeline(f"threads={args.threads}", f"dtype={args.dtype}", "drafter=ngram", progress=False)
+    pipe = specgen.pipeline("backend=torch", f"threads={args.threads}", f"dtype={args.dtype}", "drafter=ngram",
+                            progress=False)
     for _ in range(args.rounds):
         for after in (False, True):
             _use(pipe, after)

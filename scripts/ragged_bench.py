@@ -1,11 +1,12 @@
 """What skipping the padding of a ragged batched step saves, interleaved in one process.
 
-Times one batched forward (:meth:`specgen.batch.BatchKV.forward`) of 8 rows after
+Times one batched forward (:meth:`specgen.models.batch_kv.BatchKV.forward`) of 8 rows after
 prefills of ``--prefill`` to ``--prefill`` + 35 tokens (compacted) for several feed shapes,
-three ways: everything computed on the padded shape; linear layers multiplying only
-the real tokens (``packed_linear.real_tokens``); and attention also cut to each row's
-real queries (``attention.row_lengths``; with both, the default). Prints the fastest
-and the median of the timed forwards per cell (the first of each cell is a warm-up).
+two ways: every row fed the widest row's width (what computing the padding costs); and the
+rows' real tokens fed flat (:class:`specgen.models.attention.BatchRows`: no padding reaches a
+linear layer or an attention call; the default). Prints the fastest and the median of the
+timed forwards per cell (the first of each cell is a warm-up). The torch backend (``backend=torch``):
+its rows share one padded cache width.
 Wall-clock figures depend on machine load: report the load with them
 (docs/benchmarks.md, "Batching": one batched forward by feed shape).
 
@@ -18,11 +19,8 @@ import argparse
 import statistics
 import time
 
-import torch
-
 import specgen
-from specgen.batch.kv import BatchKV
-from specgen.models import attention, packed_linear
+from specgen.models.batch_kv import BatchKV
 
 SHAPES = {
     "8 x 5 tokens (no padding)": [5] * 8,
@@ -32,7 +30,7 @@ SHAPES = {
     "4, 3, 6, 1, 5, 2, 4, 1 (26 tokens)": [4, 3, 6, 1, 5, 2, 4, 1],
     "8 x 1 token": [1] * 8,
 }
-MODES = ("padded", "linear skips padding", "linear and attention skip padding")
+MODES = ("padded (every row fed the widest)", "flat (the default)")
 
 
 def main() -> None:
@@ -42,7 +40,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--prefill", type=int, default=250, help="the shortest row's prefill (tokens)")
     args = parser.parse_args()
-    pipe = specgen.pipeline(f"threads={args.threads}", f"dtype={args.dtype}", progress=False)
+    pipe = specgen.pipeline("backend=torch", f"threads={args.threads}", f"dtype={args.dtype}", progress=False)
     vocab = pipe.tokenizer.vocab_size
     context = [(7919 * i + 11) % vocab for i in range(args.prefill + 50)]
     kv = BatchKV(pipe.target, 8)
@@ -50,16 +48,13 @@ def main() -> None:
         kv.prefill(r, context[: args.prefill + 5 * r])
     kv.compact()
     lengths, width = [len(row) for row in kv.rows], kv.width
-    skipping, cutting = packed_linear.real_tokens, attention.row_lengths
-
-    def padded(real: torch.Tensor, device=None):
-        return skipping(torch.ones_like(real), device)
 
     def timed(feeds: list[list[int]], mode: int) -> float:
-        packed_linear.real_tokens = skipping if mode >= 1 else padded
-        attention.row_lengths = cutting if mode >= 2 else (lambda lengths: cutting(None))
+        keeps = [len(feed) for feed in feeds]
+        if mode == 0:
+            feeds = [context[: max(keeps)]] * len(feeds)
         start = time.perf_counter()
-        kv.forward(feeds, [len(feed) for feed in feeds])
+        kv.forward(feeds, keeps)
         spent = time.perf_counter() - start
         for row, length in zip(kv.rows, lengths, strict=True):
             row.crop(length)
@@ -67,13 +62,10 @@ def main() -> None:
         return spent
 
     times: dict[tuple[str, int], list[float]] = {}
-    try:
-        for _ in range(args.repeats):
-            for name, widths in SHAPES.items():
-                for mode in range(len(MODES)):
-                    times.setdefault((name, mode), []).append(timed([context[:w] for w in widths], mode))
-    finally:
-        packed_linear.real_tokens, attention.row_lengths = skipping, cutting
+    for _ in range(args.repeats):
+        for name, widths in SHAPES.items():
+            for mode in range(len(MODES)):
+                times.setdefault((name, mode), []).append(timed([context[:w] for w in widths], mode))
     print(f"threads={args.threads} dtype={args.dtype}, 8 rows, {width} shared slots; ms: fastest [median]")
     print(f"| feeds | {' | '.join(MODES)} |\n|---|{'---|' * len(MODES)}")
     for name in SHAPES:

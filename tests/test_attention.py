@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specgen.models.attention import NAME, attention_implementation, packed_gqa_sdpa, row_lengths
+from specgen.models.attention import NAME, BatchRows, attention_implementation, packed_gqa_sdpa
 from specgen.models.tiny import build_tiny_model
 
 
@@ -88,43 +89,61 @@ def test_models_load_with_it_and_match_sdpa_on_a_tree_mask(monkeypatch):
     torch.testing.assert_close(packed, reference, rtol=1e-5, atol=1e-5)
 
 
+def _flat(tensor: torch.Tensor, lengths: list[int], start: int) -> torch.Tensor:
+    """[B, heads, S, d] -> [1, heads, T, d]: row j's lengths[j] entries from slot ``start``, row after row."""
+    return torch.cat([tensor[j, None, :, start:start + n] for j, n in enumerate(lengths)], dim=2)
+
+
 @pytest.mark.parametrize("kv_heads,groups", [(2, 2), (3, 1)])
 @pytest.mark.parametrize("kind", ["bool", "additive"])
-def test_row_lengths_attend_each_rows_real_queries_only(kv_heads, groups, kind):
-    """Under row_lengths each row's real queries get what transformers' padded call gives
-    them (grouped or not) and the padding stays zero; lengths of another batch are ignored."""
+def test_batch_rows_attend_each_rows_real_queries_only(kv_heads, groups, kind):
+    """Fed flat with BatchRows, each row's real queries get what transformers' padded call gives
+    them (grouped or not), and the rows' cache gains each row's new keys/values in its own slots,
+    zeros in a shorter row's extra ones (the padded call's keys there are zeros too)."""
     generator = torch.Generator().manual_seed(11 + groups)
-    batch, width, slots, dim = 3, 5, 14, 8
-    lengths = [5, 1, 3]
+    batch, width, cached, dim = 3, 5, 9, 8
+    slots, lengths = cached + width, [5, 1, 3]
     query = torch.randn(batch, kv_heads * groups, width, dim, generator=generator)  # [B, H, w, d]
-    key = torch.randn(batch, kv_heads, slots, dim, generator=generator)
+    key = torch.randn(batch, kv_heads, slots, dim, generator=generator)  # [B, kv, S + w, d]
     value = torch.randn(batch, kv_heads, slots, dim, generator=generator)
     keep = _ragged_mask(batch, width, slots, generator)
+    for j, n in enumerate(lengths):  # no real token sees a padded slot; padded slots hold zeros
+        keep[j, :, :, cached + n:] = False
+        key[j, :, cached + n:] = value[j, :, cached + n:] = 0
     mask = keep if kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
     module = _module(groups)
+    module.layer_idx = 0
     expected, _ = sdpa_attention_forward(module, query, key, value, mask)  # [B, w, H, d]
-    with row_lengths(lengths):
-        got, _ = packed_gqa_sdpa(module, query, key, value, mask)
+    cache = DynamicCache()
+    cache.update(key[:, :, :cached].clone(), value[:, :, :cached].clone(), 0)
+    got, _ = packed_gqa_sdpa(module, _flat(query, lengths, 0), _flat(key, lengths, cached),
+                             _flat(value, lengths, cached), mask, batch_rows=BatchRows(cache, lengths))
+    assert got.shape == (1, sum(lengths), kv_heads * groups, dim)  # [1, T, H, d]
+    start = 0
     for j, n in enumerate(lengths):
-        torch.testing.assert_close(got[j, :n], expected[j, :n], rtol=1e-5, atol=1e-6)
-        assert not got[j, n:].any(), "padding is not attended"
-    with row_lengths([5, 1]):  # not this batch: every query attended
-        whole, _ = packed_gqa_sdpa(module, query, key, value, mask)
-    torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[0, start:start + n], expected[j, :n], rtol=1e-5, atol=1e-6)
+        start += n
+    assert torch.equal(cache.layers[0].keys, key) and torch.equal(cache.layers[0].values, value)
+    wrong = DynamicCache()
+    wrong.update(key[:, :, :cached].clone(), value[:, :, :cached].clone(), 0)
+    shifted, _ = packed_gqa_sdpa(module, _flat(query, lengths, 0), _flat(key, lengths, cached),
+                                 _flat(value, lengths, cached), mask, batch_rows=BatchRows(wrong, [3, 1, 5]))
+    assert not torch.allclose(shifted, got), "the lengths decide which row a token attends in"
 
 
-def test_row_lengths_skip_attention_calls_over_padding(monkeypatch):
-    """Only a padded batch is cut per row; uniform lengths keep the one batched call."""
+def test_batch_rows_skip_attention_calls_over_padding(monkeypatch):
+    """Only a ragged batch is attended row by row; uniform lengths keep the one batched call."""
     from specgen.models import attention
 
     calls = []
     grouped = attention._grouped
     monkeypatch.setattr(attention, "_grouped", lambda q, *a: calls.append(tuple(q.shape[::2])) or grouped(q, *a))
-    query = torch.randn(2, 4, 3, 8)
-    key = value = torch.randn(2, 2, 6, 8)
-    mask = torch.ones(2, 1, 3, 6, dtype=torch.bool)
-    with row_lengths([3, 3]):
-        packed_gqa_sdpa(_module(2), query, key, value, mask)
-    with row_lengths([3, 2]):
-        packed_gqa_sdpa(_module(2), query, key, value, mask)
+    module = _module(2)
+    module.layer_idx = 0
+    for lengths in ([3, 3], [3, 2]):
+        total = sum(lengths)
+        query, key = torch.randn(1, 4, total, 8), torch.randn(1, 2, total, 8)  # [1, H, T, d], [1, kv, T, d]
+        mask = torch.ones(2, 1, 3, 3, dtype=torch.bool)
+        out, _ = packed_gqa_sdpa(module, query, key, key, mask, batch_rows=BatchRows(DynamicCache(), lengths))
+        assert out.shape == (1, total, 4, 8)
     assert calls == [(2, 3), (1, 3), (1, 2)]  # (rows, queries) per call

@@ -21,7 +21,8 @@ from exact import exact_distribution, goodness_of_fit
 
 import specgen
 import specgen.grammar
-from specgen.batch import BatchKV, BatchScheduler, Cancelled, StepError, admit, prepare, step
+from specgen.batch import BatchScheduler, Cancelled, StepError, admit, prepare, step
+from specgen.models.batch_kv import BatchKV
 from specgen.errors import ConfigError, PromptError
 from specgen.events import FinishEvent, TokenEvent
 from specgen.grammar import backend as grammar_backend

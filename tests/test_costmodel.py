@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conftest import TEST_COSTS, tiny_pipeline
-from specgen.batch.kv import BatchKV
+from specgen.models.batch_kv import BatchKV
 from specgen.batch.drafting import batch_costs
 from specgen.planning import BatchCostTable, CostTable
 from specgen.planning import measure as measuring

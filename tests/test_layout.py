@@ -11,7 +11,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "specgen"
 MAX_TOP_LEVEL = 12
 MAX_LINES = 400
 #: The backend classes (``specgen.models``) and the names a target reports in ``Target.backend``.
-BACKEND_CLASSES = frozenset({"CausalLM", "LlamaCppLM", "QuantizedLM", "LlamaBatch", "LlamaPool", "LlamaContext"})
+BACKEND_CLASSES = frozenset({"CausalLM", "LlamaCppLM", "QuantizedLM", "LlamaBatch", "LlamaPool", "LlamaContext",
+                             "BatchKV", "QuantBatch"})
 BACKEND_NAMES = frozenset({"torch", "torch_quant", "llama_cpp"})
 
 

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from conftest import tiny_pipeline
 
 import specgen
-from specgen.models import attention, packed_linear
-from specgen.models.causal_lm import _prefix_lengths
+from specgen.models import packed_linear
+from specgen.models.batch_kv import BatchKV
+from specgen.models.causal_lm import CausalLM
 from specgen.models.packed_linear import PackedLinear
 from specgen.models.tiny import build_tiny_model
 
@@ -40,56 +41,51 @@ def test_same_product_as_linear_on_the_packed_path(rows, bias):
     assert torch.allclose(out, expected, rtol=1e-5, atol=1e-4)
 
 
+def _counted(lm: CausalLM) -> list[int]:
+    """Rows each PackedLinear of ``lm`` multiplies, one entry a call."""
+    rows = []
+    for module in lm.model.modules():
+        if isinstance(module, PackedLinear):
+            forward = module.forward
+            module.forward = lambda x, forward=forward: rows.append(x.numel() // x.shape[-1]) or forward(x)
+    return rows
+
+
 @pytest.mark.parametrize("enabled", [True, False])
-def test_real_tokens_skips_padding_and_keeps_every_real_product(enabled):
-    """Inside real_tokens a [B, w, in] input of that shape multiplies its real tokens only:
-    each real token's output is its own product, padding comes out zero; other shapes, and
-    everything outside the context, run as before."""
-    layer, generator = _layer(4, True)
-    fast = PackedLinear.of(layer)
-    fast.enabled = enabled
-    x = torch.randn(3, 4, 64, generator=generator)  # [B, w, in]
-    real = torch.tensor([[True, True, True, True], [True, False, False, False], [True, True, False, False]])
+def test_a_ragged_batched_forward_multiplies_real_tokens_only(enabled):
+    """A ragged batched forward feeds its rows flat: every linear layer multiplies the real tokens
+    only (no padding reaches it), each row's logits are its own; a uniform feed multiplies them all."""
+    lm = CausalLM(build_tiny_model(seed=3, vocab_size=32, num_heads=4, num_kv_heads=2), vocab_size=32,
+                  packed=enabled)
+    rows = _counted(lm)
+    kv = BatchKV(lm, 3)
+    feeds = [[3, 4, 5, 6], [7], [8, 9]]
     with torch.inference_mode():
-        full = fast(x)
-        with packed_linear.real_tokens(real):
-            out = fast(x)
-            other = fast(x[:2])  # not the batch's shape: every row computed
-        after = fast(x)
-    assert torch.allclose(out[real], full[real], rtol=1e-5, atol=1e-4)
-    assert not out[~real].any(), "padding is zero, not computed"
-    assert torch.allclose(other, full[:2], rtol=1e-5, atol=1e-4) and torch.equal(after, full)
-    products = []
-    with torch.inference_mode(), packed_linear.real_tokens(real):
-        original = fast._product
-        fast._product = lambda flat: products.append(flat.shape[0]) or original(flat)
-        fast(x)
-    assert products == [int(real.sum())], "only the 7 real tokens were multiplied"
+        out = kv.forward(feeds, [len(f) for f in feeds])
+        assert rows and set(rows) == {7}, "only the 7 real tokens were multiplied, never 3 x 4"
+        for feed, logits in zip(feeds, out, strict=True):
+            alone = lm.forward(lm.new_cache(), feed, keep=len(feed))  # [n, vocab]
+            assert torch.allclose(logits, alone, rtol=1e-5, atol=1e-5)
+        rows.clear()
+        kv.forward([[1, 2], [3, 4], [5, 6]], [2, 2, 2])
+    assert set(rows) == {6}
 
 
-def test_real_tokens_in_a_batched_step_keeps_greedy_rows(monkeypatch):
-    """A ragged batched step (rows drafting different lengths) gives the same tokens with
-    linear layers and attention skipping the padding as without, and as single requests."""
+def test_ragged_batched_steps_keep_greedy_rows(monkeypatch):
+    """Ragged batched steps (rows drafting different lengths) fed flat give the tokens of single requests."""
     pipe = tiny_pipeline("drafter.num_tokens=3", drafter="ngram")
     prompts = [dict(prompt_ids=[1 + i, 2, 3, 1 + i, 2, 3][: 3 + i], max_new_tokens=12) for i in range(4)]
-    original = packed_linear.real_tokens
-    padded_steps = []
+    original = CausalLM.forward_batch
+    steps = []
 
-    def counting(real, device=None):
-        padded_steps.append(not bool(real.all()))
-        return original(real, device)
+    def recording(self, cache, ids, positions, allowed, lengths, picks):
+        steps.append(list(lengths))
+        return original(self, cache, ids, positions, allowed, lengths, picks)
 
-    monkeypatch.setattr(packed_linear, "real_tokens", counting)
-    cut = []
-    lengths = attention.row_lengths
-    monkeypatch.setattr(attention, "row_lengths", lambda given: cut.append(given is not None) or lengths(given))
-    with_skip = [g.token_ids for g in pipe.generate_batch(prompts, batch_size=4)]
-    assert any(padded_steps), "some step had padding to skip"
-    assert cut == [True] * len(padded_steps), "attention was told each row's real length"
-    monkeypatch.setattr(packed_linear, "real_tokens", lambda real, device=None: original(torch.ones_like(real), device))
-    monkeypatch.setattr(attention, "row_lengths", lambda given: lengths(None))
-    padded = [g.token_ids for g in pipe.generate_batch(prompts, batch_size=4)]
-    assert with_skip == padded == [pipe.generate(**p).token_ids for p in prompts]
+    monkeypatch.setattr(CausalLM, "forward_batch", recording)
+    batched = [g.token_ids for g in pipe.generate_batch(prompts, batch_size=4)]
+    assert any(len(set(lengths)) > 1 for lengths in steps), "some step was ragged"
+    assert batched == [pipe.generate(**p).token_ids for p in prompts]
 
 
 def test_follows_its_weight_changed_in_place_or_replaced():
@@ -195,8 +191,23 @@ def test_a_packed_head_drafts_what_the_unpacked_head_drafts(kind):
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-4)
 
 
-def test_prefix_lengths_read_real_tokens_only_when_they_lead_each_row():
-    real = torch.tensor([[True, True, False], [True, False, False], [True, True, True]])
-    assert _prefix_lengths(real) == [2, 1, 3]
-    real[1, 2] = True  # a hole: not a prefix
-    assert _prefix_lengths(real) is None
+def test_a_batched_forward_feeds_the_rows_flat(monkeypatch):
+    """BatchKV.forward hands the held rows' feeds to forward_batch flat, with each row's length and
+    the flat indices of the logits kept; idle rows are not held."""
+    lm = CausalLM(build_tiny_model(seed=0), vocab_size=16)
+    seen = {}
+    original = CausalLM.forward_batch
+
+    def recording(self, cache, ids, positions, allowed, lengths, picks):
+        seen.update(ids=ids.tolist(), positions=positions.tolist(), shape=tuple(allowed.shape), lengths=list(lengths),
+                    picks=picks.tolist())
+        return original(self, cache, ids, positions, allowed, lengths, picks)
+
+    monkeypatch.setattr(CausalLM, "forward_batch", recording)
+    kv = BatchKV(lm, 4)
+    with torch.inference_mode():
+        out = kv.forward([[5, 6], [], [7], [8, 9, 10]], [1, 0, 1, 2])
+    assert seen == dict(ids=[5, 6, 7, 8, 9, 10], positions=[0, 1, 0, 0, 1, 2], shape=(3, 3, 3), lengths=[2, 1, 3],
+                        picks=[1, 2, 4, 5])
+    assert [None if o is None else o.shape[0] for o in out] == [1, None, 1, 2]
+    assert kv.width == 3 and [len(row) for row in kv.rows] == [2, 0, 1, 3]

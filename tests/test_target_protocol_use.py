@@ -112,11 +112,11 @@ def test_each_backend_serves_the_protocol_as_its_capabilities_declare():
     from specgen.models import CausalLM, build_tiny_model
     from specgen.models.llama_cpp import LlamaCppLM
     from specgen.models.quantized import QuantizedLM
-    from specgen.models.target import (HFBacked, RowBatchTarget, SharedBatchTarget, Target, TargetDefaults,
-                                       hf_model_of)
+    from specgen.models.target import BatchCache, HFBacked, Target, TargetDefaults, hf_model_of
 
     lm = CausalLM(build_tiny_model(seed=0), vocab_size=16)
-    assert isinstance(lm, Target) and isinstance(lm, SharedBatchTarget) and not isinstance(lm, RowBatchTarget)
+    assert isinstance(lm, Target) and lm.capabilities.batches and isinstance(lm.new_batch(2), BatchCache)
+    assert not isinstance(lm.new_cache(), BatchCache)  # the protocol check can fail
     assert lm.capabilities.trees and lm.capabilities.compile and lm.context_hint is None and not lm.is_compiled
     assert hf_model_of(lm) is lm.model and isinstance(lm, HFBacked)
     out = lm.forward_tree(lm.new_cache(), [1, 2], [3, 4], torch.eye(2, dtype=torch.bool), [1, 1], feature_layers=[])
@@ -124,7 +124,7 @@ def test_each_backend_serves_the_protocol_as_its_capabilities_declare():
     assert out.logits(0).shape == (1, 16) and out.all_logits().shape == (3, 16)  # [1, vocab], [n + 1, vocab]
     for backend in (LlamaCppLM, QuantizedLM):  # compile is the refusing default
         assert backend.enable_compile is TargetDefaults.enable_compile
-        assert callable(getattr(backend, "new_batch", None)) and not hasattr(backend, "forward_batch")
+        assert backend.new_batch is not TargetDefaults.new_batch and not hasattr(backend, "forward_batch")
         assert getattr(backend, "compiled", None) is None
     assert LlamaCppLM.forward_tree is TargetDefaults.forward_tree  # chains only
     assert getattr(LlamaCppLM, "hf_model", None) is None
@@ -134,6 +134,7 @@ def test_each_backend_serves_the_protocol_as_its_capabilities_declare():
     out = quant.forward_tree(quant.new_cache(), [1, 2], [3, 4], torch.eye(2, dtype=torch.bool), [1, 1],
                              feature_layers=[])
     assert out.logits(0).shape == (1, 16) and out.all_logits().shape == (3, 16) and out.features.shape == (3, 32)
+    assert isinstance(quant.new_batch(2), BatchCache) and quant.capabilities.batches
     assert LlamaCppLM.context_hint == "raise llama_cpp.context" and QuantizedLM.context_hint is None
 
     class Chains(TargetDefaults):
@@ -143,4 +144,6 @@ def test_each_backend_serves_the_protocol_as_its_capabilities_declare():
         Chains().forward_tree(None, [1], [2], torch.eye(1, dtype=torch.bool), [1])
     with pytest.raises(ConfigError, match="the llama_cpp backend has no compiled path"):
         Chains().enable_compile()
+    with pytest.raises(ConfigError, match="the llama_cpp backend serves no batched forwards"):
+        Chains().new_batch(2)
     assert hf_model_of(Chains()) is None and not Chains().is_compiled

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from specgen.batch.kv import batch_cache
 from specgen.drafters import Proposal
 from specgen.drafters.base import EMPTY
 from specgen.planning import (AUTO, BatchCostTable, DraftedRow, RowPlan, auto_row, drafted_row, plan_batch,
@@ -31,8 +30,8 @@ MEASURE_ROW_CONTEXT = BATCH_CONTEXT_TOKENS + BATCH_WIDTHS[-1] + 1
 
 def batch_costs(pipe, size: int, *, refresh: bool = False) -> BatchCostTable:
     """The pipeline's batched cost table for batches of ``size`` rows (measured once per machine on
-    batched caches of its target (:func:`specgen.batch.kv.batch_cache`), then cached; see :func:`specgen.planning.cost_cache.batch_cost_table`)."""
-    return cost_cache.batch_cost_table(pipe.cost_subject(), size, lambda rows: batch_cache(pipe.target, rows, MEASURE_ROW_CONTEXT),
+    batched caches of its target (:meth:`~specgen.models.target.Target.new_batch`), then cached; see :func:`specgen.planning.cost_cache.batch_cost_table`)."""
+    return cost_cache.batch_cost_table(pipe.cost_subject(), size, lambda rows: pipe.target.new_batch(rows, MEASURE_ROW_CONTEXT),
                                   refresh=refresh)
 
 

@@ -7,12 +7,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 
-from specgen.batch.kv import BatchKV, batch_cache
 from specgen.batch.drafting import batch_costs, plan_rows
 from specgen.drafters import batch_refusal
 from specgen.errors import ConfigError, DeadEndError, PromptError, SpecgenError
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.models.prefix_cache import common_prefix
+from specgen.models.target import BatchCache
 from specgen.config.options import RequestOptions, parse_batch_size, request_options, set_fields, with_overrides
 from specgen.planning import AUTO, BatchCostTable
 from specgen.engine.request import RequestPlan, finish, record
@@ -73,13 +73,13 @@ def prepare(pipe, prompt, common: RequestOptions | None, index: int | None, *, p
 
 class Batch:
     """The step loop's state, shared by :func:`stream_batch` and :class:`BatchScheduler`:
-    ``size`` slots over one batched cache (:func:`~specgen.batch.kv.batch_cache`; a row holds
+    ``size`` slots over one batched cache (:meth:`~specgen.models.target.Target.new_batch`; a row holds
     at most ``row_context`` tokens where the backend sizes rows, None: the target's context).
     Rows are added and removed only between steps, so a removed row is always at its last commit."""
 
     def __init__(self, pipe, size: int, row_context: int | None = None, *, chunked_prefill: bool = True):
         self.pipe = pipe
-        self.kv = batch_cache(pipe.target, size, row_context)
+        self.kv: BatchCache = pipe.target.new_batch(size, row_context)
         #: Long prompts are prefilled a chunk per step (see :func:`prefill_chunks`); False: whole, in one step.
         self.chunked_prefill = chunked_prefill
         self.slots: list[Row | None] = [None] * size
@@ -198,7 +198,7 @@ def generate_batch(pipe, prompts: Sequence, *, batch_size: int = 8, options: Req
     return out
 
 
-def admit(pipe, kv: BatchKV, r: int, spec: RowSpec, reuse: bool = False) -> Row:
+def admit(pipe, kv: BatchCache, r: int, spec: RowSpec, reuse: bool = False) -> Row:
     """Open ``spec`` on slot ``r``: on its kept entries synced to the prompt (``reuse``: every
     entry but the prompt's last token may be kept), else on the slot cleared."""
     if reuse and r < len(kv.rows):
@@ -217,7 +217,7 @@ def admit(pipe, kv: BatchKV, r: int, spec: RowSpec, reuse: bool = False) -> Row:
 MAX_PASSED_OVER = 4
 
 
-def prefill_chunks(kv, live: list[tuple[int, Row]]) -> dict[int, list[int]]:
+def prefill_chunks(kv: BatchCache, live: list[tuple[int, Row]]) -> dict[int, list[int]]:
     """The rows of ``live`` whose prompt does not go whole this step, each with what it feeds.
 
     The rows without a first token yet share a budget of one chunk (``kv.prefill_chunk``
@@ -233,7 +233,7 @@ def prefill_chunks(kv, live: list[tuple[int, Row]]) -> dict[int, list[int]]:
     over (fed nothing) :data:`MAX_PASSED_OVER` steps in a row goes first in the next step
     (oldest first among such rows); each row's ``passed_over`` count is updated here. {} when
     the backend does not chunk (``kv.prefill_chunk`` None)."""
-    chunk = getattr(kv, "prefill_chunk", None)
+    chunk = kv.prefill_chunk
     if not chunk:
         return {}
     waiting = []  # (uncached prompt tokens, admission time, row index, row)
@@ -263,7 +263,7 @@ def prefill_chunks(kv, live: list[tuple[int, Row]]) -> dict[int, list[int]]:
     return out
 
 
-def step(kv: BatchKV, live: list[tuple[int, Row]], costs: BatchCostTable | None = None, draining: bool = False,
+def step(kv: BatchCache, live: list[tuple[int, Row]], costs: BatchCostTable | None = None, draining: bool = False,
          chunked: bool = True) -> list[tuple[int, list[TokenEvent]]]:
     """One batched step over the ``live`` (row index, Row) pairs, as one transaction;
     -> (row index, events) for each live row (none for a row still prefilling). costs: the

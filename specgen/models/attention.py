@@ -15,11 +15,15 @@ against each other. Anything else (one query token, no groups, a per-head
 mask, extra kwargs such as sinks or softcapping) goes to transformers' own
 function unchanged.
 
-A ragged batched step pads every row's feed to the widest (:mod:`specgen.batch`).
-Within :func:`row_lengths` each row's query is cut to its own real tokens and
-attended in a call of its own (views, no copies), so the padding costs no
-attention; a row's real outputs are the same arithmetic as in the padded call.
-What both save: docs/benchmarks.md, "Batching".
+A ragged batched step (:class:`specgen.models.batch_kv.BatchKV`) feeds the model the
+real tokens of its B rows flat, ``[1, T]``, with a :class:`BatchRows` argument
+(``batch_rows=``, which transformers hands to every attention call with the model's
+other keyword arguments): each call appends its layer's new keys/values to the batch-B
+cache the argument names, w slots a row (w = the longest row's feed; a shorter row's
+extra slots hold zeros nobody attends to), and attends each row's queries to its own
+batch entry, in a call of its own (one call over every row where all feeds are as long).
+So no padding reaches a linear layer or an attention call, and a row's outputs are the
+arithmetic of a padded call's real rows. What it saves: docs/benchmarks.md, "Batching".
 
 :func:`set_per_query` switches a model to the batch-invariant path (``invariant_verify=true``):
 every query token, also a single-token step's, attends in a call of its own to the keys it
@@ -28,9 +32,8 @@ sees, so its output is the same whichever tokens it is fed with (:func:`_per_que
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,24 +45,38 @@ _UNSUPPORTED = ("s_aux", "sinks", "softcap", "position_bias")
 #: The attribute :func:`set_per_query` sets on a model's modules.
 PER_QUERY = "specgen_per_query"
 
-#: Set by :func:`row_lengths`: each batch row's real query tokens (a prefix of the row).
-_LENGTHS: ContextVar[tuple[int, ...] | None] = ContextVar("specgen_row_lengths", default=None)
+#: The keyword a batched forward passes its :class:`BatchRows` as (``model(..., batch_rows=rows)``).
+ROWS = "batch_rows"
 
 
-@contextmanager
-def row_lengths(lengths: Sequence[int] | None) -> Iterator[None]:
-    """Within this context a packed attention call over a batch of ``len(lengths)`` rows
-    attends only row j's first ``lengths[j]`` queries (the rest are padding, left at zero:
-    the caller must neither read them nor let a real token see their keys). None, lengths
-    of another batch, or no padding at all: every query is attended, as outside the context."""
-    token = _LENGTHS.set(None if lengths is None else tuple(int(n) for n in lengths))
-    try:
-        yield
-    finally:
-        _LENGTHS.reset(token)
+@dataclass(frozen=True)
+class BatchRows:
+    """The rows of a ragged batched forward fed flat (see the module docstring).
+
+    cache: the batch-B transformers cache the rows share ([B, kv, S, d] keys/values a layer);
+    lengths: row j's tokens fed this forward (at least one each), the model's T = sum(lengths)
+    inputs holding row j's after row j - 1's. The attention mask is [B, 1, w, S + w]
+    (w = max(lengths)): row j's query i < lengths[j] over its S cached slots and w new ones."""
+
+    cache: object
+    lengths: Sequence[int]
+
+    @property
+    def width(self) -> int:
+        return max(self.lengths)
+
+    def padded(self, flat: torch.Tensor) -> torch.Tensor:
+        """[1, heads, T, d] flat rows -> [B, heads, w, d], row j's first lengths[j] entries its own, the rest zero."""
+        out = flat.new_zeros(len(self.lengths), flat.shape[1], self.width, flat.shape[3])
+        start = 0
+        for j, n in enumerate(self.lengths):
+            out[j, :, :n] = flat[0, :, start:start + n]
+            start += n
+        return out
 
 
 def _packable(query: torch.Tensor, key: torch.Tensor, attention_mask, kwargs, ragged: bool = False) -> bool:
+    """Whether :func:`_grouped` serves the call (ragged: each row's own call, grouped or not)."""
     heads, width = query.shape[1], query.shape[2]
     kv_heads = key.shape[1]
     if (kv_heads == heads and not ragged) or heads % kv_heads or width == 1:
@@ -75,32 +92,52 @@ def packed_gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     """transformers' attention-function signature; returns ``([B, w, H, d], None)``.
 
     query: [B, H, w, d]; key, value: [B, kv, S, d]; attention_mask: [B or 1, 1, w, S]
-    (additive float or boolean keep-mask).
+    (additive float or boolean keep-mask). With ``batch_rows`` (a :class:`BatchRows`): query,
+    key, value are the rows' new tokens flat, [1, H, T, d] and [1, kv, T, d], appended to the
+    rows' cache here; returns ``([1, T, H, d], None)``.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    rows = kwargs.pop(ROWS, None)
+    if rows is not None:
+        return _rows(module, query, key, value, attention_mask, dropout, scaling, rows, kwargs), None
     if getattr(module, PER_QUERY, False):
         out = _per_query(module, query, key, value, attention_mask, dropout, scaling, kwargs)  # [B, w, H, d]
         return out, None
-    lengths = _LENGTHS.get()
-    if lengths is not None and (len(lengths) != query.shape[0] or max(lengths) > query.shape[2]
-                                or min(lengths) == query.shape[2]):
-        lengths = None  # not this call's batch, or no padding
-    if not _packable(query, key, attention_mask, kwargs, lengths is not None):
+    if not _packable(query, key, attention_mask, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    dropout = dropout if module.training else 0.0
-    if lengths is None:
-        out = _grouped(query, key, value, attention_mask, dropout, scaling)  # [B, H, w, d]
-        return out.transpose(1, 2).contiguous(), None
-    batch, heads, width, dim = query.shape
-    out = query.new_zeros(batch, width, heads, dim)  # [B, w, H, d]; padding stays zero
-    shared = attention_mask.shape[0] == 1
-    for j, n in enumerate(lengths):
-        mask = attention_mask[0 if shared else j, None, :, :n]  # [1, 1, n, S]
-        row = _grouped(query[j, None, :, :n], key[j, None], value[j, None], mask, dropout, scaling)  # [1, H, n, d]
-        out[j, :n] = row[0].transpose(0, 1)
-    return out, None
+    out = _grouped(query, key, value, attention_mask, dropout if module.training else 0.0, scaling)  # [B, H, w, d]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _rows(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          attention_mask: torch.Tensor, dropout: float, scaling: float | None, rows: BatchRows,
+          kwargs) -> torch.Tensor:
+    """A :class:`BatchRows` forward's attention: query [1, H, T, d] and key, value [1, kv, T, d] flat;
+    attention_mask [B or 1, 1, w, S + w]. Appends the new keys/values to ``rows.cache`` ([B, kv, w, d]
+    each, :meth:`BatchRows.padded`), then attends each row's queries to its batch entry; -> [1, T, H, d]."""
+    keys, values = rows.cache.update(rows.padded(key), rows.padded(value), module.layer_idx)  # [B, kv, S + w, d]
+    heads, total, dim = query.shape[1], query.shape[2], query.shape[3]
+    width, batch = rows.width, len(rows.lengths)
+    if min(rows.lengths) == width:  # no row shorter: one call over the batch, as an unpadded batch makes
+        together = query[0].reshape(heads, batch, width, dim).transpose(0, 1)  # [B, H, w, d]
+        out, _ = packed_gqa_sdpa(module, together, keys, values, attention_mask, dropout, scaling, **kwargs)
+        return out.reshape(1, total, heads, dim)  # [B, w, H, d] -> [1, T, H, d]
+    out = query.new_empty(1, total, heads, dim)  # [1, T, H, d]
+    shared, start = attention_mask.shape[0] == 1, 0
+    packable = not getattr(module, PER_QUERY, False) and _packable(query, key, attention_mask, kwargs, ragged=True)
+    for j, n in enumerate(rows.lengths):
+        mask = attention_mask[0 if shared else j, None, :, :n]  # [1, 1, n, S + w]
+        mine = query[:, :, start:start + n]  # [1, H, n, d]
+        if packable:
+            row = _grouped(mine, keys[j, None], values[j, None], mask, dropout if module.training else 0.0,
+                           scaling).transpose(1, 2)  # [1, n, H, d]
+        else:
+            row, _ = packed_gqa_sdpa(module, mine, keys[j, None], values[j, None], mask, dropout, scaling, **kwargs)
+        out[0, start:start + n] = row[0]
+        start += n
+    return out
 
 
 def _grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,

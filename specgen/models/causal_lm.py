@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +16,7 @@ from transformers import DynamicCache, StaticCache
 
 from specgen.errors import ConfigError, NumericalError
 from specgen.models import attention, packed_linear
+from specgen.models.batch_kv import BatchKV
 from specgen.models.compiled import (BUCKETS, FIRST_CAPACITY, CompiledDecoder, bucket_for, grown, keep_static_rows,
                                      new_static_cache)
 from specgen.models.growing_cache import growing_cache
@@ -144,7 +144,7 @@ class TreeOutput:
 
 class CausalLM(TargetDefaults):
     """The torch/HF target backend (:class:`specgen.models.target.Target`): the reference, serving chains,
-    trees, features, compiled forwards, and batches (:class:`specgen.models.target.SharedBatchTarget`).
+    trees, features, compiled forwards, and batches (:meth:`new_batch`: a :class:`~specgen.models.batch_kv.BatchKV`).
 
     model: a transformers ``*ForCausalLM`` in eval mode (:attr:`hf_model`, for what reads it).
     vocab_size: how many ids have a token in the tokenizer; logits are cut to
@@ -243,6 +243,10 @@ class CausalLM(TargetDefaults):
         if self.compiled is not None:
             return KVCache(new_static_cache(self.config, FIRST_CAPACITY))
         return KVCache(growing_cache(self.config))
+
+    def new_batch(self, size: int, row_context: int | None = None) -> BatchKV:
+        """``size`` rows on one shared batch cache; a row holds up to :attr:`context_length` (``row_context`` unused)."""
+        return BatchKV(self, size)
 
     def _static_forward(self, cache: KVCache, ids: list[int] | torch.Tensor, positions: list[int], allowed: torch.Tensor,
                         all_hidden: bool = False):
@@ -352,37 +356,35 @@ class CausalLM(TargetDefaults):
 
     @torch.inference_mode()
     def forward_batch(self, cache: DynamicCache, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
-                      rows: torch.Tensor, cols: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
-        """One forward of B rows sharing a batch-B DynamicCache (see :mod:`specgen.batch`).
+                      lengths: list[int], picks: torch.Tensor) -> torch.Tensor:
+        """One forward of B rows sharing a batch-B DynamicCache (:class:`BatchKV`), fed flat: no padding
+        reaches a linear layer or an attention call (:class:`attention.BatchRows`).
 
-        ids: [B, w] token ids; positions: [B, w] each row's own positions;
-        allowed: [B, w, S + w] bool, which of the S cached slots and w new slots each
-        new token sees (every query must see at least one key). rows, cols: [K] the
-        (row, column) outputs wanted. real: [B, w] bool on the host, the tokens that are not
-        padding (None: all); linear layers skip the padding (:func:`packed_linear.real_tokens`), and
-        so does attention where each row's real tokens are a prefix (:func:`attention.row_lengths`);
-        padded outputs must then be neither wanted nor seen by a real token. Returns raw logits [K, vocab_size] (float32),
-        refusing NaN (NumericalError). Appends w slots to every row of ``cache``; on
-        any exception the cache is cut back to S slots before re-raising.
+        ids, positions: [T] every row's new tokens and their positions, row j's ``lengths[j]`` (at least
+        one) after row j - 1's; allowed: [B, w, S + w] bool (w = max(lengths)), which of the S cached
+        slots and w new slots row j's query i < lengths[j] sees (at least one each); picks: [K] indices
+        into the T tokens whose logits are wanted. Returns raw logits [K, vocab_size] (float32), refusing
+        NaN (NumericalError). Appends w slots to every row of ``cache`` (row j's first lengths[j] its new
+        keys/values, the rest zero); on any exception the cache is cut back to S slots before re-raising.
         """
+        if getattr(self.config, "_attn_implementation", None) != attention.NAME:
+            raise ConfigError(f"batched forwards need attn_implementation={attention.NAME!r}, not "
+                              f"{getattr(self.config, '_attn_implementation', None)!r}")
         device = self.device
         dtype = next(self.model.parameters()).dtype
-        start = int(allowed.shape[-1] - ids.shape[1])
+        start = int(allowed.shape[-1] - max(lengths))
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)  # [B, w, S + w], additive
         mask.masked_fill_(~allowed.to(device), torch.finfo(dtype).min)
-        inputs = dict(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask[:, None],
-                      use_cache=True, **{self._cache_kwarg: cache})
+        inputs = dict(input_ids=ids.to(device)[None], position_ids=positions.to(device)[None],  # [1, T]
+                      attention_mask=mask[:, None], use_cache=False,
+                      **{attention.ROWS: attention.BatchRows(cache, lengths)})
         try:
-            with ExitStack() as padding:
-                if real is not None:
-                    padding.enter_context(packed_linear.real_tokens(real, device))
-                    padding.enter_context(attention.row_lengths(_prefix_lengths(real)))
-                if self._plain_lm_head:  # the head's input [K, d] is not the padded shape: every row computed
-                    hidden = self.model.get_decoder()(**inputs).last_hidden_state  # [B, w, d]
-                    logits = self._head(hidden[rows.to(device), cols.to(device)])  # [K, vocab]
-                else:
-                    full = self.model(**inputs).logits  # [B, w, vocab']
-                    logits = full[rows.to(device), cols.to(device), : self.vocab_size]  # [K, vocab]
+            if self._plain_lm_head:  # the head's input [K, d]: only the picked tokens through the LM head
+                hidden = self.model.get_decoder()(**inputs).last_hidden_state  # [1, T, d]
+                logits = self._head(hidden[0, picks.to(device)])  # [K, vocab]
+            else:
+                full = self.model(**inputs).logits  # [1, T, vocab']
+                logits = full[0, picks.to(device), : self.vocab_size]  # [K, vocab]
             return self._checked(logits, start)
         except BaseException:
             for layer in cache.layers:
@@ -390,11 +392,3 @@ class CausalLM(TargetDefaults):
                     layer.keys = layer.keys[..., :start, :]  # [B, heads, S, head_dim]
                     layer.values = layer.values[..., :start, :]
             raise
-
-
-def _prefix_lengths(real: torch.Tensor) -> list[int] | None:
-    """Each row's count of real tokens when they are a prefix of the row (real: [B, w] bool
-    on the host); None otherwise."""
-    lengths = real.sum(dim=1)  # [B]
-    prefix = torch.arange(real.shape[1]) < lengths[:, None]  # [B, w]
-    return lengths.tolist() if torch.equal(prefix, real) else None

@@ -31,8 +31,8 @@ ROW_ALIGN = 256
 
 
 class LlamaBatch:
-    """``size`` rows of ``row_context`` tokens on a context of ``lm``'s model, behind the
-    interface of :class:`specgen.batch.BatchKV`.
+    """``size`` rows of ``row_context`` tokens on a context of ``lm``'s model, a
+    :class:`~specgen.models.target.BatchCache`.
 
     rows: one LlamaKV handle per row the context holds so far (:attr:`capacity`; a row
     beyond is made when first used); width: the longest row, in tokens (the cells a

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -51,30 +50,6 @@ def packable(dtype: torch.dtype) -> bool:
 
 
 _AVAILABLE = available()
-
-#: Set by :func:`real_tokens`: the padded batch's [B, w] shape and the flat indices of its real tokens.
-_REAL: ContextVar[tuple[torch.Size, torch.Tensor] | None] = ContextVar("specgen_real_tokens", default=None)
-
-
-@contextmanager
-def real_tokens(real: torch.Tensor, device: torch.device | str | None = None) -> Iterator[None]:
-    """Within this context a :class:`PackedLinear` fed a padded batch ``[B, w, in]`` multiplies
-    only its real tokens (``real``: [B, w] bool) and returns zeros for the padding.
-
-    A ragged batched step pads every row's feed to the widest (:mod:`specgen.batch`); on a
-    CPU, where a forward of a few dozen tokens is compute-bound, the padding would cost as
-    much as real tokens. The caller must not read what padded positions compute. Real
-    tokens' outputs are each row's own product, whatever the padding. Pass ``real`` on the
-    host (reading it is free there) and the model's ``device``: the indices go over once."""
-    index = real.reshape(-1).nonzero().squeeze(1)  # [T]
-    if device is not None:
-        index = index.to(device)
-    token = _REAL.set((real.shape, index) if index.numel() < real.numel() else None)
-    try:
-        yield
-    finally:
-        _REAL.reset(token)
-
 
 class PackedWeight:
     """The oneDNN-packed copy of one weight, made on first use and again when the weight
@@ -135,16 +110,6 @@ class PackedLinear(torch.nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        real = _REAL.get()
-        if real is not None and x.dim() == 3 and x.shape[:2] == real[0]:
-            (batch, width), index = real
-            flat = x.reshape(batch * width, x.shape[-1]).index_select(0, index)  # [T, in]: the real tokens
-            out = self._product(flat)  # [T, out]
-            full = out.new_zeros(batch * width, out.shape[-1])  # padding stays zero
-            return full.index_copy_(0, index, out).reshape(batch, width, out.shape[-1])  # [B, w, out]
-        return self._product(x)
-
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.rowwise and x.numel() > x.shape[-1]:  # each row as a single-token step multiplies it
             flat = x.reshape(-1, x.shape[-1])  # [rows, in]
             out = torch.cat([self._row_product(flat[i: i + 1]) for i in range(flat.shape[0])])  # [rows, out]

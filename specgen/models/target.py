@@ -18,9 +18,9 @@ Consumers (engine, rounds, batches, planning, drafters) see a :class:`Target` on
 never name a backend class or branch on :attr:`Target.backend` (a name for reports and
 messages), and never reach into a backend's model. What one backend has beyond the
 protocol is an optional protocol here, checked where it is used: :class:`HFBacked` (a
-transformers model behind the target), :class:`SharedBatchTarget` and
-:class:`RowBatchTarget` (the two shapes of batched forwards,
-:func:`specgen.batch.kv.batch_cache` picks). tests/test_target_protocol_use.py holds it.
+transformers model behind the target). Batches of many requests go through one protocol
+whatever the backend: :meth:`Target.new_batch` returns a :class:`BatchCache`.
+tests/test_target_protocol_use.py holds it.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Capabilities:
 
     trees: a forward over a draft tree with an ancestor mask (``forward_tree``);
     features: hidden states of chosen layers for learned drafters;
-    batches: ragged multi-request forwards (``forward_batch``, :mod:`specgen.batch`);
+    batches: ragged multi-request forwards on a :class:`BatchCache` (``new_batch``, :mod:`specgen.batch`);
     prefix_reuse: a handle synced to a prefix of a new request's ids, then fed the rest, gives
     the logits of a fresh handle fed every id, bit for bit (measured per backend, see
     tests/test_prefix_cache.py): the pipeline's prefix cache (:mod:`specgen.models.prefix_cache`)
@@ -153,8 +153,8 @@ class Target(Protocol):
 
     Gated by :attr:`capabilities` (a backend that declares one off refuses the call with
     ConfigError, see :class:`TargetDefaults`): ``forward_tree`` (``trees``; its
-    ``feature_layers``: ``features``), ``enable_compile`` (``compile``). Batched forwards
-    (``batches``) come through :class:`SharedBatchTarget` or :class:`RowBatchTarget`.
+    ``feature_layers``: ``features``), ``enable_compile`` (``compile``), ``new_batch``
+    (``batches``).
     ``context_hint``: the setting that raises :attr:`context_length`, for the message that
     refuses a prompt longer than it (None: none does).
     """
@@ -196,6 +196,10 @@ class Target(Protocol):
     def enable_compile(self) -> None:
         """Run later forwards compiled; caches made before stay as they are."""
 
+    def new_batch(self, size: int, row_context: int | None = None) -> BatchCache:
+        """A batch of ``size`` rows, each holding at most ``row_context`` tokens (None: the backend's
+        default, at most :attr:`context_length`), for :mod:`specgen.batch`."""
+
     def describe(self) -> dict: ...
 
     def verify_gap(self, widths: Iterable[int], parents: list[int] | None = None) -> tuple[float, int]:
@@ -223,6 +227,9 @@ class TargetDefaults:
     def enable_compile(self) -> None:
         raise ConfigError(f"compile=true compiles a torch model; the {self.backend} backend has no compiled path")
 
+    def new_batch(self, size: int, row_context: int | None = None) -> BatchCache:
+        raise ConfigError(f"the {self.backend} backend serves no batched forwards (capabilities.batches is off)")
+
 
 @runtime_checkable
 class HFBacked(Protocol):
@@ -240,23 +247,58 @@ def hf_model_of(target: object) -> torch.nn.Module | None:
 
 
 @runtime_checkable
-class SharedBatchTarget(Protocol):
-    """Optional (``capabilities.batches``): B rows fed in one forward over one shared batch-B cache
-    that the caller holds (:class:`specgen.batch.kv.BatchKV`), the torch backend's batches.
+class BatchCache(Protocol):
+    """The KV state of a batch of rows (:meth:`Target.new_batch`), the one thing :mod:`specgen.batch`
+    and the batched cost model (:func:`specgen.planning.measure.measure_batch`) feed.
 
-    ``config``: what sizes the shared cache (a transformers config); ``forward_batch`` as
-    :meth:`specgen.models.causal_lm.CausalLM.forward_batch`."""
+    rows: one :class:`TokenCache` handle per row made so far (a backend may make rows when first
+    used: ``len(rows)`` can be below the batch's size; :meth:`clear_row` and :meth:`prefill` make
+    the row they name), each the ``target_cache`` of the request on that row. width: the slots a
+    step's attention spans at most (the shared width, or the longest row). row_context: the most
+    tokens a row may hold.
 
-    config: object
+    shares_width: rows share one cache width (a forward spans the widest row's slots until
+    :meth:`compact`), so a row cannot be fed a kept prefix apart from the others.
+    prefills_apart: a fresh row's prompt (all but its last token) goes in :meth:`prefill`, a
+    forward of its own, before its first step; False: in its first step's :meth:`forward`.
+    prefill_chunk: the width the backend splits a prompt's decodes at, from its first token,
+    whatever feeds it (a prompt fed in chunks ending on these splits decodes as it does alone,
+    :func:`specgen.batch.steps.prefill_chunks`); None: prompts are not chunked across steps.
+    """
 
-    def forward_batch(self, cache, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
-                      rows: torch.Tensor, cols: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor: ...
+    rows: list[TokenCache]
+    shares_width: bool
+    prefills_apart: bool
 
+    @property
+    def width(self) -> int: ...
 
-@runtime_checkable
-class RowBatchTarget(Protocol):
-    """Optional (``capabilities.batches``): a target that keeps its own batch of rows
-    (``new_batch(size, row_context)``: ``size`` rows of at most ``row_context`` tokens each, None: its
-    default), the llama.cpp and quantized backends' batches."""
+    @property
+    def row_context(self) -> int: ...
 
-    def new_batch(self, size: int, row_context: int | None = None): ...
+    @property
+    def prefill_chunk(self) -> int | None: ...
+
+    def prefill(self, r: int, tokens: list[int], reuse: bool = True) -> bool:
+        """Feed a fresh row ``r``'s ``tokens`` (no logits read); -> False, doing nothing, where the row
+        already holds tokens or ``tokens`` is empty. reuse=False: a shared-width cache appends every
+        token in new slots (the cost model's wide cache); no effect where rows share nothing."""
+
+    def clear_row(self, r: int) -> TokenCache:
+        """Forget row ``r``'s tokens (a refill); -> its handle, empty."""
+
+    def forward(self, feeds: list[list[int]], keeps: list[int]) -> list[torch.Tensor | None]:
+        """One forward over every row's feed (empty: the row idles); -> per row its last ``keeps[r]``
+        raw logits rows [keeps[r], vocab] float32 (None where keeps[r] == 0), each equal bit for bit
+        to its row's tokens fed alone where the backend's batch gap is 0. On success each row's
+        handle gains its feed; on failure no row changes."""
+
+    def rewind(self, width: int) -> None:
+        """Cut the shared slots back to ``width`` (no row may list a slot past it); nothing where rows
+        share nothing."""
+
+    def compact(self) -> None:
+        """Gather each row's entries left-aligned (width = the longest row); nothing where rows share nothing."""
+
+    def maybe_compact(self) -> None:
+        """Trim, and compact where dead slots have piled up (before a step's transaction)."""

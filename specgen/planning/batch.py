@@ -1,11 +1,11 @@
 """The batch planner: how many draft tokens each row of a batched step verifies.
 
 Pure functions and data, no models (the batched counterpart of :mod:`specgen.planning.chain`).
-A batched step runs ONE target forward over every row's feed, padded to the widest
-feed (see :mod:`specgen.batch`). Linear layers skip the padding where they can
-(:func:`specgen.models.packed_linear.real_tokens`), attention does not: so a row's
-draft length is not its own business, since one row drafting 8 tokens makes every
-row's attention 9 queries wide. The step's cost, in units of one single-row
+A batched step runs ONE target forward over every row's feed (see :mod:`specgen.batch`).
+Where the rows share one cache width (torch) the real tokens are computed alone
+(:class:`specgen.models.attention.BatchRows`) but every row gains the widest feed's
+slots: so a row's draft length is not its own business, since one row drafting 8 tokens
+widens every row's cache by 9 slots. The step's cost, in units of one single-row
 single-token forward (``step_s``), is
 
     verify(B, w, K, T) + sum_i draft_i(k_i) + sunk

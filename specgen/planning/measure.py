@@ -5,7 +5,7 @@ thread count. Measurement sees the model only through the target protocol
 (:class:`specgen.models.target.Target`: ``new_cache``, ``forward``,
 ``forward_tree``) and what the caller hands in with the :class:`Subject`: a
 callable that opens a draft session on the calibration context, and for the
-batched table a factory of batched caches (:class:`BatchCache`).
+batched table a factory of batched caches (:class:`specgen.models.target.BatchCache`).
 
 :func:`measure` times, after an untimed prefill of a fixed synthetic context,
 
@@ -41,12 +41,11 @@ import json
 import platform
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from specgen.models.invariance import probe_tokens
-from specgen.models.target import Target
+from specgen.models.target import BatchCache, Target
 from specgen.planning.costs import BatchCostTable, CostTable
 from specgen.planning.fit import fit_forwards
 from specgen.sampling import ancestor_matrix, tree_depths
@@ -77,23 +76,6 @@ STEADY_FORWARDS = 8
 
 #: Progress reports: called with one short line while a table is measured.
 Progress = Callable[[str], None]
-
-
-class BatchCache(Protocol):
-    """The batched KV handle :func:`measure_batch` times (:class:`specgen.batch.BatchKV`)."""
-
-    rows: list
-    width: int
-    #: Whether rows share one cache width (a forward spans the widest row's slots until compacted).
-    shares_width: bool
-
-    def prefill(self, r: int, tokens: list[int], reuse: bool = True) -> bool: ...
-
-    def forward(self, feeds: list[list[int]], keeps: list[int]) -> list: ...
-
-    def rewind(self, width: int) -> None: ...
-
-    def compact(self) -> None: ...
 
 
 @dataclass(frozen=True)

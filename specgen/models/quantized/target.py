@@ -223,14 +223,16 @@ def _rows_one_by_one(out: QuantTreeRows, n: int) -> torch.Tensor:
 
 
 class QuantBatch:
-    """``size`` rows of a :class:`QuantizedLM`, each a :class:`QuantKV` of its own, behind the interface
-    of :class:`specgen.batch.BatchKV` (:mod:`specgen.batch`): a step's feeds go in one
+    """``size`` rows of a :class:`QuantizedLM`, each a :class:`QuantKV` of its own, a
+    :class:`~specgen.models.target.BatchCache` (:mod:`specgen.batch`): a step's feeds go in one
     :meth:`QuantizedLM.forward_rows`; nothing is padded or shared, so there is nothing to compact."""
 
     #: Each row attends only to its own buffers.
     shares_width = False
     #: A fresh row's prompt goes in its first step's forward (its rows are its own there too).
     prefills_apart = False
+    #: Prompts are not chunked across steps: a prompt is fed whole, as a request's is alone.
+    prefill_chunk = None
 
     def __init__(self, lm: QuantizedLM, size: int, row_context: int):
         self.lm, self.row_context = lm, int(row_context)

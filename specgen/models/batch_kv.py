@@ -1,4 +1,16 @@
-"""The batched KV state: one DynamicCache of batch B shared by row views (see :mod:`specgen.batch`)."""
+"""The torch backend's :class:`~specgen.models.target.BatchCache`: one DynamicCache of batch B shared
+by row views (:meth:`specgen.models.causal_lm.CausalLM.new_batch`; how :mod:`specgen.batch` uses it).
+
+Each forward appends the same number w of slots to every row (w = the widest feed; a shorter
+row's extra slots hold zeros nobody attends to); the rows' tokens are fed flat, unpadded
+(:meth:`BatchKV.forward`). A fresh
+row's prompt is prefilled in a forward of its own and stored in its batch entry's dead slots (a
+refill takes over the finished row's), appending only what does not fit. A row lists the slots
+holding its tokens (:attr:`RowCache.slots`); the 4D additive mask lets each new token see its row's
+listed slots and its own feed causally; positions are per row (token i of a row sits at position
+i). Rolling a row back drops slots from its list (nothing is copied). :meth:`BatchKV.compact`
+gathers each row's slots left-aligned into fresh tensors when dead slots pile up.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specgen.errors import ConfigError
-from specgen.models import KVCache
 from specgen.models.growing_cache import growing_cache
-from specgen.models.target import SharedBatchTarget, Target
+from specgen.models.target import TokenCache
 
 #: Compact once the shared cache is this many slots, plus COMPACT_SHARE of the longest row, wider
 #: than the longest row. Every batched step attends over every shared slot of every row, dead
@@ -20,7 +31,7 @@ COMPACT_SHARE = 1 / 8
 
 
 @dataclass
-class RowCache(KVCache):
+class RowCache(TokenCache):
     """One row of a :class:`BatchKV` behind the single-request KVCache interface.
 
     tokens: this row's cached ids; slots: the shared cache's slot of each, in order
@@ -28,6 +39,8 @@ class RowCache(KVCache):
     last one). ``cache`` is the owning BatchKV.
     """
 
+    cache: BatchKV
+    tokens: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
 
     def crop(self, length: int) -> None:
@@ -39,7 +52,9 @@ class RowCache(KVCache):
 
 
 class BatchKV:
-    """A batch-``size`` DynamicCache shared by ``size`` row views (:attr:`rows`)."""
+    """A batch-``size`` DynamicCache shared by ``size`` row views (:attr:`rows`) of the torch target
+    ``lm`` (its ``config``, ``new_cache``, ``forward`` and ``forward_batch``), a
+    :class:`~specgen.models.target.BatchCache`."""
 
     #: Rows share the cache's width: a forward spans every row's slots up to the widest.
     shares_width = True
@@ -49,7 +64,7 @@ class BatchKV:
     #: prefill here would compute its keys/values in other shapes than a solo run's one forward.
     prefill_chunk = None
 
-    def __init__(self, lm: SharedBatchTarget, size: int):
+    def __init__(self, lm, size: int):
         self.lm = lm
         self.cache = growing_cache(lm.config)  # appends in place: no copy of the whole cache per step
         self.width = 0  # slots per row in the shared tensors
@@ -137,31 +152,32 @@ class BatchKV:
     def forward(self, feeds: list[list[int]], keeps: list[int]) -> list[torch.Tensor | None]:
         """One forward over every row's feed (empty: the row idles); -> per row its last
         ``keeps[r]`` raw logit rows [keeps[r], vocab] (None where keeps[r] == 0).
-        On success each row's cache view gains its feed; on failure nothing changes."""
+        On success each row's cache view gains its feed; on failure nothing changes.
+        The held rows' feeds go flat (:meth:`~specgen.models.causal_lm.CausalLM.forward_batch`):
+        every row gains w = the longest feed's slots, a shorter row's extra ones dead."""
         self._hold([r for r, feed in enumerate(feeds) if feed])
-        size, w, start = len(self.live), max(len(f) for f in feeds), self.width
-        ids = torch.zeros(size, w, dtype=torch.long)  # [B', w], pads are id 0 and masked out
-        positions = torch.zeros(size, w, dtype=torch.long)  # [B', w]
-        allowed = torch.zeros(size, w, start + w, dtype=torch.bool)  # [B', w, S + w]
+        if not self.live:
+            return [None] * len(feeds)
+        lengths, start = [len(feeds[r]) for r in self.live], self.width
+        w = max(lengths)
+        allowed = torch.zeros(len(self.live), w, start + w, dtype=torch.bool)  # [B', w, S + w]
         causal = torch.ones(w, w, dtype=torch.bool).tril()  # [w, w]
-        diagonal = torch.eye(w, dtype=torch.bool)  # [w, w]: a pad query sees itself only
-        real = torch.zeros(size, w, dtype=torch.bool)  # [B', w]: not padding
-        picks: list[tuple[int, int]] = []
+        ids: list[int] = []
+        positions: list[int] = []
+        picks: list[int] = []
         limit = self.lm.context_length - 1
         for j, r in enumerate(self.live):  # batch entry j holds row r
             row, feed, keep = self.rows[r], feeds[r], keeps[r]
             n = len(feed)
-            ids[j, :n] = torch.tensor(feed, dtype=torch.long)
-            real[j, :n] = True
-            positions[j] = torch.arange(len(row), len(row) + w).clamp(max=limit)
             if row.slots:
                 allowed[j, :n, torch.tensor(row.slots)] = True
             allowed[j, :n, start : start + n] = causal[:n, :n]
-            allowed[j, n:, start:] = diagonal[n:]
-            picks.extend((j, c) for c in range(n - keep, n))
-        rows = torch.tensor([p[0] for p in picks], dtype=torch.long)  # [K]
-        cols = torch.tensor([p[1] for p in picks], dtype=torch.long)  # [K]
-        logits = self.lm.forward_batch(self.cache, ids, positions, allowed, rows, cols, real)  # [K, vocab]
+            picks.extend(range(len(ids) + n - keep, len(ids) + n))
+            ids.extend(feed)
+            positions.extend(min(p, limit) for p in range(len(row), len(row) + n))
+        logits = self.lm.forward_batch(self.cache, torch.tensor(ids, dtype=torch.long),  # [T]
+                                       torch.tensor(positions, dtype=torch.long), allowed, lengths,  # [T]
+                                       torch.tensor(picks, dtype=torch.long))  # [K, vocab]
         self.width = start + w
         out: list[torch.Tensor | None] = []
         used = 0
@@ -214,13 +230,3 @@ class BatchKV:
             layer.keys = keys.gather(2, where)  # [B, heads, L, head_dim]
             layer.values = layer.values.gather(2, where)
         self.width = longest
-
-
-def batch_cache(target: Target, size: int, row_context: int | None = None):
-    """The batched cache of ``target`` (``capabilities.batches``) for ``size`` rows: :class:`BatchKV`
-    for a :class:`~specgen.models.target.SharedBatchTarget`; else the target's own
-    (:class:`~specgen.models.target.RowBatchTarget`), its rows holding ``row_context`` tokens
-    each (None: the target's context length)."""
-    if isinstance(target, SharedBatchTarget):
-        return BatchKV(target, size)
-    return target.new_batch(size, row_context)
