@@ -13,6 +13,9 @@ rows; within a repeat the arms and modes go in a rotated order, so none always r
 per arm the median tok/s of each mode, the per-repeat ratios batch / single (paired: the two ran in
 the same repeat) and whether every batched row equals its single run token for token.
 ``--speculative``: the pipeline's drafter (ngram, γ auto) in both modes instead of plain decoding.
+``--steps N``: instead, per quantized arm, the forward of one token for each of B = 1 and 8 rows
+(rows after 150..199-token contexts), the fastest of N interleaved, and the time its linear layers'
+kernels took inside it (what a batched decode step costs against a single one).
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ import os
 import statistics
 import time
 
+import torch
+
 import specgen
 from specgen.bench.prompts import load_prompt_sets
+from specgen.models.quantized.kernels import QuantLinear
 
 
 def pipeline(arm: str, threads: int, speculative: bool, max_new: int):
@@ -44,6 +50,43 @@ def run(pipe, prompts: list[list[int]], mode: str, batch_size: int, max_new: int
     return outputs, time.perf_counter() - start
 
 
+def steps(pipes: dict, repeats: int, rows: int) -> None:
+    """Print each quantized arm's one-token forward of 1 and ``rows`` rows (see the module docstring)."""
+    native, spent = QuantLinear.native, [0.0]
+
+    def timed(layer, x):
+        start = time.perf_counter()
+        out = native(layer, x)
+        spent[0] += time.perf_counter() - start
+        return out
+
+    contexts = [[(7919 * i + 13 * r + 11) % 20000 + 100 for i in range(150 + 7 * r)] for r in range(rows)]
+    best: dict[tuple[str, int], tuple[float, float]] = {}
+    QuantLinear.native = timed
+    try:
+        with torch.inference_mode():
+            for _ in range(repeats):
+                for arm, pipe in pipes.items():
+                    lm = pipe.target
+                    if not hasattr(lm, "forward_rows"):
+                        continue
+                    for size in (1, rows):
+                        caches = [lm.new_cache() for _ in range(size)]
+                        for cache, ids in zip(caches, contexts):
+                            lm.forward(cache, ids, 1)
+                        spent[0] = 0.0
+                        start = time.perf_counter()
+                        lm.forward_rows(caches, [[5]] * size, [1] * size)
+                        took = time.perf_counter() - start
+                        if took < best.get((arm, size), (float("inf"),))[0]:
+                            best[arm, size] = (took, spent[0])
+    finally:
+        QuantLinear.native = native
+    print(f"load average {os.getloadavg()}")
+    for (arm, size), (took, kernels) in best.items():
+        print(f"{arm} {size} row(s): {took * 1e3:.2f} ms, kernels {kernels * 1e3:.2f} ms, other {(took - kernels) * 1e3:.2f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arms", default="int4,w8a8,llama_cpp")
@@ -54,9 +97,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--speculative", action="store_true")
+    parser.add_argument("--steps", type=int, default=0)
     args = parser.parse_args()
     arms = args.arms.split(",")
     pipes = {arm: pipeline(arm, args.threads, args.speculative, args.max_new_tokens) for arm in arms}
+    if args.steps:
+        torch.set_num_threads(args.threads)
+        return steps(pipes, args.steps, args.batch_size)
     first = pipes[arms[0]]
     sets = load_prompt_sets(["sharegpt", "humaneval"], 4 * args.prompts)
     by_task = {task: [first.encode(p.prompt) for p in sets if p.task == task] for task in ("sharegpt", "humaneval")}
