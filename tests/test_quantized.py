@@ -199,6 +199,19 @@ def test_batched_greedy_rows_equal_their_requests_run_alone(drafter):
 
 
 @pytest.mark.parametrize("quant", QUANTS)
+def test_plain_batches_of_8_rows_equal_their_requests_run_alone(quant):
+    """The done-when's shape: ``generate_batch`` of 8 ragged prompts, plain decoding, each row token for
+    token its request's single run (the logit-level test above and its float-linear negative control
+    show why: a row's logits do not depend on the rows beside it)."""
+    pipe = _pipe(quant, drafter="none")
+    prompts = [p[: 2 + r % 6] + [r % 16] for r, p in enumerate(PROMPTS * 2)]  # 8 prompts of 3..8 tokens
+    rows = pipe.generate_batch([{"prompt_ids": p} for p in prompts], batch_size=8, max_new_tokens=12)
+    assert [row.token_ids for row in rows] == [pipe.generate(prompt_ids=p, max_new_tokens=12).token_ids
+                                               for p in prompts]
+    assert len({tuple(row.token_ids) for row in rows}) > 1  # rows that all said the same would prove little
+
+
+@pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("drafter,gamma", [("tiny", 3), ("ngram", 4), ("ngram", "auto")])
 def test_greedy_speculation_equals_plain_decoding_token_for_token(quant, drafter, gamma):
     pipe = _pipe(quant, f"drafter.num_tokens={gamma}", drafter=drafter)

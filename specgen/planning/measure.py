@@ -10,9 +10,11 @@ batched table a factory of batched caches (:class:`specgen.models.target.BatchCa
 :func:`measure` times, after an untimed prefill of a fixed synthetic context,
 
 * ``chain[n - 1]``: a target forward of n new tokens (n = 1 .. max_tokens);
-* ``tree[n - 1]``: a tree forward over 1 chain token + n - 1 nodes, plus the
-  LM head of its root row; only for drafters that verify trees or read target
-  features (empty otherwise: ``verify(n, tree=True)`` then prices the chain);
+* ``tree[n - 1]``: a tree forward over 1 chain token + n - 1 nodes shaped as
+  :func:`tree_shape` (branching: a target may compute a chain-shaped tree as a
+  chain, more cheaply than the trees a drafter verifies), plus the LM head of its
+  root row; only for drafters that verify trees or read target features (empty
+  otherwise: ``verify(n, tree=True)`` then prices the chain);
 * the drafter's proposal of 1 and of ``max_tokens`` tokens, which gives
   ``draft_fixed`` and ``draft_per_token``;
 * with a draft model, its forward of :data:`CATCH_UP_TOKENS` new tokens (one logits
@@ -73,6 +75,17 @@ BATCH_METHOD = 6
 UNIT_METHOD = 5
 #: 1-token forwards run back to back before each round of the sweep; the fastest of all sets the unit.
 STEADY_FORWARDS = 8
+#: Part of a tree table's cache key: the shape its tree forwards are timed on (:func:`tree_shape`).
+TREE_SHAPE = "binary"
+
+
+def tree_shape(nodes: int) -> list[int]:
+    """Parents of the tree a tree table times at ``nodes`` nodes: two children under the root and
+    under every node, level by level (node j's parent is j // 2 - 1, ``-1`` the root), so each
+    prefix is a tree and it branches from two nodes on, as the best-first trees a drafter's rounds
+    keep do; a target whose tree forward costs more per branch (one attention pass per
+    root-to-leaf path) is priced for that."""
+    return [j // 2 - 1 for j in range(nodes)]
 
 #: Progress reports: called with one short line while a table is measured.
 Progress = Callable[[str], None]
@@ -117,7 +130,7 @@ def facts(subject: Subject, max_tokens: int = MAX_TOKENS) -> dict:
         "torch": torch.__version__, "context": CONTEXT_TOKENS, "max_tokens": max_tokens,
         "compile": bool(config.get("compile", False)), "packed_weights": bool(config.get("packed_weights", True)),
         "invariant_verify": bool(config.get("invariant_verify", False)),
-        "unit": UNIT_METHOD,
+        "unit": UNIT_METHOD, **({"tree_shape": TREE_SHAPE} if subject.trees else {}),
     }
 
 
@@ -161,7 +174,7 @@ def measure(subject: Subject, *, clock: Callable[[], float] | None = None, repea
             chain[n].append(clock() - start)
             cache.crop(base)
             if tree:
-                parents = list(range(-1, n - 2))
+                parents = tree_shape(n - 1)
                 start = clock()
                 out = lm.forward_tree(cache, [context[-1]], context[: n - 1], ancestor_matrix(parents),
                                       tree_depths(parents), subject.feature_layers)
