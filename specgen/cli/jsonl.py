@@ -54,6 +54,7 @@ from pathlib import Path
 
 from specgen.errors import OutputError, PromptError, SpecgenError, first_line
 from specgen.events import FinishEvent, Generation
+from specgen.config.run import RunConfig
 from specgen.cli.jsonl_input import ROW_KEYS, Row, read_rows, row_lines, row_limit, settings_digest
 from specgen.cli.jsonl_output import RecordWriter, Resumed, logprob_records, scan_output, tidy_records
 from specgen.outputs import write_failure
@@ -284,11 +285,9 @@ def _batch_prompt(row: Row) -> dict:
     return {"prompt": row.prompt, "options": row.options}
 
 
-def job_from_config(cfg: Mapping, context_length: int | None = None) -> JsonlJob:
-    """The :class:`JsonlJob` a checked run config describes (``output``, ``prompt_file``, ``resume``)
-    for a model with ``context_length`` tokens of context (None: rows are not bounded by size)."""
-    from specgen.engine.pipeline import Defaults
-
-    return JsonlJob(Path(cfg["prompt_file"]), Path(cfg["output"]), resume=cfg["resume"],
-                    defaults=Defaults.from_config(cfg), context_length=context_length, settings=cfg)
+def job_from_config(cfg: RunConfig, context_length: int | None = None) -> JsonlJob:
+    """The :class:`JsonlJob` a run config describes (``output``, ``prompt_file``, ``resume``, its
+    request defaults) for a model with ``context_length`` tokens of context (None: rows are not bounded by size)."""
+    return JsonlJob(Path(cfg.prompt_file), Path(cfg.output), resume=cfg.resume, defaults=cfg.requests,
+                    context_length=context_length, settings=cfg.checked)
 

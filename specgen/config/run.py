@@ -1,0 +1,175 @@
+"""One frozen, validated :class:`RunConfig`: Hydra's composed config as a run reads it.
+
+An entry point (``specgen``, ``specgen-serve``, ``specgen-chat``, ``specgen-bench``, the
+``specgen.pipeline(...)`` API) builds it once, at the edge, with :meth:`RunConfig.from_cfg`,
+and hands it down: :func:`specgen.engine.assemble.build_pipeline` takes it, the pipeline keeps
+it as ``Pipeline.config`` and its request defaults as ``Pipeline.defaults``. Nothing below the
+edge checks a run value again or reads one with a default: every default is written once, in
+conf/config.yaml (``from_cfg`` takes each run key as given there; a key the composed config
+lacks is a ConfigError), and every bound once, in :mod:`specgen.config.checks` /
+:mod:`specgen.config.options`.
+
+Typed here: the run-level switches, the request defaults (:class:`RequestDefaults`) and the
+``llama_cpp`` and ``prefix_cache`` sections. The components Hydra instantiates (``target``,
+``drafter``, ``sampling``, ``processors``, ``grammar``) and the entry points' own sections
+(``ui``; ``bench``, ``train``, serve's ``host`` ... in :attr:`RunConfig.extra`) stay checked
+mappings, read-only at the top.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import ClassVar, Literal
+
+from specgen.config.checks import check_run_config
+from specgen.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RequestDefaults:
+    """What a request takes where it sets nothing (:func:`specgen.config.options.request_options`):
+    max_new_tokens >= 1; seed in [0, 2**64); stop: the stop strings; chat: True, False or "auto";
+    system: a system message or None; logprobs: None (off) or k in [0, 20]."""
+
+    max_new_tokens: int
+    seed: int
+    stop: tuple[str, ...]
+    chat: bool | Literal["auto"]
+    system: str | None
+    logprobs: int | None
+
+
+@dataclass(frozen=True)
+class LlamaCppSettings:
+    """The ``llama_cpp`` section (:func:`specgen.config.checks.check_llama_cpp`): KV handles a model
+    holds at once, the KV cells of each context ("auto", None or tokens), a batched row's tokens, and
+    the flash-attention, tiny-model GGUF type and repack choices."""
+
+    sequences: int
+    context: int | str | None
+    batch_row_context: int
+    tiny_type: str
+    flash_attention: str
+    repack: str
+
+
+@dataclass(frozen=True)
+class PrefixCacheSettings:
+    """The ``prefix_cache`` section: finished requests' KV handles kept (0 = off) and the KV bytes they may hold."""
+
+    entries: int
+    bytes: int
+
+
+#: Top-level keys a RunConfig types (or keeps as a checked component mapping); any other key is ``extra``.
+_RUN_KEYS = frozenset({
+    "target", "drafter", "sampling", "processors", "grammar", "ui", "prompt", "prompt_file", "output", "resume",
+    "batch_size", "system", "chat", "max_new_tokens", "seed", "logprobs", "stop", "speculative", "observe_costs",
+    "compile", "packed_weights", "invariant_verify", "device", "dtype", "threads", "backend", "llama_cpp",
+    "prefix_cache",
+})
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A run's settings, checked once (:meth:`from_cfg`). Frozen: a run that needs other settings
+    builds another (``dataclasses.replace`` for the typed fields).
+
+    target / drafter / sampling / grammar / ui: the checked group mappings; processors: the stack's
+    entries (tuple of mappings); requests: :class:`RequestDefaults`; prompt / prompt_file / output /
+    resume / batch_size: the one-shot CLI's input and JSONL settings (batch_size None where the entry
+    point sizes batches itself, as specgen-serve does); threads: "auto" or a positive int; device /
+    dtype / backend: as given (resolved when the pipeline is built); checked: the whole checked config
+    as a mapping (what fingerprints and cost-table keys hash, and what Hydra instantiates from);
+    extra: the top-level keys a run does not read (an entry point's own sections).
+    """
+
+    target: Mapping
+    drafter: Mapping
+    sampling: Mapping
+    processors: tuple[Mapping, ...]
+    grammar: Mapping | None
+    ui: Mapping
+    requests: RequestDefaults
+    prompt: str | None
+    prompt_file: str | None
+    output: str | None
+    resume: bool
+    batch_size: int | None
+    speculative: bool
+    observe_costs: bool
+    compile: bool
+    packed_weights: bool
+    invariant_verify: bool
+    device: str
+    dtype: str
+    threads: int | Literal["auto"]
+    backend: str
+    llama_cpp: LlamaCppSettings
+    prefix_cache: PrefixCacheSettings
+    checked: Mapping = field(repr=False, compare=False)
+    extra: Mapping = field(repr=False, compare=False)
+
+    #: RunConfigs built in this process (a test counts one per run).
+    constructions: ClassVar[int] = 0
+
+    def __post_init__(self) -> None:
+        type(self).constructions += 1
+
+    @classmethod
+    def from_cfg(cls, cfg) -> RunConfig:
+        """``cfg`` (a DictConfig, or a plain mapping of it) checked by :func:`check_run_config` and typed.
+
+        ConfigError naming the first bad key (or a run key the config lacks: conf/config.yaml holds
+        them all, so a composed config has every one). A RunConfig is returned as it is.
+        """
+        if isinstance(cfg, RunConfig):
+            return cfg
+        if not isinstance(cfg, Mapping):
+            from specgen.config.compose import to_container
+
+            cfg = to_container(cfg)
+        checked = check_run_config(cfg)
+        need = _Required(checked)
+        llama, prefix = need.section("llama_cpp"), need.section("prefix_cache")
+        return cls(
+            target=MappingProxyType(checked["target"]), drafter=MappingProxyType(need("drafter") or {}),
+            sampling=MappingProxyType(need("sampling")), processors=tuple(checked.get("processors") or ()),
+            grammar=checked.get("grammar"), ui=MappingProxyType(checked.get("ui") or {}),
+            requests=RequestDefaults(max_new_tokens=need("max_new_tokens"), seed=need("seed"),
+                                     stop=tuple(need("stop")), chat=need("chat"), system=need("system"),
+                                     logprobs=need("logprobs")),
+            prompt=need("prompt"), prompt_file=need("prompt_file"), output=checked.get("output"),
+            resume=bool(checked.get("resume")), batch_size=checked.get("batch_size"),
+            speculative=need("speculative"), observe_costs=need("observe_costs"), compile=need("compile"),
+            packed_weights=need("packed_weights"), invariant_verify=need("invariant_verify"),
+            device=str(need("device")), dtype=str(need("dtype")), threads=need("threads"), backend=str(need("backend")),
+            llama_cpp=LlamaCppSettings(**{f.name: llama[f.name] for f in fields(LlamaCppSettings)}),
+            prefix_cache=PrefixCacheSettings(**{f.name: prefix[f.name] for f in fields(PrefixCacheSettings)}),
+            checked=MappingProxyType(checked),
+            extra=MappingProxyType({key: value for key, value in checked.items() if key not in _RUN_KEYS}),
+        )
+
+    def as_dict(self) -> dict:
+        """The checked config as a plain dict (a shallow copy of :attr:`checked`)."""
+        return dict(self.checked)
+
+
+class _Required:
+    """Reads a checked config's run keys; a missing one is a ConfigError (its default lives in conf/config.yaml)."""
+
+    def __init__(self, checked: Mapping):
+        self.checked = checked
+
+    def __call__(self, key: str):
+        if key not in self.checked:
+            raise ConfigError(f"{key} is missing from the config; compose it from conf/config.yaml, which sets it")
+        return self.checked[key]
+
+    def section(self, key: str) -> Mapping:
+        section = self(key)
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"{key} must be a section of settings, got {section!r}")
+        return section
