@@ -148,7 +148,7 @@ class JsonlJob:
     """One ``output=`` run: the input counted and the output checked up front (nothing written), then run.
 
     ``prompt_file``/``output``: paths; ``resume``: keep the records already in ``output`` whose
-    fingerprint matches their row's; ``defaults``: the pipeline's Defaults; ``context_length``: the
+    fingerprint matches their row's; ``defaults``: the run's RequestDefaults; ``context_length``: the
     model's, bounding each row's size; ``settings``: the run config, whose generation settings go into
     each row's fingerprint. Raises a SpecgenError (one line) for an unreadable input, one without rows,
     or an output that cannot be resumed, before any row runs. Memory: the rows in flight, and for a

@@ -121,10 +121,6 @@ def check_components(cfg: Mapping) -> None:
         parse_num_tokens(drafter["num_tokens"], "drafter.num_tokens")
 
 
-#: The llama.cpp group's choices (specgen.models.llama_cpp, specgen.models.gguf_write).
-LLAMA_FLASH_MODES = ("auto", "off", "on")
-LLAMA_TINY_TYPES = ("Q8_0", "F32")
-LLAMA_REPACK_MODES = ("auto", "on", "off")
 #: KV handles a run holds at once on a llama.cpp model (a context each): a request's, the cost
 #: measurement's and the batch-invariance probe's.
 LLAMA_MIN_SEQUENCES = 3
@@ -136,7 +132,11 @@ LLAMA_MAX_SEQUENCES = 256
 
 def check_llama_cpp(section: Mapping) -> dict:
     """The ``llama_cpp`` group checked: ``sequences`` an int in [LLAMA_MIN_SEQUENCES,
-    LLAMA_MAX_SEQUENCES], ``context`` auto, null or at least LLAMA_MIN_ROW_CONTEXT tokens, known choices."""
+    LLAMA_MAX_SEQUENCES], ``context`` auto, null or at least LLAMA_MIN_ROW_CONTEXT tokens, and the
+    choices the llama.cpp backend takes (its FLASH_MODES and REPACK, gguf_write's QUANT_TYPES)."""
+    from specgen.models.gguf_write import QUANT_TYPES
+    from specgen.models.llama_cpp import FLASH_MODES, REPACK
+
     section = dict(section)
     for key in ("sequences", "context", "batch_row_context", "flash_attention", "tiny_type", "repack"):
         required(section, key, "llama_cpp.")
@@ -159,8 +159,7 @@ def check_llama_cpp(section: Mapping) -> dict:
     except ConfigError:
         raise ConfigError(f"llama_cpp.batch_row_context must be an integer of at least {LLAMA_MIN_ROW_CONTEXT} "
                           f"(tokens), got {section['batch_row_context']!r}") from None
-    for key, choices in (("flash_attention", LLAMA_FLASH_MODES), ("tiny_type", LLAMA_TINY_TYPES),
-                         ("repack", LLAMA_REPACK_MODES)):
+    for key, choices in (("flash_attention", FLASH_MODES), ("tiny_type", QUANT_TYPES), ("repack", REPACK)):
         value = str(section[key])
         if value not in choices:
             raise ConfigError(f"llama_cpp.{key}={value!r} is not one of {', '.join(choices)}")

@@ -23,8 +23,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import ClassVar, Literal
 
-from specgen.config.checks import check_run_config
-from specgen.errors import ConfigError
+from specgen.config.checks import check_run_config, required
 
 
 @dataclass(frozen=True)
@@ -131,45 +130,23 @@ class RunConfig:
             from specgen.config.compose import to_container
 
             cfg = to_container(cfg)
-        checked = check_run_config(cfg)
-        need = _Required(checked)
-        llama, prefix = need.section("llama_cpp"), need.section("prefix_cache")
+        checked = check_run_config(cfg)  # sets every request, switch and section key it reads
+        llama, prefix = checked["llama_cpp"], checked["prefix_cache"]
         return cls(
-            target=MappingProxyType(checked["target"]), drafter=MappingProxyType(need("drafter") or {}),
-            sampling=MappingProxyType(need("sampling")), processors=tuple(checked.get("processors") or ()),
+            target=MappingProxyType(checked["target"]), drafter=MappingProxyType(required(checked, "drafter") or {}),
+            sampling=MappingProxyType(required(checked, "sampling")), processors=tuple(checked.get("processors") or ()),
             grammar=checked.get("grammar"), ui=MappingProxyType(checked.get("ui") or {}),
-            requests=RequestDefaults(max_new_tokens=need("max_new_tokens"), seed=need("seed"),
-                                     stop=tuple(need("stop")), chat=need("chat"), system=need("system"),
-                                     logprobs=need("logprobs")),
-            prompt=need("prompt"), prompt_file=need("prompt_file"), output=checked.get("output"),
+            requests=RequestDefaults(max_new_tokens=checked["max_new_tokens"], seed=checked["seed"],
+                                     stop=tuple(checked["stop"]), chat=checked["chat"], system=checked["system"],
+                                     logprobs=checked["logprobs"]),
+            prompt=checked["prompt"], prompt_file=checked["prompt_file"], output=checked.get("output"),
             resume=bool(checked.get("resume")), batch_size=checked.get("batch_size"),
-            speculative=need("speculative"), observe_costs=need("observe_costs"), compile=need("compile"),
-            packed_weights=need("packed_weights"), invariant_verify=need("invariant_verify"),
-            device=str(need("device")), dtype=str(need("dtype")), threads=need("threads"), backend=str(need("backend")),
+            speculative=checked["speculative"], observe_costs=checked["observe_costs"], compile=checked["compile"],
+            packed_weights=checked["packed_weights"], invariant_verify=checked["invariant_verify"],
+            device=str(required(checked, "device")), dtype=str(required(checked, "dtype")), threads=checked["threads"],
+            backend=str(required(checked, "backend")),
             llama_cpp=LlamaCppSettings(**{f.name: llama[f.name] for f in fields(LlamaCppSettings)}),
             prefix_cache=PrefixCacheSettings(**{f.name: prefix[f.name] for f in fields(PrefixCacheSettings)}),
             checked=MappingProxyType(checked),
             extra=MappingProxyType({key: value for key, value in checked.items() if key not in _RUN_KEYS}),
         )
-
-    def as_dict(self) -> dict:
-        """The checked config as a plain dict (a shallow copy of :attr:`checked`)."""
-        return dict(self.checked)
-
-
-class _Required:
-    """Reads a checked config's run keys; a missing one is a ConfigError (its default lives in conf/config.yaml)."""
-
-    def __init__(self, checked: Mapping):
-        self.checked = checked
-
-    def __call__(self, key: str):
-        if key not in self.checked:
-            raise ConfigError(f"{key} is missing from the config; compose it from conf/config.yaml, which sets it")
-        return self.checked[key]
-
-    def section(self, key: str) -> Mapping:
-        section = self(key)
-        if not isinstance(section, Mapping):
-            raise ConfigError(f"{key} must be a section of settings, got {section!r}")
-        return section
