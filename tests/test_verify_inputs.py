@@ -211,11 +211,11 @@ def test_forged_head_metadata_is_refused_before_a_head_is_allocated(tmp_path, mo
         tensors, meta = {n: f.get_tensor(n) for n in f.keys()}, dict(f.metadata())
     built = []
     monkeypatch.setattr(store, "build_head", lambda *args: built.append(args))
-    store.check_shapes("shipped", HeadConfig.from_json(meta["specgen.config.compose"]),
+    store.check_shapes("shipped", HeadConfig.from_json(meta["specgen.config"]),
                        {n: t.shape for n, t in tensors.items()}, "x")  # the negative control: the shipped head fits
     forged = tmp_path / "forged.safetensors"
-    save_file(tensors, str(forged), metadata=meta | {"specgen.config.compose": json.dumps(
-        json.loads(meta["specgen.config.compose"]) | change)})
+    save_file(tensors, str(forged), metadata=meta | {"specgen.config": json.dumps(
+        json.loads(meta["specgen.config"]) | change)})
     with pytest.raises(ModelLoadError, match=match) as caught:
         store.load_head(forged, None, check_fingerprint=False)
     assert "\n" not in str(caught.value) and built == []

@@ -142,7 +142,7 @@ def export_eagle3(head, out_dir, *, target_config, fingerprint: Mapping | None =
                          "eagle_aux_hidden_state_layer_ids": sglang_ids},  # SGLang: adds 1 when capturing
     }
     stored_cfg = dataclasses.replace(cfg, feature_layers=vllm_ids)  # what config.json and fc now say
-    metadata = {"format": "pt", "specgen.kind": "eagle3", "specgen.config.compose": stored_cfg.to_json(),
+    metadata = {"format": "pt", "specgen.kind": "eagle3", "specgen.config": stored_cfg.to_json(),
                 "specgen.fingerprint": json.dumps(dict(fingerprint or {}), sort_keys=True)}
     out.mkdir(parents=True, exist_ok=True)
     _write(out / WEIGHTS, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))

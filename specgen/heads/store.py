@@ -1,6 +1,6 @@
 """Head files: safetensors with metadata, bound to the exact target a head was trained on.
 
-Metadata keys (all strings): ``specgen.kind``, ``specgen.config.compose`` (HeadConfig
+Metadata keys (all strings): ``specgen.kind``, ``specgen.config`` (HeadConfig
 JSON), ``specgen.fingerprint`` (JSON), ``specgen.command``, ``specgen.seed``,
 ``specgen.data``, and free-form ``specgen.train`` (JSON: loss, steps, metrics).
 Loading a head whose fingerprint differs from the loaded target's is refused
@@ -37,7 +37,7 @@ def save_head(path: str | pathlib.Path, head: DraftHead, fingerprint: Mapping, *
         tensors[name] = value.to(dtype) if value.is_floating_point() else value.contiguous()
     metadata = {
         "specgen.kind": head.cfg.kind,
-        "specgen.config.compose": head.cfg.to_json(),
+        "specgen.config": head.cfg.to_json(),
         "specgen.fingerprint": json.dumps(dict(fingerprint), sort_keys=True),
         "specgen.command": command,
         "specgen.seed": str(seed),
@@ -75,10 +75,10 @@ def load_head(path: str | pathlib.Path, target: torch.nn.Module, *, kind: str | 
                                  f"{' or '.join(f'a {k}' for k in kinds)} head")
         return load_eagle3_dir(path, target, device=device, dtype=dtype, check_fingerprint=check_fingerprint)
     meta = read_metadata(path)
-    if "specgen.config.compose" not in meta:
+    if "specgen.config" not in meta:
         raise ModelLoadError(f"{path} has no specgen head metadata; it was not written by specgen-train")
     try:
-        cfg = HeadConfig.from_json(meta["specgen.config.compose"])
+        cfg = HeadConfig.from_json(meta["specgen.config"])
         expected = json.loads(meta.get("specgen.fingerprint", "{}"))
     except (ValueError, TypeError) as exc:
         raise ModelLoadError(f"{path} has unreadable specgen head metadata ({exc}); write it again with "
@@ -88,7 +88,7 @@ def load_head(path: str | pathlib.Path, target: torch.nn.Module, *, kind: str | 
                              f"{' or '.join(f'a {k}' for k in kinds)} head")
     if check_fingerprint:
         refuse_other_target(path, cfg.kind, expected, target)
-    check_shapes(path, cfg, _tensor_shapes(path), "its specgen.config.compose metadata")
+    check_shapes(path, cfg, _tensor_shapes(path), "its specgen.config metadata")
     state = _read_tensors(path)
     _check_tensors(path, cfg, state, vocab_size=int(target.get_input_embeddings().weight.shape[0]))
     head = fill_head(path, build_head(cfg, state["vocab_ids"]), state, f"its {cfg.kind} head config",
