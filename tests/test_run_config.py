@@ -40,6 +40,17 @@ def test_run_config_is_frozen_and_typed():
     assert RunConfig.from_cfg(run) is run  # handed down, never rebuilt
 
 
+def test_checked_mapping_is_the_checked_plain_config():
+    """What fingerprints and cost-table keys hash is what check_run_config gave before: plain dicts and
+    lists (a DictConfig is resolved first; its ListConfig bad_words once failed the checks)."""
+    from specgen.config.checks import check_run_config
+
+    cfg = compose([*ARGS, "sampling.bad_words=[[9,9]]"])
+    run = RunConfig.from_cfg(cfg)
+    assert dict(run.checked) == check_run_config(to_container(cfg))
+    assert type(run.checked["target"]) is dict and type(run.sampling["bad_words"][0]) is list
+
+
 def test_one_run_config_per_cli_run(constructions, capsys):
     cli.run(to_container(compose([*ARGS, "prompt=hello"])), out=io.StringIO(), err=io.StringIO())
     assert constructions() == 1
@@ -62,6 +73,19 @@ def test_one_run_config_per_server_start(constructions, monkeypatch):
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: started.append(self))
     serve_cli.serve(to_container(compose(["target=tiny", "drafter=tiny", "threads=1"], "serve")), err=io.StringIO())
     assert started and constructions() == 1
+
+
+def test_a_server_with_an_unbatchable_drafter_is_not_refused_by_a_second_check():
+    """specgen-serve sizes its own batches (a tree drafter serves one request at a time): its RunConfig
+    has no batch_size, and build_pipeline takes it as it is (the config was checked again there, with
+    the server's batch_size, and drafter=eagle was refused)."""
+    from specgen.serve.cli import check_server_config
+
+    server = check_server_config(to_container(compose(["target=tiny", "drafter=eagle"], "serve")))
+    assert server.batch_size == 8 and server.run.batch_size is None
+    assert RunConfig.from_cfg(server.run) is server.run
+    with pytest.raises(ConfigError, match="drafter=eagle needs batch_size=1"):  # what that second check said
+        RunConfig.from_cfg({**server.run.checked, "batch_size": server.batch_size})
 
 
 def test_one_run_config_per_chat(constructions):

@@ -119,14 +119,14 @@ class RunConfig:
 
     @classmethod
     def from_cfg(cls, cfg) -> RunConfig:
-        """``cfg`` (a DictConfig, or a plain mapping of it) checked by :func:`check_run_config` and typed.
+        """``cfg`` (a DictConfig, or a plain dict of it) checked by :func:`check_run_config` and typed.
 
         ConfigError naming the first bad key (or a run key the config lacks: conf/config.yaml holds
         them all, so a composed config has every one). A RunConfig is returned as it is.
         """
         if isinstance(cfg, RunConfig):
             return cfg
-        if not isinstance(cfg, Mapping):
+        if not isinstance(cfg, dict):  # a DictConfig (a Mapping too): resolved into plain dicts and lists
             from specgen.config.compose import to_container
 
             cfg = to_container(cfg)

@@ -220,8 +220,8 @@ class Pipeline:
                      target_cache: TokenCache | None = None) -> tuple[Request, RoundContext]:
         """Fresh request state and round context (the engine loop's setup; tests drive rounds with it).
         seed / stop: checked values (:func:`~specgen.config.options.request_options` parses them; None:
-        the pipeline's defaults, checked with the run config). target_cache: the request's KV handle (None: a new one of the target's); the ids it already holds
-        of ``ids`` count as ``stats.prefill_reused``.
+        the pipeline's defaults, checked with the run config). target_cache: the request's KV handle
+        (None: a new one of the target's); the ids it already holds of ``ids`` count as ``stats.prefill_reused``.
 
         The round context and the draft session share one stack: ``stack`` (default the
         pipeline's) with its grammar metered by this request's clock and stats
