@@ -134,13 +134,13 @@ class RunConfig:
         llama, prefix = checked["llama_cpp"], checked["prefix_cache"]
         return cls(
             target=MappingProxyType(checked["target"]), drafter=MappingProxyType(required(checked, "drafter") or {}),
-            sampling=MappingProxyType(required(checked, "sampling")), processors=tuple(checked.get("processors") or ()),
-            grammar=checked.get("grammar"), ui=MappingProxyType(checked.get("ui") or {}),
+            sampling=MappingProxyType(required(checked, "sampling")), processors=tuple(required(checked, "processors")),
+            grammar=required(checked, "grammar"), ui=MappingProxyType(required(checked, "ui")),
             requests=RequestDefaults(max_new_tokens=checked["max_new_tokens"], seed=checked["seed"],
                                      stop=tuple(checked["stop"]), chat=checked["chat"], system=checked["system"],
                                      logprobs=checked["logprobs"]),
-            prompt=checked["prompt"], prompt_file=checked["prompt_file"], output=checked.get("output"),
-            resume=bool(checked.get("resume")), batch_size=checked.get("batch_size"),
+            prompt=checked["prompt"], prompt_file=checked["prompt_file"], output=required(checked, "output"),
+            resume=required(checked, "resume"), batch_size=checked.get("batch_size"),  # None: serve sizes its own
             speculative=checked["speculative"], observe_costs=checked["observe_costs"], compile=checked["compile"],
             packed_weights=checked["packed_weights"], invariant_verify=checked["invariant_verify"],
             device=str(required(checked, "device")), dtype=str(required(checked, "dtype")), threads=checked["threads"],
