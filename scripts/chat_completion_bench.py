@@ -87,7 +87,7 @@ def main() -> None:
             texts[name].append(text)
     base = tokens["llama-cpp-python"] / sum(walls["llama-cpp-python"])
     same_prompt = sum(a == b for a, b in prompt_tokens)
-    print(f"model {plain.config['target'].get('name')}  prompts {len(chats)}  threads {args.threads}  "
+    print(f"model {plain.config.target.get('name')}  prompts {len(chats)}  threads {args.threads}  "
           f"max_new_tokens {args.max_new_tokens}  prompts tokenized alike by both: {same_prompt}/{len(chats)}")
     for name in arms:
         rate = tokens[name] / sum(walls[name])

@@ -113,7 +113,7 @@ def main() -> None:
                 assert outputs[name, size] == records, f"{name} at batch {size} changed between repeats"
     pipe = arms["cache on"]
     shared = pipe.encode(extract_prompt_head(schema, instructions))  # its template's end is not shared
-    print(f"model {pipe.config['target'].get('name')}  notes {len(notes)}  threads {args.threads}  "
+    print(f"model {pipe.config.target.get('name')}  notes {len(notes)}  threads {args.threads}  "
           f"repeats {args.repeats}  max_new_tokens {args.max_new_tokens}  shared prompt head ~{len(shared)} tokens")
     for size in sizes:
         on, off = (statistics.median(seconds[name, size]) for name in ("cache on", "cache off"))

@@ -135,7 +135,7 @@ def main() -> None:
         for scheduler in (arms["chunked"], arms["whole"]):
             scheduler.close()
     base = statistics.median(ttft["solo"])
-    print(f"model {pipe.config['target'].get('name')}  long prompt {len(long_ids)} tokens  "
+    print(f"model {pipe.config.target.get('name')}  long prompt {len(long_ids)} tokens  "
           f"prefill split {llama_context.PREFILL_TOKENS}  shorts/trial {len(shorts)} from {args.delay:g} s, "
           f"{args.gap:g} s apart  trials {args.trials} "
           f"(+{args.warmup} uncounted)")

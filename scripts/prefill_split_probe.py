@@ -36,7 +36,7 @@ def main() -> None:
     text = " ".join(f"item {i}: the quick brown fox jumps over the lazy dog." for i in range(3000))
     long_ids = pipe.encode(text, chat=False)[:3000]
     short_ids = pipe.encode("Name three colours.", chat=True)
-    print(f"model {pipe.config['target'].get('name')}  threads {args.threads}  short prompt {len(short_ids)} "
+    print(f"model {pipe.config.target.get('name')}  threads {args.threads}  short prompt {len(short_ids)} "
           f"tokens  long prompt {len(long_ids)} tokens  (process CPU time)")
     for width in (int(w) for w in args.widths.split(",")):
         llama_context.PREFILL_TOKENS = width

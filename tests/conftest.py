@@ -30,7 +30,7 @@ def fix_costs(monkeypatch) -> None:
     monkeypatch.setattr("specgen.planning.cost_cache.cost_table", lambda subject, **kwargs: TEST_COSTS)
     monkeypatch.setattr("specgen.planning.cost_cache.batch_cost_table", lambda subject, size, new_batch, **kwargs:
                         TEST_BATCH_COSTS)
-    monkeypatch.setattr("specgen.planning.cost_cache.observer", lambda config: None)  # plans from the table alone
+    monkeypatch.setattr("specgen.planning.cost_cache.observer", lambda observe_costs: None)  # plans from the table alone
 
 
 #: Memory one test worker may need: two workers' process trees peaked at 7.8 GiB together in a full run.

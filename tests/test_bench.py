@@ -257,7 +257,7 @@ def test_hf_baselines_match_plain_greedy_on_tiny():
                             progress=False)
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     plain = pipe.generate(prompt_ids=ids, max_new_tokens=12, seed=0, speculative=False).token_ids
-    kwargs = generate_kwargs(pipe.config["sampling"], temperature=0.0, max_new_tokens=12, ignore_eos=True,
+    kwargs = generate_kwargs(pipe.config.sampling, temperature=0.0, max_new_tokens=12, ignore_eos=True,
                              eos_ids=pipe.tokenizer.eos_ids)
     assistant = pipe.drafter.lm.model
     before = assistant.generation_config.num_assistant_tokens
@@ -284,7 +284,7 @@ def test_hf_kernels_switch_and_restore(monkeypatch):
         pytest.skip("no oneDNN: nothing is packed, stock and specgen kernels are the same")
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     plain = pipe.generate(prompt_ids=ids, max_new_tokens=8, seed=0, speculative=False).token_ids
-    kwargs = generate_kwargs(pipe.config["sampling"], temperature=0.0, max_new_tokens=8, ignore_eos=True,
+    kwargs = generate_kwargs(pipe.config.sampling, temperature=0.0, max_new_tokens=8, ignore_eos=True,
                              eos_ids=pipe.tokenizer.eos_ids)
     attention = model.config._attn_implementation
     calls = []

@@ -87,10 +87,10 @@ def test_the_corrected_table_changes_the_plan():
 
 
 def test_a_fixed_table_or_observe_costs_false_plans_from_the_table_alone(monkeypatch):
-    assert isinstance(observer({}), ObservedCosts)
-    assert observer({"observe_costs": False}) is None
+    assert isinstance(observer(True), ObservedCosts)
+    assert observer(False) is None
     monkeypatch.setenv(FIXED_TABLE_ENV, "table.json")
-    assert observer({"observe_costs": True}) is None
+    assert observer(True) is None
     with pytest.raises(specgen.ConfigError, match="observe_costs"):
         specgen.pipeline(*TINY, "observe_costs=maybe", progress=False)
 

@@ -333,9 +333,9 @@ def test_64_concurrent_mixed_requests(client, reference, record_property):
 
 def test_serve_config_binds_loopback_and_checks_host_and_port():
     cfg = check_server_config(to_container(compose(["target=tiny"], "serve")))
-    assert (cfg["host"], cfg["port"], cfg["batch_size"]) == ("127.0.0.1", 8000, 8)
+    assert (cfg.host, cfg.port, cfg.batch_size) == ("127.0.0.1", 8000, 8)
     tree = check_server_config(to_container(compose(["target=tiny", "drafter=eagle", "batch_size=4"], "serve")))
-    assert tree["batch_size"] == 4  # a tree drafter serves one request at a time instead (make_scheduler)
+    assert tree.batch_size == 4  # a tree drafter serves one request at a time instead (make_scheduler)
     for override, message in (("port=0", "port must be at least 1"), ("port=70000", "port must be at most 65535"),
                               ("batch_size=0", "batch_size must be at least 1"),
                               ("batch_size=many", "batch_size must be an integer"),

@@ -180,7 +180,7 @@ def test_a_real_client_sees_the_413(app):
 
 def test_serve_config_has_a_body_limit_and_ipv6_urls_are_bracketed():
     cfg = check_server_config(to_container(compose(["target=tiny"], "serve")))
-    assert cfg["max_request_bytes"] == MAX_REQUEST_BYTES == 4 * 2**20
+    assert cfg.max_request_bytes == MAX_REQUEST_BYTES == 4 * 2**20
     with pytest.raises(ConfigError, match="max_request_bytes must be at least 1024"):
         check_server_config(to_container(compose(["target=tiny", "max_request_bytes=10"], "serve")))
     assert base_url("::", 8000) == "http://[::]:8000/v1"

@@ -157,9 +157,9 @@ def soak():
     on a free loopback port."""
     overrides = ["batch_size=8"]
     cfg = check_server_config(to_container(compose(overrides, "serve")))
-    pipe = build_pipeline(cfg, progress=False)
+    pipe = build_pipeline(cfg.run, progress=False)
     assert pipe.target.backend == "llama_cpp", "the default path on a CPU is llama.cpp"
-    scheduler = make_scheduler(pipe, cfg["batch_size"])
+    scheduler = make_scheduler(pipe, cfg.batch_size)
     assert scheduler.info["scheduler"] == "batched" and scheduler.info["batch_size"] == 8
     app = create_app(pipe, scheduler=scheduler)
     with serving(app) as url:

@@ -53,10 +53,10 @@ def hf_unavailable(pipe) -> str | None:
     if hf_model_of(pipe.target) is None:
         return (f"the target runs on {pipe.target.backend}, without a transformers model; HF generate() needs "
                 "backend=torch with a float dtype")
-    grammar = (pipe.config.get("grammar") or {}).get("kind", "none")
+    grammar = (pipe.config.grammar or {}).get("kind", "none")
     if grammar != "none":
         return f"HF generate() has no equivalent of grammar={grammar}"
-    return unsupported_sampling(pipe.config["sampling"])
+    return unsupported_sampling(pipe.config.sampling)
 
 
 def generate_kwargs(sampling: Mapping, *, temperature: float, max_new_tokens: int, ignore_eos: bool,

@@ -77,7 +77,7 @@ def run_bench(cfg: DictConfig, names: Mapping[str, str] | None = None, *, out=No
         return _show_quality(cfg, resolved, settings, names or {}, out, err)
     if bench.get("out_dir"):
         check_output_dir(Path(str(bench["out_dir"])), "bench.out_dir")
-    run = run_matrix(cfg, settings, progress=bool(bench.get("progress", True)))
+    run = run_matrix(cfg, settings, progress=bool(bench["progress"]))
     if run.interrupted and not (run.samples or run.batch_samples):
         raise KeyboardInterrupt
     if settings.batch_sizes:
@@ -92,7 +92,7 @@ def run_bench(cfg: DictConfig, names: Mapping[str, str] | None = None, *, out=No
     num_prompts = len({s["prompt_index"] for s in run.samples})
     title = header(config, run.environment, num_prompts)
     table = markdown(rows)
-    plots = (lambda out_dir: write_plots(rows, out_dir, title)) if bench.get("plots", True) else None
+    plots = (lambda out_dir: write_plots(rows, out_dir, title)) if bench["plots"] else None
     out_dir = _publish(run, bench, config, title, table, rows, run.samples, out, err, legend=LEGEND, plots=plots)
     return BenchResult(rows, run.samples, table, run.notes, out_dir, run.interrupted)
 
@@ -155,7 +155,7 @@ def _show_quality(cfg: DictConfig, resolved: Mapping, settings: Settings, names:
     notes: list[str] = []
     prompts = load_prompt_sets(settings.prompts, settings.num_prompts, notice=notes.append)
     results = run_quality(cfg, settings.quality_paths, [p.prompt for p in prompts], settings.max_new_tokens,
-                          notes.append, progress=bool(resolved["bench"].get("progress", True)))
+                          notes.append, progress=bool(resolved["bench"]["progress"]))
     target = names.get("target") or str(resolved["target"].get("name"))
     title = quality_title(target, list(dict.fromkeys(p.task for p in prompts)), len(prompts), settings.max_new_tokens, resolved.get("threads"))
     table = quality_markdown(results)

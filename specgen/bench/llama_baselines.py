@@ -31,13 +31,13 @@ def llama_unavailable(pipe) -> str | None:
 
     if not llama_cpp.available():
         return "llama-cpp-python is not installed"
-    kind = str(pipe.config["target"]["source"].get("kind"))
+    kind = str(pipe.config.target["source"].get("kind"))
     if kind not in GGUF_KINDS:
         return f"the target is not a GGUF file (target.source.kind={kind})"
-    grammar = (pipe.config.get("grammar") or {}).get("kind", "none")
+    grammar = (pipe.config.grammar or {}).get("kind", "none")
     if grammar != "none":
         return f"the baseline runs unconstrained and grammar={grammar}"
-    sampling = pipe.config["sampling"]
+    sampling = pipe.config.sampling
     for key, off in _OFF.items():
         if sampling.get(key) not in (None, off):
             return f"sampling.{key}={sampling.get(key)} is not reproduced by the baseline"
@@ -53,7 +53,7 @@ def _llama(pipe, lookup: bool):
 
     from specgen.models.loading import gguf_file
 
-    path = str(gguf_file(pipe.config["target"]["source"], progress=False))
+    path = str(gguf_file(pipe.config.target["source"], progress=False))
     threads = torch.get_num_threads()
     key = (path, threads, lookup)
     if not _LOADED:
@@ -104,7 +104,7 @@ def run_llama(pipe, method: str, ids: list[int], *, max_new: int, temperature: f
 def run_llama_arm(pipe, method: str, ids: list[int], gamma, *, max_new: int, seed: int,
                   clock: Callable[[], float]) -> dict:
     """:func:`run_llama` with the pipeline's own temperature and EOS handling."""
-    sampling: Mapping = pipe.config["sampling"]
+    sampling: Mapping = pipe.config.sampling
     ignore_eos = int(sampling.get("min_new_tokens") or 0) >= max_new
     return dict(run_llama(pipe, method, ids, max_new=max_new, temperature=float(sampling.get("temperature", 0.0)),
                           seed=seed, gamma=gamma, ignore_eos=ignore_eos, clock=clock), drafter_memory_bytes=0)

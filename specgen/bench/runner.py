@@ -245,7 +245,7 @@ def run_matrix(cfg: DictConfig, settings: Settings, *, progress: bool = True) ->
 
 
 def _hf_kwargs(pipe, temperature: float, settings: Settings, max_new: int) -> dict:
-    return generate_kwargs(pipe.config["sampling"], temperature=temperature, max_new_tokens=max_new,
+    return generate_kwargs(pipe.config.sampling, temperature=temperature, max_new_tokens=max_new,
                            ignore_eos=settings.ignore_eos, eos_ids=pipe.tokenizer.eos_ids)
 
 

@@ -72,7 +72,7 @@ def run_export(args: Sequence[str], out=None) -> Path:
     cfg = to_container(compose(overrides))
     target_cfg = cfg["target"]
     loaded = load_model(target_cfg["source"], name="target", dtype=torch.float32,
-                        device=resolve_device(str(cfg.get("device", "auto"))), progress=False)
+                        device=resolve_device(str(cfg["device"])), progress=False)
     model = loaded.lm.hf_model.eval().requires_grad_(False)
     head, meta = load_head(head_path, model, kind="eagle3")
     source = target_cfg["source"]

@@ -54,6 +54,7 @@ from pathlib import Path
 
 from specgen.errors import OutputError, PromptError, SpecgenError, first_line
 from specgen.events import FinishEvent, Generation
+from specgen.config.run import RunConfig
 from specgen.cli.jsonl_input import ROW_KEYS, Row, read_rows, row_lines, row_limit, settings_digest
 from specgen.cli.jsonl_output import RecordWriter, Resumed, logprob_records, scan_output, tidy_records
 from specgen.outputs import write_failure
@@ -147,7 +148,7 @@ class JsonlJob:
     """One ``output=`` run: the input counted and the output checked up front (nothing written), then run.
 
     ``prompt_file``/``output``: paths; ``resume``: keep the records already in ``output`` whose
-    fingerprint matches their row's; ``defaults``: the pipeline's Defaults; ``context_length``: the
+    fingerprint matches their row's; ``defaults``: the run's RequestDefaults; ``context_length``: the
     model's, bounding each row's size; ``settings``: the run config, whose generation settings go into
     each row's fingerprint. Raises a SpecgenError (one line) for an unreadable input, one without rows,
     or an output that cannot be resumed, before any row runs. Memory: the rows in flight, and for a
@@ -284,11 +285,9 @@ def _batch_prompt(row: Row) -> dict:
     return {"prompt": row.prompt, "options": row.options}
 
 
-def job_from_config(cfg: Mapping, context_length: int | None = None) -> JsonlJob:
-    """The :class:`JsonlJob` a checked run config describes (``output``, ``prompt_file``, ``resume``)
-    for a model with ``context_length`` tokens of context (None: rows are not bounded by size)."""
-    from specgen.engine.pipeline import Defaults
-
-    return JsonlJob(Path(cfg["prompt_file"]), Path(cfg["output"]), resume=cfg["resume"],
-                    defaults=Defaults.from_config(cfg), context_length=context_length, settings=cfg)
+def job_from_config(cfg: RunConfig, context_length: int | None = None) -> JsonlJob:
+    """The :class:`JsonlJob` a run config describes (``output``, ``prompt_file``, ``resume``, its
+    request defaults) for a model with ``context_length`` tokens of context (None: rows are not bounded by size)."""
+    return JsonlJob(Path(cfg.prompt_file), Path(cfg.output), resume=cfg.resume, defaults=cfg.requests,
+                    context_length=context_length, settings=cfg.checked)
 

@@ -147,7 +147,7 @@ def parse_row(text: str, index: int, line: int, defaults, *, context_length: int
               fingerprint: str = "") -> Row:
     """One input line as a :class:`Row`; every problem becomes ``Row.error`` (one line naming the line).
 
-    defaults: the pipeline's Defaults (the command line's values) that the row's options override;
+    defaults: the run's RequestDefaults (the command line's values) that the row's options override;
     context_length: the model's, when given a prompt too big to fit it is an error (by its length,
     see :func:`~specgen.config.options.check_prompt_size`).
     """

@@ -23,13 +23,15 @@ unreadable input, an output that already holds results without ``resume=true``);
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from specgen.config.checks import JSONL_SUFFIXES, check_run_config
+from specgen.config.checks import JSONL_SUFFIXES
 from specgen.config.compose import conf_dir, exits_on_error, run_console, to_container
+from specgen.config.run import RunConfig
 from specgen.errors import ConfigError, PromptError, not_utf8
 from specgen.events import FinishEvent, Generation
 from specgen.cli.jsonl import Summary
@@ -40,13 +42,20 @@ _COLOURS = {"accepted": "\033[32m", "resampled": "\033[33m", "bonus": "\033[36m"
 _RESET = "\033[0m"
 
 
-def check_prompt_source(cfg: dict, stdin=None) -> None:
+def _prompt_source(cfg: RunConfig | Mapping) -> tuple[str | None, str | None]:
+    """(prompt, prompt_file) of a run config, or of a mapping that names either (unset: None)."""
+    if isinstance(cfg, RunConfig):
+        return cfg.prompt, cfg.prompt_file
+    return cfg.get("prompt"), cfg.get("prompt_file")
+
+
+def check_prompt_source(cfg: RunConfig | Mapping, stdin=None) -> None:
     """PromptError for a prompt source that cannot give a prompt, found without reading it: both
     ``prompt`` and ``prompt_file``, an empty ``prompt``, a ``prompt_file`` that is missing or not a
     regular file or larger than any context holds (MAX_CONTEXT_TOKENS), ``-`` (stdin) with stdin closed, or
     no source at all (nothing given and stdin a terminal)."""
     stdin = sys.stdin if stdin is None else stdin
-    prompt, prompt_file = cfg.get("prompt"), cfg.get("prompt_file")
+    prompt, prompt_file = _prompt_source(cfg)
     if prompt is not None and prompt_file is not None:
         raise PromptError("give prompt= or prompt_file=, not both")
     if prompt == "-" or prompt_file == "-":
@@ -74,10 +83,10 @@ def check_prompt_source(cfg: dict, stdin=None) -> None:
         raise PromptError('no prompt: use prompt="...", prompt_file=PATH, or pipe text on stdin')
 
 
-def check_single_prompt(cfg: dict) -> None:
+def check_single_prompt(cfg: RunConfig) -> None:
     """ConfigError for settings of the JSONL mode given without ``output=``: a ``.jsonl`` prompt_file
     (one prompt per row), ``batch_size`` above 1 (rows run together)."""
-    prompt_file, batch_size = cfg.get("prompt_file"), cfg.get("batch_size", 1)
+    prompt_file, batch_size = cfg.prompt_file, cfg.batch_size
     if prompt_file and Path(prompt_file).suffix.lower() in JSONL_SUFFIXES:
         raise ConfigError(f"prompt_file {prompt_file} is a JSONL file: add output=PATH.jsonl for one result per row "
                           f"(to send the whole file as one prompt, pipe it: prompt=- < {prompt_file})")
@@ -86,7 +95,7 @@ def check_single_prompt(cfg: dict) -> None:
                           "add output=PATH.jsonl (a single prompt runs alone)")
 
 
-def read_prompt(cfg: dict, stdin=None, *, context_length: int | None = None) -> str:
+def read_prompt(cfg: RunConfig | Mapping, stdin=None, *, context_length: int | None = None) -> str:
     """The prompt from ``prompt``, ``prompt_file`` or stdin (``prompt=-`` or piped input).
 
     PromptError for what :func:`check_prompt_source` refuses, text that is not UTF-8 or is empty
@@ -96,7 +105,7 @@ def read_prompt(cfg: dict, stdin=None, *, context_length: int | None = None) -> 
     """
     stdin = sys.stdin if stdin is None else stdin
     check_prompt_source(cfg, stdin)
-    prompt, prompt_file = cfg.get("prompt"), cfg.get("prompt_file")
+    prompt, prompt_file = _prompt_source(cfg)
     limit = None if context_length is None else prompt_size_bound(context_length)
     if prompt == "-" or prompt_file == "-" or (prompt is None and prompt_file is None):
         text, name = _read_text(stdin, "stdin", limit, context_length), "stdin"
@@ -109,8 +118,8 @@ def read_prompt(cfg: dict, stdin=None, *, context_length: int | None = None) -> 
     return check_prompt(text, name)
 
 
-def _reads_stdin(cfg: dict) -> bool:
-    prompt, prompt_file = cfg.get("prompt"), cfg.get("prompt_file")
+def _reads_stdin(cfg: RunConfig) -> bool:
+    prompt, prompt_file = cfg.prompt, cfg.prompt_file
     return prompt == "-" or prompt_file == "-" or (prompt is None and prompt_file is None)
 
 
@@ -222,13 +231,13 @@ def _use_colour(setting, stream) -> bool:
     return hasattr(stream, "isatty") and stream.isatty()
 
 
-def run(cfg: dict, out=None, err=None) -> Generation | Summary | None:
-    """Check the resolved config's values, build the pipeline and stream one generation
-    (or, with ``output=``, run the JSONL file: :func:`run_jsonl`)."""
+def run(cfg: Mapping, out=None, err=None) -> Generation | Summary | None:
+    """Check the resolved config's values into the run's one :class:`RunConfig`, build the pipeline
+    and stream one generation (or, with ``output=``, run the JSONL file: :func:`run_jsonl`)."""
     out = sys.stdout if out is None else out
     err = TolerantStream(sys.stderr if err is None else err)
-    cfg = check_run_config(cfg)
-    if cfg.get("output") is not None:
+    cfg = RunConfig.from_cfg(cfg)
+    if cfg.output is not None:
         return run_jsonl(cfg, err)
     check_single_prompt(cfg)
     check_prompt_source(cfg)
@@ -238,15 +247,15 @@ def run(cfg: dict, out=None, err=None) -> Generation | Summary | None:
 
     pipe = build_pipeline(cfg)
     prompt = read_prompt(cfg, stdin, context_length=pipe.target.context_length)
-    ui = cfg.get("ui") or {}
-    colour = _use_colour(ui.get("color", "auto"), out)
+    ui = cfg.ui
+    colour = _use_colour(ui["color"], out)
     stream = pipe.stream(prompt)
     generation = None
     try:
         for event in stream:
             if isinstance(event, FinishEvent):
                 generation = event.generation
-            if ui.get("stream", True) or isinstance(event, FinishEvent):
+            if ui["stream"] or isinstance(event, FinishEvent):
                 start = _COLOURS.get(event.kind, "") if colour else ""
                 write_stdout(out, f"{start}{event.text}{_RESET if start else ''}")
     except KeyboardInterrupt:
@@ -257,12 +266,12 @@ def run(cfg: dict, out=None, err=None) -> Generation | Summary | None:
     finally:
         stream.close()  # a failed write (StdoutClosed, OutputError) ends the generation too
     write_stdout(out, "\n")
-    if ui.get("summary", True) and generation is not None:
+    if ui["summary"] and generation is not None:
         err.write(summary_line(generation) + "\n")
     return generation
 
 
-def run_jsonl(cfg: dict, err) -> Summary:
+def run_jsonl(cfg: RunConfig, err) -> Summary:
     """Run every row of ``prompt_file`` into ``output`` (a checked config); raises SystemExit(1)
     when some rows hold error records and SystemExit(130) on Ctrl-C, after the summary line."""
     from tqdm import tqdm
@@ -271,14 +280,13 @@ def run_jsonl(cfg: dict, err) -> Summary:
     from specgen.cli.jsonl import job_from_config
     from specgen.cli.jsonl_input import check_has_rows
 
-    check_has_rows(Path(cfg["prompt_file"]))  # before the model loads
+    check_has_rows(Path(cfg.prompt_file))  # before the model loads
     pipe = build_pipeline(cfg)
     job = job_from_config(cfg, pipe.target.context_length)
-    ui = cfg.get("ui") or {}
     show = hasattr(err, "isatty") and err.isatty()
     bar = tqdm(total=job.summary.rows, initial=job.summary.finished, unit="row", file=err, disable=not show)
     try:
-        summary = job.run(pipe, on_row=bar.update, batch_size=cfg.get("batch_size", 1))
+        summary = job.run(pipe, on_row=bar.update, batch_size=cfg.batch_size)
     except KeyboardInterrupt:
         bar.close()
         s = job.summary
@@ -286,7 +294,7 @@ def run_jsonl(cfg: dict, err) -> Summary:
         raise SystemExit(130) from None
     finally:
         bar.close()  # before an error line (a full disk), too
-    if ui.get("summary", True):
+    if cfg.ui["summary"]:
         err.write(summary.line() + "\n")
     if summary.errors:
         raise SystemExit(1)

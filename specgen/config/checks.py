@@ -49,30 +49,30 @@ _SAMPLING_RANGES = {
 def check_run_config(cfg: Mapping) -> dict:
     """A copy of the resolved config ``cfg`` with its run values checked and normalised.
 
-    Normalised: ``speculative``, ``observe_costs`` (bools), ``chat`` ("auto" or bool), ``max_new_tokens``,
+    Every run key is read as given (:func:`required`: its default is written once, in conf/config.yaml).
+    Normalised: ``speculative``, ``compile``, ``packed_weights``, ``invariant_verify``, ``observe_costs``
+    (bools), ``chat`` ("auto" or bool), ``max_new_tokens``,
     ``seed`` (ints), ``stop`` (list of non-empty strings), ``threads`` ("auto" or a
     positive int), the ``sampling`` numbers and ``ui`` switches, and where the config
     has them ``output`` (None or a path) and ``resume`` (bool), whose files are checked
     by :func:`check_jsonl_paths`, and ``batch_size`` (a positive int, checked against the
     drafter and ``compile`` by :func:`check_batch_size`). The grammar and
-    ``drafter.num_tokens`` are checked by :func:`check_components`. Raises :class:`ConfigError` naming
-    the first bad key.
+    ``drafter.num_tokens`` are checked by :func:`check_components`, the ``llama_cpp`` section by
+    :func:`check_llama_cpp`, the ``prefix_cache`` counts as ints >= 0. Raises :class:`ConfigError`
+    naming the first bad key. :meth:`specgen.config.run.RunConfig.from_cfg` calls this once per run.
     """
     cfg = dict(cfg)
-    cfg["speculative"] = parse_bool(cfg.get("speculative", True), "speculative")
-    cfg["compile"] = parse_bool(cfg.get("compile", False), "compile")
-    cfg["packed_weights"] = parse_bool(cfg.get("packed_weights", True), "packed_weights")
-    cfg["invariant_verify"] = parse_bool(cfg.get("invariant_verify", False), "invariant_verify")
-    cfg["observe_costs"] = parse_bool(cfg.get("observe_costs", True), "observe_costs")
-    cfg["chat"] = parse_chat(cfg.get("chat", "auto"))
-    cfg["max_new_tokens"] = parse_int(cfg.get("max_new_tokens", 128), "max_new_tokens", minimum=1)
-    cfg["seed"] = parse_seed(cfg.get("seed", 0))
-    if cfg.get("logprobs") is not None:
+    for key in ("speculative", "compile", "packed_weights", "invariant_verify", "observe_costs"):
+        cfg[key] = parse_bool(required(cfg, key), key)
+    cfg["chat"] = parse_chat(required(cfg, "chat"))
+    cfg["max_new_tokens"] = parse_int(required(cfg, "max_new_tokens"), "max_new_tokens", minimum=1)
+    cfg["seed"] = parse_seed(required(cfg, "seed"))
+    if required(cfg, "logprobs") is not None:
         cfg["logprobs"] = parse_int(cfg["logprobs"], "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
-    cfg["stop"] = list(parse_stop(cfg.get("stop")))
-    cfg["threads"] = parse_threads(cfg.get("threads", "auto"))
+    cfg["stop"] = list(parse_stop(required(cfg, "stop")))
+    cfg["threads"] = parse_threads(required(cfg, "threads"))
     for key in ("prompt", "prompt_file", "system"):
-        cfg[key] = parse_optional_text(cfg.get(key), key)
+        cfg[key] = parse_optional_text(required(cfg, key), key)
     check_unicode(cfg["system"], "system", ConfigError)  # text for the tokenizer (a path may hold any bytes)
     if "sampling" in cfg:
         cfg["sampling"] = check_sampling(cfg["sampling"])
@@ -87,21 +87,25 @@ def check_run_config(cfg: Mapping) -> dict:
     if not isinstance((cfg.get("target") or {}).get("source"), Mapping):
         raise ConfigError("target.source must be a model source with a 'kind' key; choose a target with target=NAME")
     if "output" in cfg or "resume" in cfg:
-        cfg["output"] = parse_optional_text(cfg.get("output"), "output")
-        cfg["resume"] = parse_bool(cfg.get("resume", False), "resume")
+        cfg["output"] = parse_optional_text(required(cfg, "output"), "output")
+        cfg["resume"] = parse_bool(required(cfg, "resume"), "resume")
         check_jsonl_paths(cfg)
     if "batch_size" in cfg:
         cfg["batch_size"] = check_batch_size(cfg)
     check_components(cfg)
-    if "llama_cpp" in cfg:
-        cfg["llama_cpp"] = check_llama_cpp(cfg["llama_cpp"] or {})
-    if "prefix_cache" in cfg:
-        from specgen.models.prefix_cache import DEFAULTS
-
-        section = dict(cfg["prefix_cache"] or {})
-        cfg["prefix_cache"] = {key: parse_int(section.get(key, default), f"prefix_cache.{key}", minimum=0)
-                               for key, default in DEFAULTS.items()}
+    cfg["llama_cpp"] = check_llama_cpp(required(cfg, "llama_cpp") or {})
+    section = required(cfg, "prefix_cache") or {}
+    cfg["prefix_cache"] = {key: parse_int(required(section, key, "prefix_cache."), f"prefix_cache.{key}", minimum=0)
+                           for key in ("entries", "bytes")}
     return cfg
+
+
+def required(cfg: Mapping, key: str, where: str = ""):
+    """``cfg[key]``, or ConfigError naming ``where + key`` when the config lacks it: every run key's
+    default is written once, in conf/config.yaml, so a composed config holds each one."""
+    if key not in cfg:
+        raise ConfigError(f"{where}{key} is missing from the config; compose it from conf/config.yaml, which sets it")
+    return cfg[key]
 
 
 def check_components(cfg: Mapping) -> None:
@@ -117,46 +121,46 @@ def check_components(cfg: Mapping) -> None:
         parse_num_tokens(drafter["num_tokens"], "drafter.num_tokens")
 
 
-#: The llama.cpp group's choices (specgen.models.llama_cpp, specgen.models.gguf_write).
-LLAMA_FLASH_MODES = ("auto", "off", "on")
-LLAMA_TINY_TYPES = ("Q8_0", "F32")
-LLAMA_REPACK_MODES = ("auto", "on", "off")
 #: KV handles a run holds at once on a llama.cpp model (a context each): a request's, the cost
 #: measurement's and the batch-invariance probe's.
 LLAMA_MIN_SEQUENCES = 3
-#: Tokens a batched llama.cpp row holds by default, and at least.
-LLAMA_ROW_CONTEXT, LLAMA_MIN_ROW_CONTEXT = 4096, 256
-#: llama_cpp.context: the KV cells of each of a model's own llama.cpp contexts (llama.cpp's own default size).
+#: The fewest tokens a llama.cpp context (``llama_cpp.context``) or a batched row holds.
+LLAMA_MIN_ROW_CONTEXT = 256
 #: The most KV handles (contexts) a model may hold at once: llama.cpp's own limit on sequences per context.
 LLAMA_MAX_SEQUENCES = 256
 
 
 def check_llama_cpp(section: Mapping) -> dict:
     """The ``llama_cpp`` group checked: ``sequences`` an int in [LLAMA_MIN_SEQUENCES,
-    LLAMA_MAX_SEQUENCES], ``context`` auto, null or at least LLAMA_MIN_ROW_CONTEXT tokens, known choices."""
+    LLAMA_MAX_SEQUENCES], ``context`` auto, null or at least LLAMA_MIN_ROW_CONTEXT tokens, and the
+    choices the llama.cpp backend takes (its FLASH_MODES and REPACK, gguf_write's QUANT_TYPES)."""
+    from specgen.models.gguf_write import QUANT_TYPES
+    from specgen.models.llama_cpp import FLASH_MODES, REPACK
+
     section = dict(section)
-    if section.get("context", "auto") not in (None, "auto"):
+    for key in ("sequences", "context", "batch_row_context", "flash_attention", "tiny_type", "repack"):
+        required(section, key, "llama_cpp.")
+    if section["context"] not in (None, "auto"):
         try:
             section["context"] = parse_int(section["context"], "llama_cpp.context", minimum=LLAMA_MIN_ROW_CONTEXT)
         except ConfigError:
             raise ConfigError(f"llama_cpp.context must be auto, null (the model's training context) or an integer "
-                              f"of at least {LLAMA_MIN_ROW_CONTEXT} (tokens), got {section.get('context')!r}") from None
+                              f"of at least {LLAMA_MIN_ROW_CONTEXT} (tokens), got {section['context']!r}") from None
     try:
-        section["sequences"] = parse_int(section.get("sequences", 64), "llama_cpp.sequences",
+        section["sequences"] = parse_int(section["sequences"], "llama_cpp.sequences",
                                          minimum=LLAMA_MIN_SEQUENCES, maximum=LLAMA_MAX_SEQUENCES)
     except ConfigError:
         raise ConfigError(f"llama_cpp.sequences must be an integer from {LLAMA_MIN_SEQUENCES} (a run holds that "
                           f"many KV handles at once) to {LLAMA_MAX_SEQUENCES} (llama.cpp's limit), "
-                          f"got {section.get('sequences')!r}") from None
+                          f"got {section['sequences']!r}") from None
     try:
-        section["batch_row_context"] = parse_int(section.get("batch_row_context", LLAMA_ROW_CONTEXT),
+        section["batch_row_context"] = parse_int(section["batch_row_context"],
                                                  "llama_cpp.batch_row_context", minimum=LLAMA_MIN_ROW_CONTEXT)
     except ConfigError:
         raise ConfigError(f"llama_cpp.batch_row_context must be an integer of at least {LLAMA_MIN_ROW_CONTEXT} "
-                          f"(tokens), got {section.get('batch_row_context')!r}") from None
-    for key, choices, default in (("flash_attention", LLAMA_FLASH_MODES, "auto"), ("tiny_type", LLAMA_TINY_TYPES, "Q8_0"),
-                                  ("repack", LLAMA_REPACK_MODES, "auto")):
-        value = str(section.get(key, default))
+                          f"(tokens), got {section['batch_row_context']!r}") from None
+    for key, choices in (("flash_attention", FLASH_MODES), ("tiny_type", QUANT_TYPES), ("repack", REPACK)):
+        value = str(section[key])
         if value not in choices:
             raise ConfigError(f"llama_cpp.{key}={value!r} is not one of {', '.join(choices)}")
         section[key] = value
@@ -172,11 +176,11 @@ def check_batch_size(cfg: Mapping) -> int:
         from specgen.drafters import batch_refusal, drafter_class
 
         kind = (cfg.get("drafter") or {}).get("kind")
-        drafter = drafter_class(kind) if cfg.get("speculative", True) else None
+        drafter = drafter_class(kind) if cfg["speculative"] else None
         why = batch_refusal(drafter)
         if why:
             raise ConfigError(f"batch_size={size}: {why}; drafter={kind} needs batch_size=1 (or speculative=false)")
-        why = batch_refusal(None, compiled=bool(cfg.get("compile", False)))
+        why = batch_refusal(None, compiled=cfg["compile"])
         if why:
             raise ConfigError(f"batch_size={size}: {why}; use compile=false or batch_size=1")
     return size
@@ -189,16 +193,16 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 def check_jsonl_paths(cfg: Mapping) -> None:
     """ConfigError unless ``output=`` (JSONL mode) has a readable JSONL ``prompt_file`` and a writable
     output that holds no earlier results, or ``resume`` is on. Reads nothing but file metadata."""
-    output, resume = cfg.get("output"), cfg.get("resume", False)
+    output, resume = cfg["output"], cfg["resume"]
     if output is None:
         if resume:
             raise ConfigError("resume=true continues an output file; add output=PATH.jsonl")
         return
     if not output:
         raise ConfigError("output is empty; give the path of a .jsonl file for the results")
-    if cfg.get("prompt") is not None:
+    if cfg["prompt"] is not None:
         raise ConfigError("output= writes one result per row of prompt_file=PATH.jsonl; give that instead of prompt=")
-    prompt_file = cfg.get("prompt_file")
+    prompt_file = cfg["prompt_file"]
     if not prompt_file or prompt_file == "-":
         raise ConfigError("output= needs prompt_file=PATH.jsonl, a file with one JSON prompt per line")
     source, target = Path(prompt_file), Path(output)

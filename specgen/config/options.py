@@ -353,7 +353,7 @@ def set_fields(options: RequestOptions) -> dict[str, object]:
 
 def request_options(defaults, options: RequestOptions | None = None, **overrides) -> RequestOptions:
     """``options`` with ``overrides`` (:func:`with_overrides`), validated and resolved: a field that
-    is None takes the value from ``defaults`` (a pipeline's Defaults).
+    is None takes the value from ``defaults`` (a pipeline's :class:`~specgen.config.run.RequestDefaults`).
 
     Raises a :class:`~specgen.errors.SpecgenError` subclass naming the first bad
     argument; never converts a wrong type silently.

@@ -7,23 +7,27 @@ naming the key, before anything is loaded.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
 
 
 @dataclass
 class SamplingSchema:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    min_new_tokens: int = 0
-    bad_words: list[Any] = field(default_factory=list)
+    """The ``sampling`` group's types. Its values (every default) are written once, in each preset
+    of conf/sampling/ (default.yaml, creative.yaml): a preset that leaves one out fails the checks."""
+
+    temperature: float = MISSING
+    top_k: int = MISSING
+    top_p: float = MISSING
+    min_p: float = MISSING
+    repetition_penalty: float = MISSING
+    presence_penalty: float = MISSING
+    frequency_penalty: float = MISSING
+    min_new_tokens: int = MISSING
+    bad_words: list[Any] = MISSING
 
 
 def register() -> None:

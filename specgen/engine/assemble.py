@@ -19,15 +19,15 @@ build sets; see :func:`specgen.models.cuda_condition`): ``greedy: on CUDA float3
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch
 
-from specgen.config.checks import check_run_config, parse_threads
-from specgen.config.compose import to_container
+from specgen.config.checks import parse_threads
+from specgen.config.run import RunConfig
 from specgen.drafters import Drafter, DrafterRuntime
-from specgen.engine.pipeline import Defaults, Pipeline
+from specgen.engine.pipeline import Pipeline
 from specgen.errors import ConfigError, SpecgenError
 from specgen.guarantee import Guarantee
 from specgen.models import (LoadedModel, cuda_condition, load_llama_cpp, load_model, load_quantized, resolve_device,
@@ -68,10 +68,10 @@ def _bad_words(entries: list, tokenizer) -> list[list[int]]:
     return sequences
 
 
-def processor_entries(cfg: Mapping, tokenizer) -> list[dict]:
-    """The config's ``processors`` list as build_stack entries (bad words resolved with ``tokenizer``)."""
+def processor_entries(processors: Sequence[Mapping], tokenizer) -> list[dict]:
+    """The config's ``processors`` entries as build_stack entries (bad words resolved with ``tokenizer``)."""
     entries = []
-    for entry in cfg.get("processors") or []:
+    for entry in processors:
         entry = dict(entry)
         if entry.get("name") == "bad_words":
             entry["bad_words"] = _bad_words(entry.get("bad_words"), tokenizer)
@@ -79,10 +79,10 @@ def processor_entries(cfg: Mapping, tokenizer) -> list[dict]:
     return entries
 
 
-def _build_drafter(cfg: Mapping, runtime: DrafterRuntime) -> Drafter | None:
+def _build_drafter(drafter: Mapping, runtime: DrafterRuntime) -> Drafter | None:
     from hydra.utils import instantiate
 
-    spec = dict(cfg["drafter"])
+    spec = dict(drafter)
     if spec.get("kind") == "none" or not spec.get("_target_"):
         return None
     try:
@@ -100,9 +100,9 @@ def _build_drafter(cfg: Mapping, runtime: DrafterRuntime) -> Drafter | None:
 REDUCED_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def _decide_guarantee(cfg: Mapping, drafter: Drafter | None, target: LoadedModel, stack,
+def _decide_guarantee(speculative: bool, drafter: Drafter | None, target: LoadedModel, stack,
                       dtype: torch.dtype) -> tuple[Guarantee, Drafter | None]:
-    if not cfg["speculative"]:
+    if not speculative:
         return Guarantee.off("speculative=false"), None
     if drafter is None:
         return Guarantee.off("drafter=none"), None
@@ -162,58 +162,55 @@ def _repack(setting: str, name: str) -> str:
     return setting if name == "target" or setting == "off" else "on"
 
 
-def build_pipeline(cfg, *, progress: bool = True) -> Pipeline:
-    """Check ``cfg``'s values, instantiate everything it describes and decide the run's guarantee.
+def build_pipeline(cfg: RunConfig | Mapping, *, progress: bool = True) -> Pipeline:
+    """Instantiate everything the run config describes and decide the run's guarantee.
 
-    A bad value raises :class:`ConfigError` naming its key before any model is loaded.
+    ``cfg``: the run's :class:`~specgen.config.run.RunConfig` (an entry point builds it once), or a
+    composed config (a DictConfig or its plain mapping), checked into one here. A bad value raises
+    :class:`ConfigError` naming its key before any model is loaded.
     """
-    cfg = check_run_config(to_container(cfg) if not isinstance(cfg, dict) else cfg)
-    threads = set_threads(cfg["threads"])
-    device = resolve_device(str(cfg.get("device", "auto")))
-    backend = choose_backend(cfg, device)
-    quant = quantized_dtype(cfg, device)  # the target's int8/int4 path; its logits (and draft models) are float32
-    dtype = torch.float32 if quant else resolve_dtype(str(cfg.get("dtype", "auto")), device, QUANT_DTYPES)
-    target_cfg = cfg["target"]
-    packed = cfg.get("packed_weights", True)
-    invariant = cfg.get("invariant_verify", False)
-    extra_eos = tuple(target_cfg.get("eos_ids") or ())
-    llama = dict(cfg.get("llama_cpp") or {})
+    run = RunConfig.from_cfg(cfg)
+    checked = run.checked
+    threads = set_threads(run.threads)
+    device = resolve_device(run.device)
+    backend = choose_backend(checked, device)
+    quant = quantized_dtype(checked, device)  # the target's int8/int4 path; its logits (and draft models) are float32
+    dtype = torch.float32 if quant else resolve_dtype(run.dtype, device, QUANT_DTYPES)
+    extra_eos = tuple(run.target.get("eos_ids") or ())
+    llama = run.llama_cpp
 
     def load(source, name="drafter", dtype=dtype, backend=backend, vocab_size=None):
         if quant and name == "target":
             return load_quantized(source, name=name, quant=quant, extra_eos=extra_eos, progress=progress,
-                                  keep_model=reads_features(cfg))
+                                  keep_model=reads_features(checked))
         if loads_on_llama_cpp(backend, source):
             return load_llama_cpp(source, name=name, threads=threads, extra_eos=extra_eos, progress=progress,
-                                  sequences=int(llama.get("sequences", 64)), context=llama.get("context", "auto"),
-                                  tiny_type=str(llama.get("tiny_type", "Q8_0")),
-                                  batch_row_context=int(llama.get("batch_row_context", 4096)),
-                                  flash_attention=str(llama.get("flash_attention", "auto")), vocab_size=vocab_size,
-                                  repack=_repack(str(llama.get("repack", "auto")), name))
+                                  sequences=llama.sequences, context=llama.context, tiny_type=llama.tiny_type,
+                                  batch_row_context=llama.batch_row_context, flash_attention=llama.flash_attention,
+                                  vocab_size=vocab_size, repack=_repack(llama.repack, name))
         return load_model(source, name=name, dtype=dtype, device=device, extra_eos=extra_eos, progress=progress,
-                          packed=packed, vocab_size=vocab_size, invariant=invariant and name == "target")
+                          packed=run.packed_weights, vocab_size=vocab_size,
+                          invariant=run.invariant_verify and name == "target")
 
-    target = load(target_cfg["source"], name="target")
-    if cfg["compile"]:
+    target = load(run.target["source"], name="target")
+    if run.compile:
         target.lm.enable_compile()
 
-    sampling = cfg["sampling"]
-    temperature = sampling.get("temperature", 0.0)
-    stack = build_stack(processor_entries(cfg, target.tokenizer), greedy=temperature == 0.0,
+    stack = build_stack(processor_entries(run.processors, target.tokenizer), greedy=run.sampling["temperature"] == 0.0,
                         eos_ids=target.tokenizer.eos_ids, vocab_size=target.tokenizer.vocab_size)
-    grammar = grammar_processor(cfg.get("grammar") or {"kind": "none"}, target.tokenizer)
+    grammar = grammar_processor(run.grammar or {"kind": "none"}, target.tokenizer)
     if grammar is not None:
         stack = stack.with_grammar(grammar)
     drafter = None
-    if cfg["speculative"]:
-        drafter = _build_drafter(cfg, DrafterRuntime(target=target, load=load))
-    guarantee, drafter = _decide_guarantee(cfg, drafter, target, stack, dtype)
+    if run.speculative:
+        drafter = _build_drafter(run.drafter, DrafterRuntime(target=target, load=load))
+    guarantee, drafter = _decide_guarantee(run.speculative, drafter, target, stack, dtype)
     guarantee = cuda_condition(guarantee, device, dtype)  # TF32 off before the measurement
     if drafter is not None:
-        guarantee = _measured(guarantee, target.lm, drafter, str(target_cfg.get("name") or target.lm.name))
-    note = auto_note(cfg, device, backend)  # a run that backend=auto moved off llama.cpp says why
+        guarantee = _measured(guarantee, target.lm, drafter, str(run.target.get("name") or target.lm.name))
+    note = auto_note(checked, device, backend)  # a run that backend=auto moved off llama.cpp says why
     guarantee = replace(guarantee, against=numerical_path(target.lm) + note)
     if note and guarantee.kind == "approximate":
         guarantee = replace(guarantee, reason=guarantee.reason + note)
     return Pipeline(target=target.lm, tokenizer=target.tokenizer, drafter=drafter, stack=stack,
-                    guarantee=guarantee, defaults=Defaults.from_config(cfg), config=cfg)
+                    guarantee=guarantee, config=run)

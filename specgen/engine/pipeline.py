@@ -22,10 +22,11 @@ from specgen.errors import ConfigError, DeadEndError, PromptError
 from specgen.events import FinishEvent, Generation, TokenEvent
 from specgen.guarantee import Guarantee
 from specgen.models import TokenizerInfo
-from specgen.models.prefix_cache import DEFAULTS, PrefixCache, common_prefix
+from specgen.models.prefix_cache import PrefixCache, common_prefix
 from specgen.models.target import Target, TokenCache
-from specgen.config.options import (RequestOptions, check_prompt, check_prompt_ids, check_prompt_size, parse_chat, parse_int,
-                             parse_optional_text, parse_seed, parse_stop, request_options, with_overrides)
+from specgen.config.options import (RequestOptions, check_prompt, check_prompt_ids, check_prompt_size, parse_chat,
+                                    parse_int, parse_optional_text, request_options, with_overrides)
+from specgen.config.run import PrefixCacheSettings, RequestDefaults, RunConfig
 from specgen.planning import AUTO, CostTable
 from specgen.planning.measure import Subject
 from specgen.planning.observed import ObservedCosts
@@ -46,22 +47,6 @@ class Scores:
     logprobs: list[TokenLogprob | None]
 
 
-@dataclass
-class Defaults:
-    max_new_tokens: int = 128
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    chat: bool | str = "auto"
-    system: str | None = None
-    logprobs: int | None = None
-
-    @classmethod
-    def from_config(cls, cfg) -> Defaults:
-        """The request defaults of a checked run config (its top-level request keys)."""
-        return cls(max_new_tokens=cfg["max_new_tokens"], seed=cfg["seed"], stop=tuple(cfg["stop"]),
-                   chat=cfg["chat"], system=cfg["system"], logprobs=cfg.get("logprobs"))
-
-
 class Pipeline:
     """A composed target + drafter + processor stack with a declared guarantee.
 
@@ -75,23 +60,25 @@ class Pipeline:
     prefix_cache: finished requests' target KV handles, which later requests start from
     (:mod:`specgen.models.prefix_cache`; sized by the config's ``prefix_cache`` group, off where
     the target does not declare ``prefix_reuse``).
+    config: the run's :class:`~specgen.config.run.RunConfig` (checked once, by the entry point);
+    defaults: its request defaults (:class:`~specgen.config.run.RequestDefaults`).
     """
 
     def __init__(self, *, target: Target, tokenizer: TokenizerInfo, drafter: Drafter | None,
-                 stack: ProcessorStack, guarantee: Guarantee, defaults: Defaults, config=None):
+                 stack: ProcessorStack, guarantee: Guarantee, config: RunConfig):
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.stack = stack
         self.guarantee = guarantee
-        self.defaults = defaults
+        self.defaults: RequestDefaults = config.requests
         self.config = config
         self.device = target.device
         self.costs: CostTable | None = None
         self.read_once = torch.device(self.device).type != "cpu"
         self.observed: ObservedCosts | None = None
         self._costs_lock = threading.RLock()
-        self.prefix_cache = prefix_cache_for(target, config)
+        self.prefix_cache = prefix_cache_for(target, config.prefix_cache)
 
     def cost_table(self, *, refresh: bool = False) -> CostTable:
         """The planner's cost table for this pipeline (measured once, cached on disk; see specgen.planning.cost_cache)."""
@@ -101,7 +88,7 @@ class Pipeline:
 
                 self.costs = cost_table(self.cost_subject(), refresh=refresh)
                 if self.observed is None or refresh:
-                    self.observed = observer(self.config)
+                    self.observed = observer(self.config.observe_costs)
             return self.costs
 
     def cost_subject(self) -> Subject:
@@ -116,7 +103,7 @@ class Pipeline:
                 speculative_round(request, ctx, 1)
             return request.draft
 
-        return Subject(self.target, self.tokenizer.vocab_size, self.config or {},
+        return Subject(self.target, self.tokenizer.vocab_size, self.config.checked,
                        trees=drafter is not None and (drafter.tree_width > 1 or drafter.feature_layers is not None),
                        feature_layers=None if drafter is None else drafter.feature_layers,
                        open_draft=None if drafter is None else open_draft,
@@ -232,14 +219,15 @@ class Pipeline:
                      stack: ProcessorStack | None = None, stats: Stats | None = None,
                      target_cache: TokenCache | None = None) -> tuple[Request, RoundContext]:
         """Fresh request state and round context (the engine loop's setup; tests drive rounds with it).
-        target_cache: the request's KV handle (None: a new one of the target's); the ids it already holds
-        of ``ids`` count as ``stats.prefill_reused``.
+        seed / stop: checked values (:func:`~specgen.config.options.request_options` parses them; None:
+        the pipeline's defaults, checked with the run config). target_cache: the request's KV handle
+        (None: a new one of the target's); the ids it already holds of ``ids`` count as ``stats.prefill_reused``.
 
         The round context and the draft session share one stack: ``stack`` (default the
         pipeline's) with its grammar metered by this request's clock and stats
         (:meth:`~specgen.processors.ProcessorStack.with_timer`)."""
-        seed = parse_seed(self.defaults.seed if seed is None else seed)
-        stop = parse_stop(self.defaults.stop if stop is None else stop)
+        seed = self.defaults.seed if seed is None else seed
+        stop = self.defaults.stop if stop is None else stop
         stack = self.stack if stack is None else stack
         cache = self.target.new_cache() if target_cache is None else target_cache
         request = Request(prompt_ids=ids, vocab_size=self.tokenizer.vocab_size, device=self.device,
@@ -326,9 +314,8 @@ class Pipeline:
         yield done
 
 
-def prefix_cache_for(target: Target, config) -> PrefixCache:
-    """The prefix cache a pipeline on ``target`` keeps: the config's ``prefix_cache`` group (absent:
-    its defaults), off when the target does not declare ``prefix_reuse``."""
-    section = {**DEFAULTS, **((config or {}).get("prefix_cache") or {})}
-    entries = section["entries"] if target.capabilities.prefix_reuse else 0
-    return PrefixCache(target.new_cache, entries=entries, max_bytes=section["bytes"])
+def prefix_cache_for(target: Target, settings: PrefixCacheSettings) -> PrefixCache:
+    """The prefix cache a pipeline on ``target`` keeps: the run config's ``prefix_cache`` section,
+    off when the target does not declare ``prefix_reuse``."""
+    entries = settings.entries if target.capabilities.prefix_reuse else 0
+    return PrefixCache(target.new_cache, entries=entries, max_bytes=settings.bytes)

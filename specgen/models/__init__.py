@@ -129,14 +129,14 @@ def load_model(source: Mapping, *, name: str, dtype: torch.dtype, device: torch.
 
 
 def load_llama_cpp(source: Mapping, *, name: str, threads: int, extra_eos: tuple[int, ...] = (),
-                   progress: bool = True, sequences: int = 64, tiny_type: str = "Q8_0", batch_row_context: int = 4096,
-                   flash_attention: str = "auto", vocab_size: int | None = None, repack: str = "auto",
-                   context: int | str | None = "auto") -> LoadedModel:
+                   progress: bool = True, vocab_size: int | None = None, tiny_type: str | None = None,
+                   **options) -> LoadedModel:
     """The model of a GGUF-kind (or ``tiny``) ``source`` on the llama.cpp backend
     (:mod:`specgen.models.llama_cpp`), with specgen's tokenizer for it; a tiny model is
-    written as a GGUF in ``tiny_type`` first (:mod:`specgen.models.gguf_write`).
-    ``vocab_size``: as for :func:`load_model`; ``context``: the KV cells of each of the model's
-    contexts (one per live KV handle), as :class:`~specgen.models.llama_cpp.LlamaCppLM` takes them."""
+    written as a GGUF in ``tiny_type`` first (None: :func:`~specgen.models.gguf_write.tiny_gguf`'s type).
+    ``vocab_size``: as for :func:`load_model`; ``options``: :class:`~specgen.models.llama_cpp.LlamaCppLM`'s
+    (``sequences``, ``batch_row_context``, ``flash_attention``, ``repack``, and ``context``, the KV cells of
+    each of the model's contexts, its ``context_length``), its defaults where not given."""
     from specgen.models.llama_cpp import LlamaCppLM
     from specgen.models.loading import gguf_file, load_tokenizer, writable_cache_dir
 
@@ -145,14 +145,15 @@ def load_llama_cpp(source: Mapping, *, name: str, threads: int, extra_eos: tuple
 
         args = {k: v for k, v in source.items() if k != "kind"}
         model = build_tiny_model(**args)
-        path, tokenizer, eos = tiny_gguf(model, writable_cache_dir("gguf"), tiny_type), TinyTokenizer(model.config.vocab_size), []
+        typed = {} if tiny_type is None else {"quant": tiny_type}
+        path, tokenizer, eos = tiny_gguf(model, writable_cache_dir("gguf"), **typed), TinyTokenizer(model.config.vocab_size), []
     else:
         path = gguf_file(source, progress=progress)
         tokenizer, eos = load_tokenizer(source, progress=progress, gguf=path)
     info = TokenizerInfo(tokenizer, (*extra_eos, *eos))
-    lm = LlamaCppLM(path, vocab_size=vocab_size or info.vocab_size, name=name, threads=threads, sequences=sequences,
-                    batch_row_context=batch_row_context, context_length=context,
-                    flash_attention=flash_attention, repack=repack)
+    if "context" in options:
+        options["context_length"] = options.pop("context")
+    lm = LlamaCppLM(path, vocab_size=vocab_size or info.vocab_size, name=name, threads=threads, **options)
     return LoadedModel(lm, info)
 
 

@@ -52,7 +52,7 @@ def _tensors(model) -> dict[str, torch.Tensor]:
     return out
 
 
-QUANT_TYPES = ("F32", "Q8_0")
+QUANT_TYPES = ("Q8_0", "F32")
 
 
 def write_llama_gguf(model, path: pathlib.Path, *, eos_id: int = 0, name: str = "tiny",

@@ -27,9 +27,6 @@ from dataclasses import dataclass
 from specgen.errors import CacheExhausted
 from specgen.models.target import TokenCache
 
-#: The config group ``prefix_cache``'s defaults: parked handles, and the KV bytes they may hold.
-DEFAULTS = {"entries": 4, "bytes": 256 << 20}
-
 
 @dataclass
 class PrefixCacheStats:

@@ -80,10 +80,10 @@ def stderr_progress(what: str) -> Progress:
     return report
 
 
-def observer(config) -> ObservedCosts | None:
+def observer(observe_costs: bool) -> ObservedCosts | None:
     """The running verify timings a pipeline plans through (:mod:`specgen.planning.observed`); None
-    where plans come from the table alone: ``observe_costs=false`` in ``config``, or a fixed table."""
-    if os.environ.get(FIXED_TABLE_ENV) or not (config or {}).get("observe_costs", True):
+    where plans come from the table alone: ``observe_costs`` false (the run config's), or a fixed table."""
+    if os.environ.get(FIXED_TABLE_ENV) or not observe_costs:
         return None
     return ObservedCosts()
 

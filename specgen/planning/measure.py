@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import platform
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -97,8 +97,8 @@ class Subject:
 
     target: the verifying model (the target protocol).
     vocab_size: the tokenizer's, for the synthetic calibration context.
-    config: the pipeline's configuration (its target, drafter, compile and
-    packed_weights entries are part of :func:`facts`).
+    config: the pipeline's checked run config (:attr:`specgen.config.run.RunConfig.checked`; its
+    target, drafter, compile, packed_weights and invariant_verify entries are part of :func:`facts`).
     trees: the drafter verifies trees or reads target features (time tree forwards).
     feature_layers: the target features the drafter reads (None: none).
     open_draft: (context, max_tokens) -> a draft session on ``context`` ready to
@@ -108,7 +108,7 @@ class Subject:
 
     target: Target
     vocab_size: int
-    config: Mapping = field(default_factory=dict)
+    config: Mapping
     trees: bool = False
     feature_layers: list[int] | None = None
     open_draft: Callable[[list[int], int], object] | None = None
@@ -117,19 +117,19 @@ class Subject:
 
 def facts(subject: Subject, max_tokens: int = MAX_TOKENS) -> dict:
     """What the measured costs depend on: models, drafter, dtype, device, threads, versions."""
-    config, device = subject.config or {}, subject.target.device
+    config, device = subject.config, subject.target.device
     if device.type == "cuda":
         hardware = torch.cuda.get_device_name(device)
     else:
         hardware = platform.processor() or platform.machine()
     return {
-        "target": json.dumps(config.get("target"), sort_keys=True, default=str),
-        "drafter": json.dumps(config.get("drafter"), sort_keys=True, default=str),
+        "target": json.dumps(config["target"], sort_keys=True, default=str),
+        "drafter": json.dumps(config["drafter"], sort_keys=True, default=str),
         **subject.target.describe(),
         "device": str(device), "hardware": hardware, "threads": torch.get_num_threads(),
         "torch": torch.__version__, "context": CONTEXT_TOKENS, "max_tokens": max_tokens,
-        "compile": bool(config.get("compile", False)), "packed_weights": bool(config.get("packed_weights", True)),
-        "invariant_verify": bool(config.get("invariant_verify", False)),
+        "compile": config["compile"], "packed_weights": config["packed_weights"],
+        "invariant_verify": config["invariant_verify"],
         "unit": UNIT_METHOD, **({"tree_shape": TREE_SHAPE} if subject.trees else {}),
     }
 

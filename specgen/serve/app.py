@@ -51,7 +51,7 @@ log = logging.getLogger("specgen.serve")
 
 def served_model_name(pipe: Pipeline) -> str:
     """The ``model`` clients must ask for: the target's name in the config."""
-    return str(((pipe.config or {}).get("target") or {}).get("name") or "specgen")
+    return str(pipe.config.target.get("name") or "specgen")
 
 
 def _error(exc: APIError) -> JSONResponse:

@@ -13,43 +13,52 @@ import logging
 import socket
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import hydra
 from omegaconf import DictConfig
 
-from specgen.config.checks import check_run_config
+from specgen.config.checks import required
 from specgen.config.compose import conf_dir, exits_on_error, run_console, to_container
 from specgen.errors import ConfigError
 from specgen.config.options import parse_batch_size, parse_int
-from specgen.serve.app import MAX_REQUEST_BYTES
+from specgen.config.run import RunConfig
 
 #: Keys of the shared config that only a one-shot run uses.
 _ONE_SHOT_KEYS = ("prompt", "prompt_file", "output", "resume")
-#: The most requests one batch may run together.
 #: The smallest request-body limit: room for a short request.
 MIN_REQUEST_BYTES = 1024
 
 
-def check_server_config(cfg: Mapping) -> dict:
-    """``cfg`` with its run values checked (:func:`check_run_config`) and ``host`` / ``port`` /
-    ``batch_size`` / ``max_request_bytes`` too: host a non-empty name or address without spaces, port
-    an int in [1, 65535], batch_size an int in [1, MAX_BATCH_SIZE], max_request_bytes an int of at
-    least MIN_REQUEST_BYTES. The one-shot keys
+@dataclass(frozen=True)
+class ServerConfig:
+    """A server's checked settings: the run's :class:`RunConfig` (its ``batch_size`` None: the server
+    sizes its own batches) and where and how it listens."""
+
+    run: RunConfig
+    host: str
+    port: int
+    batch_size: int
+    max_request_bytes: int
+
+
+def check_server_config(cfg: Mapping) -> ServerConfig:
+    """``cfg``'s run values checked into its one :class:`RunConfig`, and ``host`` / ``port`` /
+    ``batch_size`` / ``max_request_bytes`` too (their defaults: conf/serve.yaml): host a non-empty name or
+    address without spaces, port an int in [1, 65535], batch_size an int in [1, MAX_BATCH_SIZE],
+    max_request_bytes an int of at least MIN_REQUEST_BYTES. The one-shot keys
     (prompt, prompt_file, output, resume) are refused rather than ignored."""
-    size = cfg.get("batch_size", 8)  # checked here: an unbatchable drafter makes the server serial, not an error
-    cfg = check_run_config({key: value for key, value in cfg.items() if key != "batch_size"})
+    # batch_size is checked here: an unbatchable drafter makes the server serial, not an error
+    run = RunConfig.from_cfg({key: value for key, value in cfg.items() if key != "batch_size"})
     for key in _ONE_SHOT_KEYS:
-        if cfg.get(key) not in (None, False):
+        if run.checked[key] not in (None, False):
             raise ConfigError(f"{key}= is for the specgen command; specgen-serve takes its prompts from requests")
-    host = cfg.get("host", "127.0.0.1")
+    host = required(cfg, "host")
     if not isinstance(host, str) or not host.strip() or any(ch.isspace() for ch in host):
         raise ConfigError(f"host must be a host name or IP address such as 127.0.0.1, got {host!r}")
-    cfg["host"] = host
-    cfg["port"] = parse_int(cfg.get("port", 8000), "port", minimum=1, maximum=65535)
-    cfg["batch_size"] = parse_batch_size(size)
-    cfg["max_request_bytes"] = parse_int(cfg.get("max_request_bytes", MAX_REQUEST_BYTES), "max_request_bytes",
-                                         minimum=MIN_REQUEST_BYTES)
-    return cfg
+    return ServerConfig(run, host, parse_int(required(cfg, "port"), "port", minimum=1, maximum=65535),
+                        parse_batch_size(required(cfg, "batch_size")),
+                        parse_int(required(cfg, "max_request_bytes"), "max_request_bytes", minimum=MIN_REQUEST_BYTES))
 
 
 def base_url(host: str, port: int) -> str:
@@ -77,16 +86,16 @@ def serve(cfg: Mapping, err=None) -> None:
     err = sys.stderr if err is None else err
     cfg = check_server_config(cfg)
     show_log(err)
-    host, port = cfg["host"], cfg["port"]
+    host, port = cfg.host, cfg.port
     sock = bind(host, port)
-    pipe = build_pipeline(cfg)
+    pipe = build_pipeline(cfg.run)
     if not _is_loopback(host):
         err.write(f"specgen-serve: warning: listening on {host}, reachable from other machines; "
                   "there is no authentication\n")
-    scheduler = make_scheduler(pipe, cfg["batch_size"])
+    scheduler = make_scheduler(pipe, cfg.batch_size)
     err.write(f"specgen-serve: model {served_model_name(pipe)!r} [{pipe.guarantee.label()}] on {base_url(host, port)} "
               f"({scheduler.info['note']})\n")
-    app = create_app(pipe, scheduler=scheduler, max_request_bytes=cfg["max_request_bytes"])
+    app = create_app(pipe, scheduler=scheduler, max_request_bytes=cfg.max_request_bytes)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     server.run(sockets=[sock])
 

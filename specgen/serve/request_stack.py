@@ -30,7 +30,7 @@ MAX_VARIANTS = 16
 def configured(pipe: Pipeline) -> Sampling:
     """The sampling values the pipeline was built with (from its processor entries)."""
     values = {}
-    for entry in (pipe.config or {}).get("processors") or []:
+    for entry in pipe.config.processors:
         if entry.get("name") == "temperature":
             values["temperature"] = float(entry.get("temperature") or 0.0)
         if entry.get("name") == "top_p":
@@ -55,8 +55,7 @@ def with_sampling(pipe: Pipeline, sampling: Sampling) -> Pipeline:
     from specgen.grammar import grammar_processor
     from specgen.processors import build_stack
 
-    cfg = pipe.config or {}
-    entries = [dict(entry) for entry in cfg.get("processors") or []]
+    entries = [dict(entry) for entry in pipe.config.processors]
     for name, value in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
         if value is None:
             continue
@@ -67,9 +66,9 @@ def with_sampling(pipe: Pipeline, sampling: Sampling) -> Pipeline:
             entry[name] = value
     greedy = pipe.stack.greedy if sampling.temperature is None else sampling.temperature == 0.0
     tokenizer = pipe.tokenizer
-    stack = build_stack(processor_entries({"processors": entries}, tokenizer), greedy=greedy,
+    stack = build_stack(processor_entries(entries, tokenizer), greedy=greedy,
                         eos_ids=tokenizer.eos_ids, vocab_size=tokenizer.vocab_size)
-    grammar = grammar_processor(cfg.get("grammar") or {"kind": "none"}, tokenizer)
+    grammar = grammar_processor(pipe.config.grammar or {"kind": "none"}, tokenizer)
     if grammar is not None:
         stack = stack.with_grammar(grammar)
     variant = copy.copy(pipe)

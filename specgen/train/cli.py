@@ -142,7 +142,7 @@ class _Job:
 
     @property
     def progress(self) -> bool:
-        return bool(self.train.get("progress", True))
+        return bool(self.train["progress"])
 
 
 def _prepare(cfg, err) -> _Job:
@@ -156,17 +156,17 @@ def _prepare(cfg, err) -> _Job:
     train = cfg["train"]
     kind, arch = head_settings(cfg)
     settings = Settings.from_config(train)
-    progress = bool(train.get("progress", True))
+    progress = bool(train["progress"])
     say = (lambda m: (err.write(f"specgen-train: {m}\n"), err.flush())) if progress else (lambda m: None)
-    store_dtype = _STORE_DTYPES.get(str(train.get("cache_dtype", "bfloat16")))
+    store_dtype = _STORE_DTYPES.get(str(train["cache_dtype"]))
     if store_dtype is None:
         raise ConfigError(f"train.cache_dtype must be one of {', '.join(_STORE_DTYPES)}")
     for key in ("shard_tokens", "extract_tokens", "train_tokens"):
         if train.get(key) is not None:
             parse_int(train[key], f"train.{key}", minimum=1)
-    threads = set_threads(train.get("threads", "auto"), "train.threads")
-    device = resolve_device(str(train.get("device", "auto")))
-    dtype = resolve_dtype(str(train.get("dtype", "auto")), device)
+    threads = set_threads(train["threads"], "train.threads")
+    device = resolve_device(str(train["device"]))
+    dtype = resolve_dtype(str(train["dtype"]), device)
     out_path = Path(str(train.get("out") or f"heads/{kind}.safetensors"))
     check_output_file(out_path, "train.out", create_parents=True, example="head.safetensors")
     export_dir = train_export_dir(train.get("export"), kind, out_path, arch["feature_layers"])  # train.export=eagle3
@@ -222,7 +222,7 @@ def _split_features(job: _Job, loaded, model, fingerprint: dict, layers: list[in
     from specgen.train.shards import cached_features
 
     train = job.train
-    cache_dir = writable_cache_dir("train") if train.get("cache", True) else None
+    cache_dir = writable_cache_dir("train") if train["cache"] else None
     corpora, feats, speeds = {}, {}, {}
     for split, held_out in (("train", False), ("eval", True)):
         t0 = time.perf_counter()
@@ -230,7 +230,7 @@ def _split_features(job: _Job, loaded, model, fingerprint: dict, layers: list[in
             corpora[split] = self_corpus(
                 model, loaded.tokenizer, held_out=held_out,
                 limit=int(train["eval_conversations" if held_out else "num_conversations"]),
-                max_len=int(train["max_len"]), temperature=float(train.get("self_temperature", 0.7)),
+                max_len=int(train["max_len"]), temperature=float(train["self_temperature"]),
                 batch_size=int(train.get("self_batch") or BATCH), seed=job.settings.seed, fingerprint=fingerprint,
                 cache_dir=cache_dir, progress=job.progress)
         else:
@@ -292,7 +292,7 @@ def _save(job: _Job, head, fingerprint, result, metrics, corpora, speeds, comman
         path = save(job.out_path)
     except OSError as exc:
         raise write_failure(job.out_path, exc, _rescue(save, job.out_path)) from None
-    if not job.train.get("keep_checkpoint", False):
+    if not job.train["keep_checkpoint"]:
         job.checkpoint.unlink(missing_ok=True)
     return path, info
 
@@ -359,7 +359,7 @@ def run_train(cfg, *, command: str = "", stop_after: int | None = None, out=None
     signature = {"head": head.cfg.to_json(), "data": corpora["train"].description,
                  "fingerprint": fingerprint["weights_sha256"], "vocab": head.vocab_ids.tolist()[:64]}
     result = train_head(head, feats["train"], lookup, job.settings, device=job.device, checkpoint=job.checkpoint,
-                        resume=bool(job.train.get("resume", False)), extra_signature=signature,
+                        resume=bool(job.train["resume"]), extra_signature=signature,
                         stop_after=stop_after, progress=job.progress)
     job.say(f"trained {result.steps - result.resumed_from} steps in {result.seconds:.1f} s = "
             f"{result.steps_per_s:.2f} steps/s ({job.threads} threads, {job.device})")

@@ -42,7 +42,7 @@ class Corpus:
 
 
 def data_source(train: Mapping, target_cfg: Mapping) -> str:
-    source = str(train.get("data", "auto"))
+    source = str(train["data"])
     if source == "auto":
         return "random" if (target_cfg.get("source") or {}).get("kind") == "tiny" else "sharegpt"
     if source not in ("sharegpt", "random", "self"):
@@ -118,7 +118,7 @@ def load_corpus(train: Mapping, target_cfg: Mapping, tokenizer, *, held_out: boo
     max_len = int(train["max_len"])
     if data_source(train, target_cfg) == "random":
         return random_corpus(tokenizer.vocab_size, held_out=held_out, limit=limit, max_len=max_len,
-                             seed=int(train.get("seed", 0)))
+                             seed=int(train["seed"]))
     return sharegpt_corpus(tokenizer, held_out=held_out, limit=limit, max_len=max_len)
 
 

@@ -17,7 +17,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -27,11 +27,10 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Input, TextArea
 
 from specgen.engine.chat import ChatHistory, uses_template
-from specgen.config.checks import check_run_config
 from specgen.config.compose import compose as compose_config
-from specgen.config.compose import to_container
 from specgen.errors import SpecgenError
 from specgen.config.options import SEED_MAX
+from specgen.config.run import RunConfig
 from specgen.tui.panel import StatsPanel
 from specgen.tui.reply import ErrorMessage, Legend, Notice, ReplyView, UserMessage
 from specgen.tui.session import ReplyRequest, ReplyUpdate, UpdateInbox, load_pipeline, run_reply
@@ -92,7 +91,8 @@ PANEL_MIN_WIDTH = 80
 
 
 class ChatApp(App[int]):
-    """The chat. ``cfg``: the composed config; ``pipeline``: an already built one (tests).
+    """The chat. ``cfg``: the composed config (shown by Ctrl+G); ``run_config``: its checked
+    :class:`RunConfig` (None: checked when the pipeline loads); ``pipeline``: an already built one (tests).
 
     The side panel shows on terminals at least :data:`PANEL_MIN_WIDTH` columns wide and hides on
     narrower ones; Ctrl+O shows or hides it whatever the width (the choice then holds).
@@ -112,9 +112,10 @@ class ChatApp(App[int]):
         Binding("ctrl+g", "show_config", "Config", priority=True),
     ]
 
-    def __init__(self, cfg, *, pipeline=None):
+    def __init__(self, cfg, *, pipeline=None, run_config: RunConfig | None = None):
         super().__init__()
         self.cfg = cfg
+        self.run_config = run_config
         self.pipe = pipeline
         self.history: ChatHistory | None = None
         self.active: ActiveReply | None = None
@@ -172,7 +173,7 @@ class ChatApp(App[int]):
     def _load(self) -> None:
         """Build the pipeline off the UI thread; report success or a one-line error."""
         try:
-            pipe = load_pipeline(self.cfg)
+            pipe = load_pipeline(self.cfg if self.run_config is None else self.run_config)
         except SpecgenError as exc:
             self.call_from_thread(self._load_failed, str(exc))
             return
@@ -335,11 +336,16 @@ class ChatApp(App[int]):
         self.action_cancel_reply()
 
 
-def chat_config(args: list[str]):
-    """The chat's composed config (conf/chat.yaml: specgen's config, sampling by default); ConfigError if bad."""
+def chat_configs(args: list[str]) -> tuple[DictConfig, RunConfig]:
+    """The chat's composed config (conf/chat.yaml: specgen's config, sampling by default) and the
+    run's one RunConfig checked from it; ConfigError if bad."""
     cfg = compose_config(args, "chat")
-    check_run_config(to_container(cfg))
-    return cfg
+    return cfg, RunConfig.from_cfg(cfg)
+
+
+def chat_config(args: list[str]) -> DictConfig:
+    """The chat's composed config, checked (:func:`chat_configs`)."""
+    return chat_configs(args)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -349,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, end="")
         return 0
     try:
-        cfg = chat_config(args)
+        cfg, run_config = chat_configs(args)
     except SpecgenError as exc:
         print(f"specgen-chat: error: {exc}", file=sys.stderr)
         return 2
@@ -357,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         print("specgen-chat: error: needs an interactive terminal (stdin or stdout is redirected); "
               "for scripts use `specgen prompt=...`", file=sys.stderr)
         return 2
-    app = ChatApp(cfg)
+    app = ChatApp(cfg, run_config=run_config)
     app.run()
     if app.load_error:
         print(f"specgen-chat: error: {app.load_error}", file=sys.stderr)
