@@ -71,6 +71,8 @@ class LlamaBatch:
         self.rows: list[LlamaKV] = [self.context.new_handle()]
         self._rates: dict[int, tuple[int, float]] = {}  # row -> (its length then, seconds per token of its last chunk)
         self._cheapest: float | None = None  # the fewest seconds per token any chunk took
+        #: "measured": chunks sized by time where :attr:`splits_free`; "grid": the solo run's splits regardless.
+        self.splits = "measured"
 
     @property
     def capacity(self) -> int:
@@ -108,7 +110,7 @@ class LlamaBatch:
     def splits_free(self) -> bool:
         """Whether a prompt's decodes may be split anywhere without changing a logit
         (``lm.prefill_splits_free``, measured once per model by :func:`split_gap`)."""
-        return bool(getattr(self.lm, "prefill_splits_free", False))
+        return self.splits != "grid" and bool(getattr(self.lm, "prefill_splits_free", False))
 
     def prefill_take(self, r: int) -> int:
         """How many tokens row ``r``'s next prompt chunk feeds (no logits read; at least 1): to the
