@@ -10,6 +10,7 @@ from test_fair_batch import CHUNK, LONG, SHORT, _pipe, _run, _spec
 from test_llama_cpp_backend import TINY_SOURCE, _decodes
 
 from specgen.batch import Batch
+from specgen.errors import SpecgenError
 from specgen.events import TokenEvent
 from specgen.models import llama_batch, llama_context, llama_cpp, load_llama_cpp
 
@@ -114,3 +115,15 @@ def test_where_splits_change_logits_chunks_keep_the_solo_splits(monkeypatch, for
         monkeypatch.setattr(llama_cpp.LlamaCppLM, "prefill_splits_free", property(lambda self: True))
     solo = pipe.generate(prompt_ids=LONG, max_new_tokens=6).token_ids
     assert (_long_alone(pipe) == solo) != forced_free
+
+
+def test_a_failed_step_takes_back_the_chunk_it_fed():
+    """The chunk rows are decoded before the rest; when the rest's decode fails, no row keeps its feed."""
+    lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm
+    batch = lm.new_batch(2, 256)
+    batch.forward([[1, 2], [3]], [1, 1])
+    with pytest.raises(SpecgenError):
+        batch.forward([[4, 5, 6], [lm.n_vocab + 1]], [0, 1])  # row 1's token is outside the vocabulary
+    assert [len(row) for row in batch.rows] == [2, 1]
+    batch.forward([[4, 5, 6], [7]], [0, 1])
+    assert [len(row) for row in batch.rows] == [5, 2]

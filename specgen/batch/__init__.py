@@ -20,9 +20,10 @@ A fresh row's prompt is prefilled in a forward of its own and stored in its batc
 entry's dead slots (a refill takes over the finished row's), appending only what
 does not fit (on llama.cpp, whose rows keep cells of their own, it goes in the row's
 first step instead: ``LlamaBatch.prefills_apart``; a prompt longer than the backend's
-``prefill_chunk`` is fed a chunk per step, ending on the splits its solo run decodes at, while
-the other rows decode; prompts without a first token share one chunk of prompt per step, shortest
-first: :func:`~specgen.batch.steps.prefill_chunks`).
+``prefill_chunk`` is fed a chunk per step while the other rows decode: ending on the splits its
+solo run decodes at, or, where the model measures that splits change no logit, sized by time
+(``LlamaBatch.prefill_take``); prompts without a first token share one chunk of prompt per step,
+shortest first: :func:`~specgen.batch.steps.prefill_chunks`).
 A row lists the slots holding its tokens (``RowCache.slots``); the 4D additive
 mask lets each new token see its row's listed slots and its own feed causally;
 positions are per row (token i of a row sits at position i). Rolling a row back
