@@ -1,7 +1,7 @@
 """Short requests' time to first token beside a long prompt's prefill, on the online batch (BatchScheduler).
 
 Usage: python scripts/fair_serve_bench.py [--long-tokens 3000] [--shorts 3] [--trials 5] [--warmup 1]
-       [--delay 0] [--gap 0.05] [--threads 2] [--prefill-tokens N] [--arms chunked,whole] [overrides ...]
+       [--delay 0] [--gap 0.05] [--threads 2] [--prefill-tokens N] [--arms shorts,chunked,grid,whole] [overrides ...]
 
 Four arms on one pipeline (the default model unless overrides say otherwise), interleaved trial by
 trial in one process:
@@ -11,6 +11,9 @@ trial in one process:
   (what they cost each other: on one thread their prefills queue);
 * chunked: a ``--long-tokens`` prompt is submitted, then, ``--delay`` seconds later, ``--shorts`` short
   requests ``--gap`` seconds apart while it prefills (a chunk per step, :func:`specgen.batch.steps.prefill_chunks`);
+* grid: as chunked, with the long prompt's chunks on the splits its solo run decodes at (``prefill_chunk``
+  tokens each), where chunked sizes them by time when the model measures splits free
+  (:meth:`specgen.models.llama_batch.LlamaBatch.prefill_take`);
 * whole: the same with ``chunked_prefill=False`` (the long prompt prefilled in one step).
 
 Each trial's long prompt is the same tokens rotated by the trial's number, so no batch slot holds a
@@ -109,10 +112,13 @@ def main() -> None:
     text = " ".join(f"item {i}: the quick brown fox jumps over the lazy dog." for i in range(args.long_tokens))
     long_ids = pipe.encode(text, chat=False)[: args.long_tokens]
     shorts = (SHORT * args.shorts)[: args.shorts]
-    names = [name for name in ("shorts", "chunked", "whole") if name in args.arms.split(",")]
-    arms = {"chunked": BatchScheduler(pipe, 8), "whole": BatchScheduler(pipe, 8, chunked_prefill=False)}
+    names = [name for name in ("shorts", "chunked", "grid", "whole") if name in args.arms.split(",")]
+    arms = {"chunked": BatchScheduler(pipe, 8), "grid": BatchScheduler(pipe, 8),
+            "whole": BatchScheduler(pipe, 8, chunked_prefill=False)}
+    arms["grid"].batch.kv.splits = "grid"
     arms["shorts"] = arms["chunked"]
     ttft: dict[str, list[float]] = {name: [] for name in ("solo", *names)}
+    long_ttft: dict[str, list[float]] = {name: [] for name in names if name != "shorts"}  # the long prompt's own
     solo_tokens = {p: pipe.generate(p, max_new_tokens=4).token_ids for p in shorts}
     same = True
     try:
@@ -129,20 +135,23 @@ def main() -> None:
                 timed, long = trial(arms[name], None if name == "shorts" else fresh_long, shorts, args.gap, 8,
                                     args.delay)
                 ttft[name].extend(t.ttft for t in timed if counted)
+                long_ttft.get(name, []).extend([long.ttft] if counted and long else [])
                 same &= all(t.tokens == solo_tokens[p] for t, p in zip(timed, shorts, strict=True))
                 same &= long is None or long.tokens == long_solo
     finally:
-        for scheduler in (arms["chunked"], arms["whole"]):
+        for scheduler in (arms["chunked"], arms["grid"], arms["whole"]):
             scheduler.close()
     base = statistics.median(ttft["solo"])
     print(f"model {pipe.config.target.get('name')}  long prompt {len(long_ids)} tokens  "
-          f"prefill split {llama_context.PREFILL_TOKENS}  shorts/trial {len(shorts)} from {args.delay:g} s, "
+          f"prefill split {llama_context.PREFILL_TOKENS}  splits free {pipe.target.prefill_splits_free}  shorts/trial {len(shorts)} from {args.delay:g} s, "
           f"{args.gap:g} s apart  trials {args.trials} "
           f"(+{args.warmup} uncounted)")
     for name, values in ttft.items():
         p50, p99 = statistics.median(values), percentile(values, 0.99)
         print(f"{name:8s} n={len(values):3d}  p50 {p50 * 1e3:8.1f} ms  p99 {p99 * 1e3:8.1f} ms  "
               f"p99/solo p50 {p99 / base:6.2f}x")
+    for name, values in long_ttft.items():
+        print(f"{name:8s} the long prompt's own TTFT: median {statistics.median(values):6.1f} s")
     print(f"every output equals its solo run: {same}")
 
 

@@ -30,8 +30,13 @@ def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path_factory.getbasetemp() / "specgen-cache"))
 
 
-def _pipe(monkeypatch, drafter: str):
+def _pipe(monkeypatch, drafter: str, splits: str = "grid"):
+    """splits: "grid": batches feed long prompts on the splits solo runs decode at, as where a model's
+    split_gap is not 0 (the tests here count chunks on that grid; tests/test_fair_splits.py covers
+    chunks sized by time); "measured": as the model's measurement says."""
     monkeypatch.setattr(llama_context, "PREFILL_TOKENS", CHUNK)  # before any context is made
+    if splits == "grid":
+        monkeypatch.setattr(llama_cpp.LlamaCppLM, "prefill_splits_free", property(lambda self: False))
     return specgen.pipeline(*TINY, "backend=llama_cpp", f"drafter={drafter}", progress=False)
 
 

@@ -18,7 +18,8 @@ by row views, padded to the widest feed and compacted when dead slots pile up
 entries of its own. A fresh row's prompt goes in a forward of its own before its first
 step where the cache says so (``BatchCache.prefills_apart``), else in that step; a prompt
 longer than the cache's ``prefill_chunk`` is fed a chunk per step, ending on the splits its
-solo run decodes at, while the other rows decode; prompts without a first token share one
+solo run decodes at, or, where the backend measured that splits change no logit, sized by time
+(``BatchCache.prefill_take``), while the other rows decode; prompts without a first token share one
 chunk of prompt per step, shortest first: :func:`~specgen.batch.steps.prefill_chunks`.
 
 A step is a transaction over all its rows: an exception anywhere (the batched

@@ -34,6 +34,7 @@ class Row:
     start: float
     owner: object = None  # who receives this row's events (a BatchScheduler's Handle)
     passed_over: int = 0  # consecutive steps this row, still without a first token, fed nothing
+    chunked: bool = False  # its prompt has been fed a chunk (prefill_chunks): its rest goes in chunks too
 
 
 def unbatched_reason(pipe) -> str | None:
@@ -223,16 +224,17 @@ def prefill_chunks(kv: BatchCache, live: list[tuple[int, Row]]) -> dict[int, lis
     The rows without a first token yet share a budget of one chunk (``kv.prefill_chunk``
     tokens: the width the backend splits a prompt's decodes at, from the prompt's first
     token, on every path) of prompt per step, shortest remaining prompt first (ties: the row
-    admitted first): each whose uncached prompt fits what is left of the budget steps as any
-    row (its prompt with its first logits, its first token this step); when none fits, the
-    shortest feeds the rest of its current chunk, no logits read, so its prompt's decodes,
-    its last chunk's included, are those of its solo run; every other such row waits,
-    feeding nothing. Rows that have their first token decode in every step, outside the
-    budget. So a step costs at most one chunk of prompt beside the decodes, and a newly
-    admitted short prompt goes before the rest of a long one. No prompt starves: a row passed
-    over (fed nothing) :data:`MAX_PASSED_OVER` steps in a row goes first in the next step
-    (oldest first among such rows); each row's ``passed_over`` count is updated here. {} when
-    the backend does not chunk (``kv.prefill_chunk`` None)."""
+    admitted first): each whose uncached prompt fits what is left of the budget (a row
+    already chunked: also its next chunk, :meth:`BatchCache.prefill_take`) steps as any row (its prompt
+    with its first logits, its first token this step); when none fits, the shortest feeds
+    its next chunk, no logits read, so its prompt's decodes, its last chunk's included, are
+    those of its solo run or split where the backend measured that splits change no logit;
+    every other such row waits, feeding nothing. Rows that have their first token decode in
+    every step, outside the budget. So a step costs at most one chunk of prompt beside the
+    decodes, and a newly admitted short prompt goes before the rest of a long one. No
+    prompt starves: a row passed over (fed nothing) :data:`MAX_PASSED_OVER` steps in a row
+    goes first in the next step (oldest first among such rows); each row's ``passed_over``
+    count is updated here. {} when the backend does not chunk (``kv.prefill_chunk`` None)."""
     chunk = kv.prefill_chunk
     if not chunk:
         return {}
@@ -249,14 +251,15 @@ def prefill_chunks(kv: BatchCache, live: list[tuple[int, Row]]) -> dict[int, lis
         return (0, start, len(pending)) if row.passed_over >= MAX_PASSED_OVER else (1, len(pending), start)
 
     for pending, _, r, row in sorted(waiting, key=order):
-        if len(pending) <= budget:
+        take = kv.prefill_take(r) if row.chunked else budget
+        if len(pending) <= min(budget, take):
             budget -= len(pending)
             row.passed_over = 0
         elif budget == chunk:
-            take = chunk - len(row.request.target_cache) % chunk  # to the end of the solo run's chunk
-            out[r] = pending[:take]
+            out[r] = pending[: kv.prefill_take(r)]
             budget = 0
             row.passed_over = 0
+            row.chunked = True
         else:
             out[r] = []
             row.passed_over += 1

@@ -64,6 +64,10 @@ class BatchKV:
     #: prefill here would compute its keys/values in other shapes than a solo run's one forward.
     prefill_chunk = None
 
+    def prefill_take(self, r: int) -> int:
+        """Not called: prompts are not chunked across steps here (:attr:`prefill_chunk` is None)."""
+        raise NotImplementedError("prompts are not chunked on this batch cache")
+
     def __init__(self, lm, size: int):
         self.lm = lm
         self.cache = growing_cache(lm.config)  # appends in place: no copy of the whole cache per step

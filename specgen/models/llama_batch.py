@@ -11,6 +11,13 @@ request's prompt does alone. Nothing is padded
 and rows never share cells, so there is nothing to compact or cut back: a rolled-back
 row frees its own cells.
 
+A long prompt is fed a chunk per step (:func:`specgen.batch.steps.prefill_chunks`), the chunk
+sized by :meth:`LlamaBatch.prefill_take`: on the grid its solo run splits it at (every
+``prefill_chunk`` tokens from its first), or, where :func:`split_gap` measures that the way a
+prompt's decodes are split changes no logits, in chunks sized to cost about
+:data:`PREFILL_BUDGET` of the cheapest prompt tokens the batch has decoded (measured as it runs), so
+a step beside other rows' decodes stays short at any depth.
+
 The context grows with the rows in use, not with the batch's size: it is opened for
 one row and, when a row beyond it is first used, reopened for twice as many (at most
 ``size``), each row's sequence moved over byte for byte
@@ -20,6 +27,8 @@ full length would not fit in the memory available is refused before anything is 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specgen.errors import ConfigError
@@ -28,6 +37,12 @@ from specgen.models.llama_context import LlamaKV
 
 #: Row contexts are a multiple of this many tokens (llama.cpp pads its KV cache to it).
 ROW_ALIGN = 256
+#: Where splits are free (:func:`split_gap` is 0), a prompt chunk costs about this many of the cheapest
+#: prompt tokens' decode time (:meth:`LlamaBatch.prefill_take`): the most a request admitted
+#: meanwhile waits for, beside the other rows' decodes.
+PREFILL_BUDGET = 4
+#: Chunk widths the split probe feeds a prompt in (:func:`split_gap`), then the prompt's last token.
+SPLIT_PROBE = (1, 2, 3, 5, 8, 13, 32, 4)
 
 
 class LlamaBatch:
@@ -54,6 +69,10 @@ class LlamaBatch:
         check_fits(lm, self.size, self.row_context)
         self.context = lm.open_context(self.row_context, 1)
         self.rows: list[LlamaKV] = [self.context.new_handle()]
+        self._rates: dict[int, tuple[int, float]] = {}  # row -> (its length then, seconds per token of its last chunk)
+        self._cheapest: float | None = None  # the fewest seconds per token any chunk took
+        #: "measured": chunks sized by time where :attr:`splits_free`; "grid": the solo run's splits regardless.
+        self.splits = "measured"
 
     @property
     def capacity(self) -> int:
@@ -88,6 +107,26 @@ class LlamaBatch:
         return self.context.prefill_tokens
 
     @property
+    def splits_free(self) -> bool:
+        """Whether a prompt's decodes may be split anywhere without changing a logit
+        (``lm.prefill_splits_free``, measured once per model by :func:`split_gap`)."""
+        return self.splits != "grid" and bool(getattr(self.lm, "prefill_splits_free", False))
+
+    def prefill_take(self, r: int) -> int:
+        """How many tokens row ``r``'s next prompt chunk feeds (no logits read; at least 1): to the
+        end of its grid chunk (:attr:`prefill_chunk` from the prompt's first token), or, where
+        :attr:`splits_free`, at most :attr:`prefill_chunk` sized by time: PREFILL_BUDGET times the
+        cheapest per-token time of any chunk so far, over this row's last chunk's per-token time
+        (PREFILL_BUDGET tokens before a measurement)."""
+        grid, held = self.prefill_chunk, len(self.rows[r]) if r < len(self.rows) else 0
+        if not self.splits_free:
+            return grid - held % grid
+        length, rate = self._rates.get(r, (None, None))
+        if rate is None or length > held or not self._cheapest:  # no chunk of this prompt measured yet
+            return min(grid, PREFILL_BUDGET)
+        return max(1, min(grid, int(PREFILL_BUDGET * self._cheapest / rate)))
+
+    @property
     def width(self) -> int:
         return max((len(row) for row in self.rows), default=0)
 
@@ -107,6 +146,7 @@ class LlamaBatch:
         """Forget row ``r``'s tokens (a refill): its cells are freed."""
         self._reach(r)
         self.rows[r].crop(0)
+        self._rates.pop(r, None)
         return self.rows[r]
 
     def forward(self, feeds: list[list[int]], keeps: list[int]) -> list[torch.Tensor | None]:
@@ -115,11 +155,27 @@ class LlamaBatch:
         success each row gains its feed; on failure no row changes."""
         live = [r for r, feed in enumerate(feeds) if feed]
         self._reach(max(live, default=0))
-        logits = self.context.forward_rows([self.rows[r] for r in live], [feeds[r] for r in live],
-                                           [keeps[r] for r in live])
+        chunks = [r for r in live if not keeps[r]]  # prompt chunks: decoded on their own either way, so timed apart
+        rest = [r for r in live if keeps[r]]
         out: list[torch.Tensor | None] = [None] * len(feeds)
-        for r, rows in zip(live, logits, strict=True):
-            out[r] = rows
+        starts = {r: len(self.rows[r]) for r in chunks}
+        began = time.perf_counter()
+        if chunks:
+            self.context.forward_rows([self.rows[r] for r in chunks], [feeds[r] for r in chunks], [0] * len(chunks))
+        seconds = (time.perf_counter() - began) / max(1, sum(len(feeds[r]) for r in chunks))
+        try:
+            if rest:
+                logits = self.context.forward_rows([self.rows[r] for r in rest], [feeds[r] for r in rest],
+                                                   [keeps[r] for r in rest])
+                for r, rows in zip(rest, logits, strict=True):
+                    out[r] = rows
+        except BaseException:
+            for r, start in starts.items():
+                self.rows[r].crop(start)
+            raise
+        for r in chunks:
+            self._rates[r] = (len(self.rows[r]), seconds)
+            self._cheapest = seconds if self._cheapest is None else min(self._cheapest, seconds)
         return out
 
     def rewind(self, width: int) -> None:
@@ -163,3 +219,31 @@ def batch_gap(lm, rows: int = 4) -> float:
         worst = max(worst, float((together[r] - alone).abs().max()))
     batch.context.close()
     return worst
+
+
+def split_gap(lm, decoded: int = 4) -> float:
+    """Prefill splits: the largest |logit| difference between a prompt fed to one handle of ``lm``'s own
+    context as a request's is (one forward, split where the backend splits prompts) and the same prompt
+    fed to a :class:`LlamaBatch` row in chunks of the SPLIT_PROBE widths (no logits read), then its last
+    token with its logits; over that row and ``decoded`` tokens fed one at a time after it on each.
+    0.0: how a prompt's decodes are split changes no logit (and no KV entry a later position reads)."""
+    vocab = lm.vocab_size
+    tokens = [(7919 * i + 104729 + 13) % vocab for i in range(sum(SPLIT_PROBE) + 1 + decoded)]
+    prompt, after = tokens[: sum(SPLIT_PROBE) + 1], tokens[sum(SPLIT_PROBE) + 1:]
+    alone_cache = lm.new_cache()
+    try:
+        alone = torch.cat([lm.forward(alone_cache, prompt, keep=1),
+                           *(lm.forward(alone_cache, [t], keep=1) for t in after)])  # [1 + decoded, vocab]
+    finally:
+        alone_cache.release()
+    batch = LlamaBatch(lm, 1, ROW_ALIGN)
+    try:
+        fed = 0
+        for width in SPLIT_PROBE:
+            batch.forward([prompt[fed: fed + width]], [0])
+            fed += width
+        split = torch.cat([batch.forward([prompt[fed:]], [1])[0],
+                           *(batch.forward([[t]], [1])[0] for t in after)])  # [1 + decoded, vocab]
+    finally:
+        batch.context.close()
+    return float((split - alone).abs().max())

@@ -25,7 +25,7 @@ import weakref
 import torch
 
 from specgen.errors import ConfigError, ModelLoadError
-from specgen.models.llama_batch import LlamaBatch, batch_gap
+from specgen.models.llama_batch import LlamaBatch, batch_gap, split_gap
 from specgen.models.invariance import GAP_PREFIX, chain_gap_probe, prefix_gap, worst
 from specgen.models.llama_context import BATCH_TOKENS, FLASH, LlamaContext, LlamaKV, available, library
 from specgen.models.llama_pool import ContextPool
@@ -79,6 +79,7 @@ class LlamaCppLM(TargetDefaults):
         self.path = str(path)
         self.threads, self.batch_row_context = int(threads), int(batch_row_context)
         self._capabilities: Capabilities | None = None
+        self._splits_free: bool | None = None
         # ggml's AMX kernels (run from repacked buffers) raised SIGILL on an AMX VM: a build with them never repacks
         repacked = repack != "off" and not _has_amx_kernels(self._lib)
         attention = ("off", "on") if flash_attention == "auto" else (flash_attention,)
@@ -213,6 +214,15 @@ class LlamaCppLM(TargetDefaults):
                                               batches=batch_gap(self, BATCH_GAP_ROWS) == 0.0,
                                               prefix_reuse=prefix_gap(self) == 0.0)
         return self._capabilities
+
+    @property
+    def prefill_splits_free(self) -> bool:
+        """Whether a prompt's decodes may be split at any widths up to the prefill split without changing a
+        logit: :func:`~specgen.models.llama_batch.split_gap` is 0 (measured on first use). Batches then
+        size a long prompt's chunks by time; else they keep the splits a solo run decodes at."""
+        if self._splits_free is None:
+            self._splits_free = split_gap(self) == 0.0
+        return self._splits_free
 
     def new_cache(self) -> LlamaKV:
         """An empty KV handle on a context of its own; PoolExhausted beyond ``sequences`` live ones."""

@@ -279,6 +279,11 @@ class BatchCache(Protocol):
     @property
     def prefill_chunk(self) -> int | None: ...
 
+    def prefill_take(self, r: int) -> int:
+        """Tokens row ``r``'s next prompt chunk feeds (at least 1, at most :attr:`prefill_chunk`), so
+        that its prompt decodes as alone; called only where :attr:`prefill_chunk` is not None."""
+        ...
+
     def prefill(self, r: int, tokens: list[int], reuse: bool = True) -> bool:
         """Feed a fresh row ``r``'s ``tokens`` (no logits read); -> False, doing nothing, where the row
         already holds tokens or ``tokens`` is empty. reuse=False: a shared-width cache appends every

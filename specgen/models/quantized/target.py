@@ -234,6 +234,10 @@ class QuantBatch:
     #: Prompts are not chunked across steps: a prompt is fed whole, as a request's is alone.
     prefill_chunk = None
 
+    def prefill_take(self, r: int) -> int:
+        """Not called: prompts are not chunked across steps here (:attr:`prefill_chunk` is None)."""
+        raise NotImplementedError("prompts are not chunked on this batch cache")
+
     def __init__(self, lm: QuantizedLM, size: int, row_context: int):
         self.lm, self.row_context = lm, int(row_context)
         self.rows: list[QuantKV] = [lm.new_cache() for _ in range(size)]
