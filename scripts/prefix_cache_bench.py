@@ -17,9 +17,14 @@ the longest prefix it still holds (its TTFT: the first token out).
 
     python scripts/prefix_cache_bench.py [--turns 5] [--repeats 3] [--max-new-tokens 32] [--llama-cpp] [override ...]
 
+Where the target reuses only entries of prefills (``prefill_floor`` above 1), the cached arm
+settles each reply in the background once the turn ends (:mod:`specgen.models.prefix_cache`):
+the user's think time. The next turn starts only when that is done, and ``settle_ms`` is how
+long it took: the think time the cached TTFT of the next turn assumes (0 where nothing settles).
+
 Overrides are specgen's (``threads=1`` is the default here; ``backend=``, ``target=`` ...).
 Prints one row per turn: prompt tokens, tokens the cache gave, new tokens, the median TTFT
-of each arm, and the ratios. A machine shared with other work makes single timings noisy:
+of each arm, the ratios, and the settle time after the turn. A machine shared with other work makes single timings noisy:
 compare the paired medians, and say how loaded the machine was.
 """
 
@@ -91,6 +96,10 @@ def run_conversation(arms: dict, turns: list[str], max_new: int, times: dict, re
             gen = arms[name].generate(list(messages), chat=True, max_new_tokens=max_new)
             replies[name] = gen
             times[name].setdefault(index, []).append(gen.stats.ttft)
+            cache = arms[name].prefix_cache
+            before = cache.stats.settle_seconds
+            cache.wait_settled()  # the user's think time: nothing else runs while it settles
+            times.setdefault(f"{name} settle", {}).setdefault(index, []).append(cache.stats.settle_seconds - before)
         cached, fresh = replies["cached"], replies["fresh"]
         if cached.token_ids != fresh.token_ids:
             sys.exit(f"turn {index + 1}: the cached arm's reply differs from the fresh arm's")
@@ -135,13 +144,14 @@ def main(argv: list[str] | None = None) -> None:
              for i in range(args.turns)]
     print(f"# {target.name} on {target.backend}, {' '.join(overrides)}, guarantee {arms['cached'].guarantee.label()}; "
           f"{args.repeats} repeats, medians; both arms gave the same tokens on every turn")
-    print("turn  prompt  cached  new  ttft_cached_ms  ttft_fresh_ms  ideal_ms  fresh/cached  cached/ideal"
+    print("turn  prompt  cached  new  ttft_cached_ms  ttft_fresh_ms  ideal_ms  fresh/cached  cached/ideal  settle_ms"
           + ("  ttft_llama_ms  llama/cached" if llm is not None else ""))
     for index in range(args.turns):
-        on, off = (statistics.median(times[name][index]) for name in ("cached", "fresh"))
+        on, off, settle = (statistics.median(times[name][index]) for name in ("cached", "fresh", "cached settle"))
         seconds, new = ideal[index]
         row = (f"{index + 1:>4}  {lengths[index]:>6}  {statistics.median(reused[index]):>6.0f}  {new:>3}  "
-               f"{1e3 * on:>14.1f}  {1e3 * off:>13.1f}  {1e3 * seconds:>8.1f}  {off / on:>12.2f}  {on / seconds:>12.2f}")
+               f"{1e3 * on:>14.1f}  {1e3 * off:>13.1f}  {1e3 * seconds:>8.1f}  {off / on:>12.2f}  {on / seconds:>12.2f}"
+               f"  {1e3 * settle:>9.1f}")
         if llm is not None:
             theirs = statistics.median(times["llama.cpp"][index])
             row += f"  {1e3 * theirs:>13.1f}  {theirs / on:>12.2f}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
@@ -12,6 +13,7 @@ from specgen.batch.plan import batch_costs, plan_rows
 from specgen.drafters import batch_refusal
 from specgen.errors import ConfigError, DeadEndError, PromptError, SpecgenError
 from specgen.events import FinishEvent, Generation, TokenEvent
+from specgen.models.invariance import span_splits
 from specgen.models.prefix_cache import common_prefix
 from specgen.options import RequestOptions, parse_batch_size, request_options, set_fields, with_overrides
 from specgen.planning import AUTO, BatchCostTable
@@ -86,8 +88,10 @@ class Batch:
         self.costs: BatchCostTable | None = None  # loaded when a row first plans with num_tokens="auto"
         #: A slot keeps its last request's entries for the next one to start from (see :meth:`add`):
         #: where the pipeline's prefix cache is on (its setting, and the target's ``prefix_reuse``)
-        #: and rows hold caches of their own (a shared-width cache's row cannot be fed a prefix apart).
-        self.reuse = bool(pipe.prefix_cache.enabled) and not self.kv.shares_width
+        #: and rows hold caches of their own (a shared-width cache's row cannot be fed a prefix apart),
+        #: on a target whose every entry is reusable (``prefill_floor`` 1: a row's decode steps are too).
+        self.reuse = (bool(pipe.prefix_cache.enabled) and not self.kv.shares_width
+                      and pipe.target.capabilities.prefill_floor <= 1)
 
     @property
     def active(self) -> int:
@@ -232,10 +236,12 @@ def prefill_chunks(kv, live: list[tuple[int, Row]]) -> dict[int, list[int]]:
     admitted short prompt goes before the rest of a long one. No prompt starves: a row passed
     over (fed nothing) :data:`MAX_PASSED_OVER` steps in a row goes first in the next step
     (oldest first among such rows); each row's ``passed_over`` count is updated here. {} when
-    the backend does not chunk (``kv.prefill_chunk`` None)."""
+    the backend does not chunk (``kv.prefill_chunk`` None). The solo run's splits are
+    :func:`~specgen.models.invariance.span_splits` of the prompt with ``kv.prefill_floor`` (1 where absent)."""
     chunk = getattr(kv, "prefill_chunk", None)
     if not chunk:
         return {}
+    floor = getattr(kv, "prefill_floor", 1)
     waiting = []  # (uncached prompt tokens, admission time, row index, row)
     for r, row in live:
         request = row.request
@@ -253,7 +259,9 @@ def prefill_chunks(kv, live: list[tuple[int, Row]]) -> dict[int, list[int]]:
             budget -= len(pending)
             row.passed_over = 0
         elif budget == chunk:
-            take = chunk - len(row.request.target_cache) % chunk  # to the end of the solo run's chunk
+            done = len(row.request.target_cache)
+            ends = itertools.accumulate(span_splits(done + len(pending), chunk, floor))
+            take = next(end for end in ends if end > done) - done  # to the end of the solo run's decode
             out[r] = pending[:take]
             budget = 0
             row.passed_over = 0

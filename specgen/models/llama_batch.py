@@ -88,6 +88,12 @@ class LlamaBatch:
         return self.context.prefill_tokens
 
     @property
+    def prefill_floor(self) -> int:
+        """The narrowest decode a solo prefill's last split may be (see
+        :func:`~specgen.models.invariance.span_splits`, which gives the splits of :attr:`prefill_chunk`)."""
+        return self.context.prefill_floor
+
+    @property
     def width(self) -> int:
         return max((len(row) for row in self.rows), default=0)
 
