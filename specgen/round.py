@@ -103,13 +103,6 @@ def draft_budget(request: Request, num_tokens: int, context_length: int) -> int:
     return max(0, min(num_tokens, request.remaining - 1, room))
 
 
-def first_round(request: Request) -> bool:
-    """Whether the request has no token yet: its next forward prefills what of its prompt is not
-    cached. Such a round verifies no draft, on every path (a batched row's too), so the first token
-    waits on the prefill alone; deciding so looks at the request's own state, never at the target's p."""
-    return request.committed.num_generated == 0
-
-
 def speculative_round(request: Request, ctx: RoundContext, num_tokens: int | str) -> list[TokenEvent]:
     """Run one round; return an event per committed token.
 
@@ -129,17 +122,16 @@ def speculative_round(request: Request, ctx: RoundContext, num_tokens: int | str
 def plan_and_draft(request: Request, ctx: RoundContext, num_tokens: int | str) -> tuple[Proposal, float]:
     """The plan + draft stages -> (proposal, predicted accepted tokens of a planned tree).
 
-    Looks only at the drafter's output, past rounds and the request's own state, never at the
-    target's p for the tokens it drafts. A request's first round verifies no draft
-    (:func:`first_round`). A planned round that verifies no draft records the first token a
-    shadowing session drafts (:func:`shadow`), which :func:`round_events` settles against the
-    committed token. Call inside the round's transaction.
+    Looks only at the drafter's output and past rounds, never at the target's p for
+    the tokens it drafts. A planned round that verifies no draft records the first token
+    a shadowing session drafts (:func:`shadow`), which :func:`round_events` settles against
+    the committed token. Call inside the round's transaction.
     """
     auto = num_tokens == AUTO
     costs = ctx.planning_costs() if auto else None
     with ctx.clock.stage("draft"):
         limit = min(ctx.max_tokens, costs.max_tokens) if auto else num_tokens
-        budget = 0 if first_round(request) else draft_budget(request, limit, ctx.target.context_length)
+        budget = draft_budget(request, limit, ctx.target.context_length)
         session = request.draft
         # A chain drafted token by token stops itself (one host read a token: a CPU's way, not read_once's).
         online = auto and session is not None and session.stops_online and not ctx.read_once

@@ -22,7 +22,7 @@ from specgen.planning import (AUTO, BatchCostTable, DraftedRow, RowPlan, auto_ro
                               token_values, truncate_batch)
 from specgen.planning import store
 from specgen.planning.measure import BATCH_CONTEXT_TOKENS, BATCH_WIDTHS
-from specgen.round import chain_prefix, draft_budget, first_round, plan_and_draft, shadow
+from specgen.round import chain_prefix, draft_budget, plan_and_draft, shadow
 
 
 #: Tokens a row of a measured batch holds at most: its calibration context and the widest feed.
@@ -96,8 +96,7 @@ def _plan_inputs(costs: BatchCostTable | None, live: list, values: list[float]):
         else:
             ctx = row.ctx
             limit = min(ctx.max_tokens, ctx.costs.max_tokens, costs.widths[-1] - 1)
-            budget = 0 if first_round(request) else draft_budget(request, limit, ctx.target.context_length)
-            budgets[r] = budget
+            budgets[r] = budget = draft_budget(request, limit, ctx.target.context_length)
             plans.append(auto_row(ctx.history, ctx.costs, costs, budget, feed, value))
     return drafted, plans, budgets
 
