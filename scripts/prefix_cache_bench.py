@@ -11,15 +11,21 @@ reply is appended to the conversation as the assistant message before the next t
 
 Two references per turn: ``ideal``, the time the target takes to prefill only what a perfect
 cache would not hold (the turn's prompt ids past their longest common prefix with the last
-turn's prompt and reply), on a handle already holding that prefix; and, with ``--llama-cpp``,
+turn's prompt and reply), on a handle of its own already holding that prefix, timed after the
+arms in each turn; and, with ``--llama-cpp``,
 llama-cpp-python's own ``Llama.generate`` fed the same prompt ids turn after turn, which reuses
 the longest prefix it still holds (its TTFT: the first token out).
 
     python scripts/prefix_cache_bench.py [--turns 5] [--repeats 3] [--max-new-tokens 32] [--llama-cpp] [override ...]
 
+Where the target reuses only entries of prefills (``prefill_floor`` above 1), the cached arm
+settles each reply in the background once the turn ends (:mod:`specgen.models.prefix_cache`):
+the user's think time. The next turn starts only when that is done, and ``settle_ms`` is how
+long it took: the think time the cached TTFT of the next turn assumes (0 where nothing settles).
+
 Overrides are specgen's (``threads=1`` is the default here; ``backend=``, ``target=`` ...).
 Prints one row per turn: prompt tokens, tokens the cache gave, new tokens, the median TTFT
-of each arm, and the ratios. A machine shared with other work makes single timings noisy:
+of each arm, the ratios, and the settle time after the turn. A machine shared with other work makes single timings noisy:
 compare the paired medians, and say how loaded the machine was.
 """
 
@@ -61,28 +67,27 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return size
 
 
-def ideal_prefill(target, held: list[int], ids: list[int], repeats: int = 3) -> tuple[float, int]:
-    """Median time of one forward over what ``ids`` adds to their common prefix with ``held`` (at
-    least its last token), on a handle holding that prefix -> (seconds, new tokens)."""
-    keep = min(common_prefix(held, ids), len(ids) - 1)
-    times = []
-    for _ in range(repeats):
-        cache = target.new_cache()
-        if keep:
-            target.forward(cache, ids[:keep], keep=1)
-        start = time.perf_counter()
-        target.forward(cache, ids[keep:], keep=1)
-        times.append(time.perf_counter() - start)
-        cache.release()
-    return statistics.median(times), len(ids) - keep
+def ideal_step(target, cache, ids: list[int], reply: list[int]) -> tuple[float, int]:
+    """The time of one forward over what ``ids`` adds to their common prefix with what ``cache`` holds
+    (at least its last token), on ``cache`` holding that prefix; then ``reply`` is fed too (untimed), so
+    the handle holds the turn's prompt and reply for the next -> (seconds, new tokens)."""
+    keep = min(common_prefix(cache.tokens, ids), len(ids) - 1)
+    cache.crop(keep)
+    start = time.perf_counter()
+    target.forward(cache, ids[keep:], keep=1)
+    seconds = time.perf_counter() - start
+    if reply:
+        target.forward(cache, reply, keep=1)
+    return seconds, len(ids) - keep
 
 
 def run_conversation(arms: dict, turns: list[str], max_new: int, times: dict, reused: dict, lengths: dict,
-                     llm=None) -> list[list[int]]:
+                     new: dict, llm=None) -> None:
     """Every turn on both arms (alternating which goes first), then on llama.cpp's own API when
-    ``llm``; records each arm's TTFT per turn -> each turn's prompt ids, then its reply's ids."""
+    ``llm``, then the ideal prefill; records each arm's TTFT per turn (and the cached arm's settle)."""
     messages: list[dict] = []
-    record: list[list[int]] = []
+    target = arms["fresh"].target
+    ideal = target.new_cache()
     for index, text in enumerate(turns):
         messages.append({"role": "user", "content": text})
         order = list(arms) if index % 2 == 0 else list(reversed(arms))
@@ -91,16 +96,21 @@ def run_conversation(arms: dict, turns: list[str], max_new: int, times: dict, re
             gen = arms[name].generate(list(messages), chat=True, max_new_tokens=max_new)
             replies[name] = gen
             times[name].setdefault(index, []).append(gen.stats.ttft)
+            cache = arms[name].prefix_cache
+            before = cache.stats.settle_seconds
+            cache.wait_settled()  # the user's think time: nothing else runs while it settles
+            times.setdefault(f"{name} settle", {}).setdefault(index, []).append(cache.stats.settle_seconds - before)
         cached, fresh = replies["cached"], replies["fresh"]
         if cached.token_ids != fresh.token_ids:
             sys.exit(f"turn {index + 1}: the cached arm's reply differs from the fresh arm's")
         if llm is not None:
             times["llama.cpp"].setdefault(index, []).append(llama_ttft(llm, cached.prompt_ids, max_new))
+        seconds, new[index] = ideal_step(target, ideal, cached.prompt_ids, cached.token_ids)
+        times["ideal"].setdefault(index, []).append(seconds)
         reused.setdefault(index, []).append(cached.stats.prefill_reused)
         lengths[index] = cached.stats.prompt_tokens
-        record += [cached.prompt_ids, cached.token_ids]
         messages.append({"role": "assistant", "content": fresh.text})
-    return record
+    ideal.release()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,26 +132,26 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"--llama-cpp: {reason}")
         llm = llama_for(arms["fresh"])
     turns = user_turns(args.turns)
-    times: dict = {name: {} for name in [*arms, "llama.cpp"]}
+    times: dict = {name: {} for name in [*arms, "llama.cpp", "ideal"]}
     reused: dict = {}
     lengths: dict = {}
+    new: dict = {}
     for _ in range(args.repeats):
         arms["cached"].prefix_cache.clear()
         if llm is not None:
             llm.reset()
-        record = run_conversation(arms, turns, args.max_new_tokens, times, reused, lengths, llm)
+        run_conversation(arms, turns, args.max_new_tokens, times, reused, lengths, new, llm)
     target = arms["fresh"].target
-    ideal = [ideal_prefill(target, record[2 * i - 2] + record[2 * i - 1] if i else [], record[2 * i])
-             for i in range(args.turns)]
     print(f"# {target.name} on {target.backend}, {' '.join(overrides)}, guarantee {arms['cached'].guarantee.label()}; "
           f"{args.repeats} repeats, medians; both arms gave the same tokens on every turn")
-    print("turn  prompt  cached  new  ttft_cached_ms  ttft_fresh_ms  ideal_ms  fresh/cached  cached/ideal"
+    print("turn  prompt  cached  new  ttft_cached_ms  ttft_fresh_ms  ideal_ms  fresh/cached  cached/ideal  settle_ms"
           + ("  ttft_llama_ms  llama/cached" if llm is not None else ""))
     for index in range(args.turns):
-        on, off = (statistics.median(times[name][index]) for name in ("cached", "fresh"))
-        seconds, new = ideal[index]
-        row = (f"{index + 1:>4}  {lengths[index]:>6}  {statistics.median(reused[index]):>6.0f}  {new:>3}  "
-               f"{1e3 * on:>14.1f}  {1e3 * off:>13.1f}  {1e3 * seconds:>8.1f}  {off / on:>12.2f}  {on / seconds:>12.2f}")
+        on, off, settle, seconds = (statistics.median(times[name][index])
+                                    for name in ("cached", "fresh", "cached settle", "ideal"))
+        row = (f"{index + 1:>4}  {lengths[index]:>6}  {statistics.median(reused[index]):>6.0f}  {new[index]:>3}  "
+               f"{1e3 * on:>14.1f}  {1e3 * off:>13.1f}  {1e3 * seconds:>8.1f}  {off / on:>12.2f}  {on / seconds:>12.2f}"
+               f"  {1e3 * settle:>9.1f}")
         if llm is not None:
             theirs = statistics.median(times["llama.cpp"][index])
             row += f"  {1e3 * theirs:>13.1f}  {theirs / on:>12.2f}"

@@ -223,7 +223,7 @@ def _long_chunks_under_a_flood(steps: int) -> int:
     """Chunks of a 300-token prompt prefilled in ``steps`` steps while a new 10-token prompt arrives
     every step (each fits the chunk, so it goes whole and leaves). -> the long prompt's chunks."""
     long_row = _row(300, 0.0)
-    kv = SimpleNamespace(prefill_chunk=32, prefill_take=lambda r: 32 - len(long_row.request.target_cache) % 32)
+    kv = SimpleNamespace(prefill_chunk=32, prefill_take=lambda r, length: 32 - len(long_row.request.target_cache) % 32)
     waiting: list[Row] = []
     chunks = 0
     for step in range(steps):

@@ -79,17 +79,17 @@ def test_prefill_take_is_sized_by_the_measured_cost_per_token(monkeypatch):
     lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm
     batch = lm.new_batch(2, 256)
     budget = llama_batch.PREFILL_BUDGET
-    assert batch.prefill_take(0) == budget  # nothing measured yet
+    assert batch.prefill_take(0, 100) == budget  # nothing measured yet
     batch.forward([[1, 2, 3], [4] * 5], [0, 0])  # two chunks, timed
     assert batch._cheapest is not None and set(batch._rates) == {0, 1}
     batch._cheapest, batch._rates[0] = 0.01, (3, 0.025)  # this row's tokens now cost 2.5x the cheapest
-    assert batch.prefill_take(0) == int(budget / 2.5) or budget < 3
+    assert batch.prefill_take(0, 100) == int(budget / 2.5) or budget < 3
     batch._rates[0] = (3, 0.01)
-    assert batch.prefill_take(0) == budget
+    assert batch.prefill_take(0, 100) == budget
     batch.clear_row(0)
-    assert batch.prefill_take(0) == budget and 0 not in batch._rates
+    assert batch.prefill_take(0, 100) == budget and 0 not in batch._rates
     monkeypatch.setattr(llama_cpp.LlamaCppLM, "prefill_splits_free", property(lambda self: False))
-    assert batch.prefill_take(1) == batch.prefill_chunk - 5  # to the end of the solo run's chunk
+    assert batch.prefill_take(1, 100) == batch.prefill_chunk - 5  # to the end of the solo run's chunk
 
 
 def _long_alone(pipe) -> list[int]:

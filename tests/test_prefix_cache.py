@@ -341,7 +341,7 @@ def test_llama_cpp_measures_prefix_reuse_and_a_gap_turns_the_cache_and_slot_reus
     from specgen.batch import generate_batch
     from specgen.batch.steps import Batch
 
-    monkeypatch.setattr(llama_cpp, "prefix_gap", lambda lm: 1e-6)  # a model whose kernels differ by width
+    monkeypatch.setattr(llama_cpp, "prefix_gap", lambda lm, **_: 1e-6)  # a model whose kernels differ by width
     pipe = specgen.pipeline(*VARIED, "backend=llama_cpp", progress=False)
     assert not pipe.target.capabilities.prefix_reuse and not pipe.prefix_cache.enabled
     assert not Batch(pipe, 2).reuse

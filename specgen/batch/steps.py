@@ -87,8 +87,10 @@ class Batch:
         self.costs: BatchCostTable | None = None  # loaded when a row first plans with num_tokens="auto"
         #: A slot keeps its last request's entries for the next one to start from (see :meth:`add`):
         #: where the pipeline's prefix cache is on (its setting, and the target's ``prefix_reuse``)
-        #: and rows hold caches of their own (a shared-width cache's row cannot be fed a prefix apart).
-        self.reuse = bool(pipe.prefix_cache.enabled) and not self.kv.shares_width
+        #: and rows hold caches of their own (a shared-width cache's row cannot be fed a prefix apart),
+        #: on a target whose every entry is reusable (``prefill_floor`` 1: a row's decode steps are too).
+        self.reuse = (bool(pipe.prefix_cache.enabled) and not self.kv.shares_width
+                      and pipe.target.capabilities.prefill_floor <= 1)
 
     @property
     def active(self) -> int:
@@ -251,12 +253,12 @@ def prefill_chunks(kv: BatchCache, live: list[tuple[int, Row]]) -> dict[int, lis
         return (0, start, len(pending)) if row.passed_over >= MAX_PASSED_OVER else (1, len(pending), start)
 
     for pending, _, r, row in sorted(waiting, key=order):
-        take = kv.prefill_take(r) if row.chunked else budget
+        take = kv.prefill_take(r, len(row.request.target_cache) + len(pending)) if row.chunked else budget
         if len(pending) <= min(budget, take):
             budget -= len(pending)
             row.passed_over = 0
         elif budget == chunk:
-            out[r] = pending[: kv.prefill_take(r)]
+            out[r] = pending[: kv.prefill_take(r, len(row.request.target_cache) + len(pending))]
             budget = 0
             row.passed_over = 0
             row.chunked = True

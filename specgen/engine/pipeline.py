@@ -288,12 +288,14 @@ class Pipeline:
         return [None, *token_logprobs(raw, ids[1:], top)]
 
     def _run(self, plan: RequestPlan) -> Iterator[TokenEvent | FinishEvent]:
+        start = time.perf_counter()  # the prefix cache's handle (maybe waited for) counts in the request's time
         request, ctx = self.open_plan(plan, target_cache=self.prefix_cache.acquire(plan.ids)[0])
         done = None
         if request.draft is not None and plan.gamma == AUTO:
+            load = time.perf_counter()
             ctx.costs = self.cost_table()  # measured once per machine and cached; not part of this request's time
             ctx.observed = self.observed
-        start = time.perf_counter()
+            start += time.perf_counter() - load
         try:
             while request.finish_reason is None:
                 try:
@@ -316,6 +318,14 @@ class Pipeline:
 
 def prefix_cache_for(target: Target, settings: PrefixCacheSettings) -> PrefixCache:
     """The prefix cache a pipeline on ``target`` keeps: the run config's ``prefix_cache`` section,
-    off when the target does not declare ``prefix_reuse``."""
-    entries = settings.entries if target.capabilities.prefix_reuse else 0
-    return PrefixCache(target.new_cache, entries=entries, max_bytes=settings.bytes)
+    off when the target does not declare ``prefix_reuse``. Where the target reuses only entries of
+    prefills (``prefill_floor`` above 1), parked handles are settled by a prefill of the rest (see
+    :mod:`specgen.models.prefix_cache`)."""
+    capabilities = target.capabilities
+    entries = settings.entries if capabilities.prefix_reuse else 0
+
+    def settle(handle: TokenCache, ids: list[int]) -> None:
+        target.forward(handle, ids, keep=1)
+
+    return PrefixCache(target.new_cache, entries=entries, max_bytes=settings.bytes,
+                       floor=capabilities.prefill_floor, settle=settle if capabilities.prefill_floor > 1 else None)

@@ -64,7 +64,7 @@ class BatchKV:
     #: prefill here would compute its keys/values in other shapes than a solo run's one forward.
     prefill_chunk = None
 
-    def prefill_take(self, r: int) -> int:
+    def prefill_take(self, r: int, length: int) -> int:
         """Not called: prompts are not chunked across steps here (:attr:`prefill_chunk` is None)."""
         raise NotImplementedError("prompts are not chunked on this batch cache")
 

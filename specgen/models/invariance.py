@@ -53,26 +53,44 @@ def chain_gaps(target, widths: Iterable[int], prefix: int = GAP_PREFIX) -> dict[
     return {w: probe(w) for w in widths}
 
 
-def prefix_gap(target, prompt: int = 40, decoded: int = 6, rest: int = 40) -> float:
-    """Prefix reuse (``Capabilities.prefix_reuse``): the largest |logit| difference, over the last
-    ``rest`` positions, between a handle that holds a prefix as a run leaves it (a ``prompt`` fed in one
-    forward, ``decoded`` tokens one at a time, then cropped back by one token, as a prefix cache syncs a
-    handle to a new prompt) and then fed the rest, and a fresh handle fed every id in one forward. The
-    two feed the same positions in differently composed forwards; 0.0: a cached prefix gives a fresh
-    prefill's logits bit for bit."""
-    tokens = probe_tokens(target.vocab_size, prompt + decoded + rest)
+def prefix_gap(target, prompt: int = 40, decoded: int = 6, rest: int = 40, after: int = 8, floor: int = 1) -> float:
+    """Prefix reuse (``Capabilities.prefix_reuse``) as a prefix cache does it: the largest |logit|
+    difference between a handle that holds a prefix as a run leaves it (a ``prompt`` fed in one
+    forward, ``decoded`` tokens one at a time, then synced to a longer prompt as a prefix cache does:
+    :meth:`~specgen.models.target.TokenCache.keep_prefix_of` with ``floor``, the backend's
+    ``prefill_floor``) and then fed the rest in one forward, and a fresh handle fed every id in one
+    forward; compared on that forward's last row and the ``after`` rows of a forward of ``after``
+    further tokens on each. The two feed the same positions in differently composed forwards; 0.0: a
+    cached prefix gives a fresh prefill's logits bit for bit."""
+    tokens = probe_tokens(target.vocab_size, prompt + decoded + rest + after)
+    total = prompt + decoded + rest
     kept, fresh = target.new_cache(), target.new_cache()
     try:
         target.forward(kept, tokens[:prompt], keep=1)
         for token in tokens[prompt: prompt + decoded]:
             target.forward(kept, [token], keep=1)
         kept.crop(prompt + decoded - 1)
-        reused = target.forward(kept, tokens[prompt + decoded - 1:], keep=rest)  # [rest, vocab]
-        whole = target.forward(fresh, tokens, keep=rest)  # [rest, vocab]
+        start = kept.keep_prefix_of(tokens[:total], floor)
+        reused = torch.cat([target.forward(kept, tokens[start:total], keep=1),
+                            target.forward(kept, tokens[total:], keep=after)])  # [1 + after, vocab]
+        whole = torch.cat([target.forward(fresh, tokens[:total], keep=1),
+                           target.forward(fresh, tokens[total:], keep=after)])  # [1 + after, vocab]
     finally:
         kept.release()
         fresh.release()
     return float((reused - whole).abs().max())
+
+
+def span_splits(n: int, chunk: int, floor: int) -> list[int]:
+    """The widths of the forwards an ``n``-token prefill is fed in: ``chunk`` tokens each from its first
+    token, the rest last; where that rest is narrower than ``floor`` (the fewest tokens whose forward
+    computes as a wide one does) and the last two forwards can both hold ``floor``, those two are
+    split evenly instead (the larger first), so every forward of the prefill computes alike."""
+    sizes = [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
+    if len(sizes) >= 2 and sizes[-1] < floor and chunk + sizes[-1] >= 2 * floor:
+        total = chunk + sizes.pop()
+        sizes[-1:] = [total - total // 2, total // 2]
+    return sizes
 
 
 def worst(gaps: dict[int, float]) -> tuple[float, int]:

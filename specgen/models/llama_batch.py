@@ -27,12 +27,14 @@ full length would not fit in the memory available is refused before anything is 
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
 
 from specgen.errors import ConfigError
 from specgen.machine import available_memory, format_bytes
+from specgen.models.invariance import span_splits
 from specgen.models.llama_context import LlamaKV
 
 #: Row contexts are a multiple of this many tokens (llama.cpp pads its KV cache to it).
@@ -107,22 +109,30 @@ class LlamaBatch:
         return self.context.prefill_tokens
 
     @property
+    def prefill_floor(self) -> int:
+        """The narrowest decode a solo prefill's last split may be (see
+        :func:`~specgen.models.invariance.span_splits`, which gives the splits of :attr:`prefill_chunk`)."""
+        return self.context.prefill_floor
+
+    @property
     def splits_free(self) -> bool:
         """Whether a prompt's decodes may be split anywhere without changing a logit
         (``lm.prefill_splits_free``, measured once per model by :func:`split_gap`)."""
         return self.splits != "grid" and bool(getattr(self.lm, "prefill_splits_free", False))
 
-    def prefill_take(self, r: int) -> int:
-        """How many tokens row ``r``'s next prompt chunk feeds (no logits read; at least 1): to the
-        end of its grid chunk (:attr:`prefill_chunk` from the prompt's first token), or, where
+    def prefill_take(self, r: int, length: int) -> int:
+        """How many tokens row ``r``'s next prompt chunk feeds (no logits read; at least 1), of a prompt
+        of ``length`` tokens: to the end of its solo run's decode (:func:`span_splits` of the prompt
+        by :attr:`prefill_chunk` and :attr:`prefill_floor`), or, where
         :attr:`splits_free`, at most :attr:`prefill_chunk` sized by time: PREFILL_BUDGET times the
         cheapest per-token time of any chunk so far, over this row's last chunk's per-token time
         (PREFILL_BUDGET tokens before a measurement)."""
         grid, held = self.prefill_chunk, len(self.rows[r]) if r < len(self.rows) else 0
         if not self.splits_free:
-            return grid - held % grid
-        length, rate = self._rates.get(r, (None, None))
-        if rate is None or length > held or not self._cheapest:  # no chunk of this prompt measured yet
+            ends = itertools.accumulate(span_splits(length, grid, self.prefill_floor))
+            return next(end for end in ends if end > held) - held
+        measured_at, rate = self._rates.get(r, (None, None))
+        if rate is None or measured_at > held or not self._cheapest:  # no chunk of this prompt measured yet
             return min(grid, PREFILL_BUDGET)
         return max(1, min(grid, int(PREFILL_BUDGET * self._cheapest / rate)))
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from specgen.errors import ConfigError, ModelLoadError, NumericalError, SpecgenError
+from specgen.models.invariance import span_splits
 from specgen.models.target import TokenCache
 
 #: The most tokens fed to llama.cpp per decode call (a longer feed is split). llama.cpp's CPU kernels
@@ -86,7 +87,16 @@ class LlamaKV(TokenCache):
         self.context = context
         self.seq = seq
         self.tokens: list[int] = []
+        #: Leading entries written by decodes of at least the context's ``prefill_floor`` tokens each.
+        self.exact = 0
         self._release = weakref.finalize(self, context.release, seq)
+
+    @property
+    def reusable(self) -> int:
+        """The leading entries a fresh prefill writes alike: those decoded in decodes of at least
+        :attr:`LlamaContext.prefill_floor` tokens, in order from the first (a narrower decode's,
+        such as a decode step's, and every entry after it, are not)."""
+        return self.exact
 
     def release(self) -> None:
         """Empty the sequence and give its id back to the context now (once; the handle is not used after)."""
@@ -106,6 +116,7 @@ class LlamaKV(TokenCache):
 
     def _truncate(self, length: int) -> None:
         self.context.remove(self.seq, length)
+        self.exact = min(self.exact, length)
 
 
 class LlamaContext:
@@ -144,6 +155,11 @@ class LlamaContext:
         self.batch_tokens = min(BATCH_TOKENS, int(cparams.n_batch))
         #: Tokens per llama_decode of a sequence's span before its first kept row.
         self.prefill_tokens = min(PREFILL_TOKENS, int(cparams.n_batch))
+        #: The fewest tokens a decode must hold for its entries to be a fresh prefill's (1: any decode;
+        #: LlamaCppLM raises it where narrow decodes compute otherwise): a span is split so that no
+        #: decode of it is narrower where it can be (:func:`span_splits`), and handles count the
+        #: entries such decodes wrote (:attr:`LlamaKV.reusable`).
+        self.prefill_floor = 1
         self._batch = lib.llama_batch_init(self.prefill_tokens, 0, 1)
         self._sequences = int(sequences)
         self._streams = 1 if unified else self._sequences  # KV streams
@@ -251,25 +267,30 @@ class LlamaContext:
         if not entries and not any(spans):
             raise ValueError("forward needs at least one new token")
         heads: list[np.ndarray | None] = []  # per handle, the kept row its span's last decode gave
+        by_seq = {cache.seq: cache for cache in caches}
         rows = []
         try:
             for span in spans:
-                head = None
-                for offset in range(0, len(span), self.prefill_tokens):
-                    chunk = span[offset: offset + self.prefill_tokens]
+                head, offset = None, 0
+                for size in span_splits(len(span), self.prefill_tokens, self.prefill_floor):
+                    chunk = span[offset: offset + size]
+                    offset += size
                     self._decode(chunk)
+                    self._count_exact(chunk, by_seq)
                     if chunk[-1][3]:
                         head = self._logits(1)[:, : self.vocab_size]  # [1, vocab]
                 heads.append(head)
             for offset in range(0, len(entries), self.batch_tokens):
                 chunk = entries[offset: offset + self.batch_tokens]
                 self._decode(chunk)
+                self._count_exact(chunk, by_seq)
                 wanted = sum(e[3] for e in chunk)
                 if wanted:
                     rows.append(self._logits(wanted))
         except BaseException:
             for cache, start in zip(caches, starts, strict=True):
                 self.remove(cache.seq, start)
+                cache.exact = min(cache.exact, start)
             raise
         for cache, feed in zip(caches, feeds, strict=True):
             cache.tokens.extend(int(t) for t in feed)
@@ -306,6 +327,16 @@ class LlamaContext:
         if status != 0:
             raise SpecgenError(f"{self.name}: llama.cpp could not decode {len(entries)} tokens at position "
                                f"{entries[0][2]} (status {status}: the KV cache is full or the call was refused)")
+
+    def _count_exact(self, entries: list[tuple[int, int, int, bool]], by_seq: dict[int, LlamaKV]) -> None:
+        """After a decode of ``entries``: a decode of at least :attr:`prefill_floor` tokens extends each
+        handle's reusable entries where its entries continue them."""
+        if len(entries) < self.prefill_floor:
+            return
+        for seq, _, position, _ in entries:
+            handle = by_seq[seq]
+            if handle.exact == position:
+                handle.exact = position + 1
 
     def _logits(self, rows: int) -> np.ndarray:
         """The last decode's output rows, copied: [rows, n_vocab] float32."""

@@ -112,7 +112,7 @@ class LlamaCppLM(TargetDefaults):
                               f"({trained} tokens); use at most {trained}, null (the training context) or auto")
         self._context = (trained if context_length is None else min(trained, AUTO_CONTEXT)
                          if context_length == "auto" else int(context_length))
-        self.vocab_size, self.decode_width = vocab_size, BATCH_TOKENS
+        self.vocab_size, self.decode_width, self.prefill_floor = vocab_size, BATCH_TOKENS, 1
         try:
             first = self._open_own()
         except ModelLoadError:
@@ -128,8 +128,13 @@ class LlamaCppLM(TargetDefaults):
         widest = self._widest_invariant()
         #: Tokens per llama.cpp decode: the widest measured batch invariant (BATCH_TOKENS where none is).
         self.decode_width = widest or BATCH_TOKENS
+        #: The fewest tokens of a decode whose entries a prefix cache reuses: any decode's where every
+        #: width is batch invariant, else only those of decodes wider than the widest invariant one
+        #: (what a fresh prefill's decodes are; decode steps are narrower). prefix_gap measures it.
+        self.prefill_floor = 1 if widest == BATCH_TOKENS else (widest or 1) + 1
         for context in self._pool.contexts():
             context.batch_tokens = min(context.batch_tokens, self.decode_width)
+            context.prefill_floor = self.prefill_floor
         self._gaps = {w: g for w, g in self._gaps.items() if w <= self.decode_width}  # wider feeds now split
         return widest
 
@@ -156,6 +161,7 @@ class LlamaCppLM(TargetDefaults):
                                unified=True, threads=self.threads, flash_attention=self.flash_attention,
                                vocab_size=self.vocab_size)
         context.batch_tokens = min(context.batch_tokens, self.decode_width)
+        context.prefill_floor = self.prefill_floor
         return context
 
     def _close_now(self) -> None:
@@ -207,12 +213,14 @@ class LlamaCppLM(TargetDefaults):
     def capabilities(self) -> Capabilities:
         """Chains; batched rows where :func:`batch_gap` measures them equal to solo rows bit for
         bit; prefix reuse where :func:`prefix_gap` measures a cached prefix's logits equal to a fresh
-        prefill's (a model's kernels may compute a position differently by the forward it is fed in;
-        both measured on first use)."""
+        prefill's, reusing only entries of decodes of at least :attr:`prefill_floor` tokens (a model's
+        kernels may compute a position differently by the width of the decode it is fed in; both
+        measured on first use)."""
         if self._capabilities is None:
             self._capabilities = Capabilities(trees=False, features=False,
                                               batches=batch_gap(self, BATCH_GAP_ROWS) == 0.0,
-                                              prefix_reuse=prefix_gap(self) == 0.0)
+                                              prefix_reuse=prefix_gap(self, floor=self.prefill_floor) == 0.0,
+                                              prefill_floor=self.prefill_floor)
         return self._capabilities
 
     @property
@@ -239,6 +247,7 @@ class LlamaCppLM(TargetDefaults):
                                unified=False, threads=self.threads, flash_attention=self.flash_attention,
                                vocab_size=self.vocab_size)
         context.batch_tokens = min(context.batch_tokens, self.decode_width)
+        context.prefill_floor = self.prefill_floor
         return context
 
     def forward(self, cache: LlamaKV, new_tokens: list[int] | torch.Tensor, keep: int,

@@ -16,12 +16,21 @@ released (:meth:`TokenCache.release`). ``entries=0`` turns the cache off (every 
 released at once, every request starts empty). A backend whose logits after a cached
 prefix are not bit for bit those of a fresh prefill declares ``Capabilities.prefix_reuse``
 False: the cache is then off on it. Every method is thread safe.
+
+Where only some entries are a fresh prefill's (``Capabilities.prefill_floor`` above 1: a
+backend whose decode steps compute otherwise than its prefills), a request starts from the
+:attr:`TokenCache.reusable` entries only and feeds at least ``floor`` ids. A parked handle
+holding other entries (a reply's, written by decode steps) is then settled in the background:
+a thread of its own re-feeds those entries in one prefill, so the next turn finds them
+reusable. It runs while the handle is parked, that is while the user reads the reply and
+writes the next message; a request that takes the handle before then waits for it.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+import time
 from dataclasses import dataclass
 
 from specgen.errors import CacheExhausted
@@ -37,6 +46,9 @@ class PrefixCacheStats:
     hits: int = 0
     reused: int = 0
     computed: int = 0
+    #: Entries re-fed while parked (settled), and the seconds that took.
+    settled: int = 0
+    settle_seconds: float = 0.0
 
     @property
     def hit_rate(self) -> float | None:
@@ -59,13 +71,18 @@ class PrefixCache:
 
     new_cache: makes an empty handle (the target's ``new_cache``); it may raise
     :class:`~specgen.errors.CacheExhausted`, and then a parked handle is released to make room.
+    floor: the target's ``Capabilities.prefill_floor``. settle: ``settle(handle, ids)`` feeds
+    ``ids`` to a handle in one prefill (None: parked handles are never settled).
     """
 
-    def __init__(self, new_cache: Callable[[], TokenCache], *, entries: int, max_bytes: int):
+    def __init__(self, new_cache: Callable[[], TokenCache], *, entries: int, max_bytes: int, floor: int = 1,
+                 settle: Callable[[TokenCache, list[int]], object] | None = None):
         self._new_cache = new_cache
         self.entries, self.max_bytes = int(entries), int(max_bytes)
+        self.floor, self._settle = int(floor), settle
         self._parked: list[TokenCache] = []
-        self._lock = threading.Lock()
+        self._settling: list[TokenCache] = []  # parked handles a settle thread is feeding
+        self._lock = threading.Condition()
         self.stats = PrefixCacheStats()
 
     @property
@@ -79,19 +96,23 @@ class PrefixCache:
     def acquire(self, ids: Sequence[int]) -> tuple[TokenCache, int]:
         """A handle for a request whose prompt is ``ids``, owned by the caller, and how many of
         ``ids`` it already holds (at most ``len(ids) - 1``: the last prompt token is always fed,
-        for its logits). The handle is synced to ``ids``: it holds exactly those ``reused`` ids."""
+        for its logits; at most its reusable entries, leaving ``floor`` ids to feed). The handle
+        is synced to ``ids``: it holds exactly those ``reused`` ids. A handle being settled is
+        waited for."""
         with self._lock:
-            best, best_len = None, 0
-            for i, handle in enumerate(self._parked):
-                n = common_prefix(handle.tokens, ids)
-                if n > 0 and n >= best_len:  # later entries are more recent: ties go to them
-                    best, best_len = i, n
+            while True:
+                best, best_len = None, 0
+                for i, handle in enumerate(self._parked):
+                    n = common_prefix(handle.tokens, ids)
+                    if n > 0 and n >= best_len:  # later entries are more recent: ties go to them
+                        best, best_len = i, n
+                if best is None or self._parked[best] not in self._settling:
+                    break
+                self._lock.wait()
             handle = self._parked.pop(best) if best is not None else None
         if handle is None:
             handle = self._fresh()
-        handle.sync(list(ids))
-        handle.crop(max(len(ids) - 1, 0))
-        reused = len(handle.tokens)
+        reused = handle.keep_prefix_of(list(ids), self.floor)
         with self._lock:
             self.stats.lookups += 1
             self.stats.hits += reused > 0
@@ -101,22 +122,60 @@ class PrefixCache:
 
     def park(self, handle: TokenCache) -> None:
         """Give back a handle whose request ended normally (its ``tokens`` name exactly its
-        committed entries); released at once when the cache is off or the handle is empty."""
+        committed entries); released at once when the cache is off or the handle is empty.
+        Settled in the background where it holds entries that are not reusable."""
         if not self.enabled or not handle.tokens:
             handle.release()
             return
+        settle = self._settle is not None and handle.reusable < len(handle.tokens)
         with self._lock:
             self._parked.append(handle)
+            if settle:
+                self._settling.append(handle)
             evicted = self._over_bounds()
+        if settle:
+            threading.Thread(target=self._settle_one, args=(handle,), name="specgen-prefix-settle", daemon=True).start()
         for old in evicted:
-            old.release()
+            self._release(old)
+
+    def wait_settled(self) -> None:
+        """Block until no parked handle is being settled."""
+        with self._lock:
+            self._lock.wait_for(lambda: not self._settling)
 
     def clear(self) -> None:
         """Release every parked handle."""
         with self._lock:
             evicted, self._parked = self._parked, []
         for old in evicted:
-            old.release()
+            self._release(old)
+
+    def _settle_one(self, handle: TokenCache) -> None:
+        """Re-feed ``handle``'s entries past its reusable ones in one prefill (a settle thread); a
+        handle that fails is dropped from the cache and released."""
+        start, failed = time.perf_counter(), False
+        ids = list(handle.tokens)
+        try:
+            kept = handle.keep_prefix_of(ids, self.floor)
+            self._settle(handle, ids[kept:])
+        except Exception:  # the handle's entries are unknown now: drop it; the next request starts empty
+            failed = True
+        with self._lock:
+            self._settling.remove(handle)
+            if failed and handle in self._parked:
+                self._parked.remove(handle)
+            if not failed:
+                self.stats.settled += len(ids) - kept
+                self.stats.settle_seconds += time.perf_counter() - start
+            self._lock.notify_all()
+        if failed:
+            handle.release()
+
+    def _release(self, handle: TokenCache) -> None:
+        """Release an evicted handle once no settle thread feeds it."""
+        with self._lock:
+            self._lock.wait_for(lambda: handle not in self._settling)
+        handle.release()
 
     def _over_bounds(self) -> list[TokenCache]:
         evicted = []
@@ -134,4 +193,4 @@ class PrefixCache:
                     if not self._parked:
                         raise
                     old = self._parked.pop(0)
-                old.release()
+                self._release(old)

@@ -50,6 +50,11 @@ class Capabilities:
     the logits of a fresh handle fed every id, bit for bit (measured per backend, see
     tests/test_prefix_cache.py): the pipeline's prefix cache (:mod:`specgen.models.prefix_cache`)
     is on only where it holds;
+    prefill_floor: the fewest tokens a forward must feed for the entries it writes to be those a
+    fresh prefill writes (1: any forward; more where a backend's kernels compute narrow forwards,
+    such as decode steps, otherwise than wide ones). Entries written otherwise are not reused
+    (:attr:`TokenCache.reusable`), and a request that reuses a prefix feeds at least this many
+    tokens; batch slots keep no prefix for the next row where it is above 1;
     compile: forwards compiled on a static KV cache (``enable_compile``, ``compile=true``).
     """
 
@@ -57,6 +62,7 @@ class Capabilities:
     features: bool
     batches: bool
     prefix_reuse: bool = True
+    prefill_floor: int = 1
     compile: bool = False
 
 
@@ -68,6 +74,12 @@ class TokenCache:
     tokens: list[int]
 
     def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def reusable(self) -> int:
+        """How many leading entries are those a fresh prefill of the same ids writes, bit for bit
+        (what a prefix cache may hand to another request; see ``Capabilities.prefill_floor``)."""
         return len(self.tokens)
 
     def resolve(self, values: list[int]) -> None:
@@ -104,6 +116,17 @@ class TokenCache:
         if len(self.tokens) >= len(committed):
             self.crop(len(committed) - 1)
         return committed[len(self.tokens):]
+
+    def keep_prefix_of(self, ids: list[int], floor: int = 1) -> int:
+        """Crop to what a prefill of ``ids`` may start from: their common prefix, at most the
+        :attr:`reusable` entries and ``len(ids) - 1`` (the last id is fed, for its logits), and
+        short enough that at least ``floor`` ids are fed (``Capabilities.prefill_floor``, where
+        ``ids`` has that many); -> the entries kept."""
+        self.sync(ids)
+        self.crop(min(len(self.tokens), self.reusable, max(len(ids) - 1, 0)))
+        if len(ids) - len(self.tokens) < floor:
+            self.crop(max(len(ids) - floor, 0))
+        return len(self.tokens)
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` entries."""
@@ -279,9 +302,10 @@ class BatchCache(Protocol):
     @property
     def prefill_chunk(self) -> int | None: ...
 
-    def prefill_take(self, r: int) -> int:
-        """Tokens row ``r``'s next prompt chunk feeds (at least 1, at most :attr:`prefill_chunk`), so
-        that its prompt decodes as alone; called only where :attr:`prefill_chunk` is not None."""
+    def prefill_take(self, r: int, length: int) -> int:
+        """Tokens row ``r``'s next prompt chunk feeds (at least 1, at most :attr:`prefill_chunk`) of its
+        prompt of ``length`` tokens, so that the prompt decodes as alone; called only where
+        :attr:`prefill_chunk` is not None."""
         ...
 
     def prefill(self, r: int, tokens: list[int], reuse: bool = True) -> bool:

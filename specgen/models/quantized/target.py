@@ -234,7 +234,7 @@ class QuantBatch:
     #: Prompts are not chunked across steps: a prompt is fed whole, as a request's is alone.
     prefill_chunk = None
 
-    def prefill_take(self, r: int) -> int:
+    def prefill_take(self, r: int, length: int) -> int:
         """Not called: prompts are not chunked across steps here (:attr:`prefill_chunk` is None)."""
         raise NotImplementedError("prompts are not chunked on this batch cache")
 
