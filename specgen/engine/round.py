@@ -34,19 +34,16 @@ from specgen.planning import (
 from specgen.planning.observed import ObservedCosts
 from specgen.processors import History, PathHistory, ProcessorStack
 from specgen.sampling import (
-    TreeVerdict,
     Verdict,
     ancestor_matrix,
     argmax_or_none,
     argmax_tokens,
+    chain_parents,
     normalise,
     sample_token,
     tree_depths,
     tree_paths,
-    verify_chain,
-    verify_chain_greedy,
-    verify_tree,
-    verify_tree_greedy,
+    verify,
 )
 from specgen.engine.scoring import kept_scores, score_committed, scored, tree_scores
 from specgen.engine.state import Request
@@ -65,7 +62,7 @@ class RoundContext:
     where every read stalls the stream, wants): a tree is verified from every node's
     row, computed and read back together, instead of the LM head and processors of
     the root and accepted nodes only with one read per visited node; a chain draws
-    every possible final token ahead (``verify_chain(draw_ahead=True)``) and leaves
+    every possible final token ahead (``verify(draw_ahead=True)``) and leaves
     the NaN check to the verifier's read. Off, rounds do less arithmetic (what a CPU
     wants). Same verdict law either way.
     logprobs: alternatives per committed token's logprob (None: no logprobs); raw_logprobs:
@@ -182,10 +179,10 @@ def round_events(ctx: RoundContext, proposal: Proposal, predicted: float, auto: 
                 for i, (token, text) in enumerate(kept)]
     for i, (token, text) in enumerate(kept):
         if i < verdict.num_accepted:
-            kind, prob = "accepted", verdict.accept_probs[i]
+            kind, prob = "accepted", verdict.emitted_probs[i]
         else:
             kind = verdict.kind
-            prob = verdict.accept_probs[i] if kind == "resampled" else None
+            prob = verdict.emitted_probs[i] if kind == "resampled" else None
         events.append(TokenEvent(token, text, kind, i + 1, prob, round_index, len(proposal), scored(ctx, i)))
     return events
 
@@ -245,11 +242,11 @@ def accept_chain(request: Request, ctx: RoundContext, proposal: Proposal, raw):
         history = History(committed, proposal.tokens, num_positions=len(proposal) + 1)
         if ctx.stack.greedy:
             logits = ctx.stack.read_only(raw, history)  # [num_draft + 1, vocab]
-            verdict = verify_chain_greedy(argmax_or_none(logits), proposal.tokens)
+            verdict = verify(proposal.tokens, None, argmax_or_none(logits), greedy=True)
         else:
             logits = ctx.stack.logits(raw, history)  # [num_draft + 1, vocab]
-            verdict = verify_chain(normalise(logits), proposal.draft_probs, proposal.tokens, request.target_rng,
-                                   draw_ahead=ctx.read_once)
+            verdict = verify(proposal.tokens, None, normalise(logits), request.target_rng,
+                             draft_probs=proposal.draft_probs, draw_ahead=ctx.read_once)
         tokens = proposal.tokens[: verdict.num_accepted]
         tokens = tokens if verdict.next_token is None else [*tokens, verdict.next_token]
         scores = score_committed(ctx, raw, logits, tokens)
@@ -258,7 +255,7 @@ def accept_chain(request: Request, ctx: RoundContext, proposal: Proposal, raw):
     return verdict, kept, len(proposal)
 
 
-def _commit(request: Request, tokens: list[int], verdict: Verdict | TreeVerdict, ctx: RoundContext,
+def _commit(request: Request, tokens: list[int], verdict: Verdict, ctx: RoundContext,
             scores: list[TokenLogprob] | None) -> list[tuple[int, str]]:
     """Commit a verdict's tokens (with their logprobs, see :func:`kept_scores`); a dead end then ends
     the request unless the commit already did."""
@@ -274,7 +271,7 @@ def _tree(request: Request, ctx: RoundContext, proposal: Proposal):
     per node); also hands the drafter its target feature. -> as :func:`_chain`."""
     clock = ctx.clock
     committed = request.committed
-    parents = proposal.parents if proposal.parents is not None else list(range(-1, len(proposal) - 1))
+    parents = proposal.parents if proposal.parents is not None else chain_parents(len(proposal))
     depths = tree_depths(parents)
     cache = request.target_cache
     with clock.stage("verify"):  # one forward over the uncached committed tokens + every node
@@ -299,11 +296,11 @@ def _tree(request: Request, ctx: RoundContext, proposal: Proposal):
         if out.features is not None and request.draft is not None:  # every newly committed position's row
             rows = out.features[[0, *(node + 1 for node in tree.path)]]  # [1 + num_accepted, F]
             request.draft.observe_features(prefix - 1 + tree.num_accepted, torch.cat([out.chain_features, rows]))
-    return _as_chain_verdict(tree), kept, max(depths, default=0)
+    return tree, kept, max(depths, default=0)
 
 
 def _walk_lazy(request: Request, ctx: RoundContext, proposal: Proposal, parents: list[int],
-               paths: list[list[int]], row_logits: Callable[[int], torch.Tensor]) -> TreeVerdict:
+               paths: list[list[int]], row_logits: Callable[[int], torch.Tensor]) -> Verdict:
     """Process + accept walking down the tree, computing p only on the walked path."""
     clock, committed = ctx.clock, request.committed
 
@@ -317,14 +314,14 @@ def _walk_lazy(request: Request, ctx: RoundContext, proposal: Proposal, parents:
 
     with clock.stage("process"):
         if ctx.stack.greedy:
-            return verify_tree_greedy(proposal.tokens, parents,
-                                      lambda n: ctx.stack.argmax_or_none(rows(n), history(n))[0])
-        return verify_tree(proposal.tokens, parents, proposal.draft_probs,
-                           lambda n: ctx.stack.probs(rows(n), history(n))[0], request.target_rng)
+            return verify(proposal.tokens, parents, lambda n: ctx.stack.argmax_or_none(rows(n), history(n))[0],
+                          greedy=True)
+        return verify(proposal.tokens, parents, lambda n: ctx.stack.probs(rows(n), history(n))[0],
+                      request.target_rng, draft_probs=proposal.draft_probs)
 
 
 def _walk_prefetched(request: Request, ctx: RoundContext, proposal: Proposal, parents: list[int],
-                     paths: list[list[int]], out: TreeRows) -> TreeVerdict:
+                     paths: list[list[int]], out: TreeRows) -> Verdict:
     """Process every node's row at once, read back once, then walk on the host."""
     with ctx.clock.stage("verify"):
         raw = out.all_logits()  # [num_nodes + 1, vocab]
@@ -332,19 +329,9 @@ def _walk_prefetched(request: Request, ctx: RoundContext, proposal: Proposal, pa
         history = PathHistory(request.committed, [[], *paths])
         if ctx.stack.greedy:
             best = ctx.stack.argmax_or_none(raw, history)  # root, then each node
-            return verify_tree_greedy(proposal.tokens, parents, lambda n: best[n + 1])
-        return verify_tree(proposal.tokens, parents, proposal.draft_probs, ctx.stack.probs(raw, history),
-                           request.target_rng)
-
-
-def _as_chain_verdict(tree: TreeVerdict) -> Verdict:
-    """The emitted tokens' view of a tree verdict: accept probabilities of the
-    path's nodes, then (after a rejection) that of the last rejected sibling."""
-    checked = {node: prob for node, prob in zip(tree.checked, tree.accept_probs, strict=True)}
-    probs = [checked.get(node, 1.0) for node in tree.path]
-    if tree.kind == "resampled" and tree.checked:
-        probs.append(tree.accept_probs[-1])
-    return Verdict(tree.num_accepted, tree.next_token, tree.kind, tuple(probs))
+            return verify(proposal.tokens, parents, best, greedy=True)
+        return verify(proposal.tokens, parents, ctx.stack.probs(raw, history), request.target_rng,
+                      draft_probs=proposal.draft_probs)
 
 
 def plain_step(request: Request, ctx: RoundContext) -> list[TokenEvent]:

@@ -17,7 +17,7 @@ import torch
 
 from specgen.processors import PathHistory
 from specgen.sampling.logprobs import TokenLogprob, token_logprobs
-from specgen.sampling.tree_structure import TreeVerdict
+from specgen.sampling.verdict import Verdict
 from specgen.engine.state import Request
 
 
@@ -41,7 +41,7 @@ def kept_scores(request: Request, ctx, scores: list[TokenLogprob] | None, kept: 
         request.logprobs.extend(ctx.scored)
 
 
-def tree_scores(request: Request, ctx, tree: TreeVerdict, paths: list[list[int]],
+def tree_scores(request: Request, ctx, tree: Verdict, paths: list[list[int]],
                 row_logits: Callable[[int], torch.Tensor]) -> list[TokenLogprob]:
     """The emitted tokens' logprobs (:func:`score_committed`): token i from the row of the i-th node
     on the accepted path's way down (the root's first), processed on that node's path."""
