@@ -36,9 +36,9 @@ def score_committed(ctx, raw: torch.Tensor, logits: torch.Tensor,
 
 def kept_scores(request: Request, ctx, scores: list[TokenLogprob] | None, kept: int) -> None:
     """After a commit that kept ``kept`` tokens: their logprobs join the request's and the emit stage's."""
-    ctx.scored = None if scores is None else scores[:kept]
+    request.scored = None if scores is None else scores[:kept]
     if scores is not None:
-        request.logprobs.extend(ctx.scored)
+        request.logprobs.extend(request.scored)
 
 
 def tree_scores(request: Request, ctx, tree: Verdict, paths: list[list[int]],
@@ -53,6 +53,6 @@ def tree_scores(request: Request, ctx, tree: Verdict, paths: list[list[int]],
     return score_committed(ctx, raw, logits, tree.emitted)
 
 
-def scored(ctx, i: int) -> TokenLogprob | None:
+def scored(request: Request, i: int) -> TokenLogprob | None:
     """The logprob of the last commit's i-th kept token (None when the request asks for none)."""
-    return None if ctx.scored is None else ctx.scored[i]
+    return None if request.scored is None else request.scored[i]
