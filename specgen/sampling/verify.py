@@ -47,8 +47,8 @@ def verify(tokens: list[int], parents: list[int] | None, target: Argmaxes | Rows
     generator: the request's target generator (sampled only); draft_probs: [num_nodes, vocab]
     float64 rows the nodes were drawn from, None for a deterministic draft (sampled only).
     greedy: the greedy branch; draw_ahead: a prefetched chain also makes every possible final
-    draw on the device and reads it with the rest (:func:`verify_chain`; a prefetched tree
-    reads once per walk already).
+    draw on the device and reads it with the rest (:func:`verify_chain`; the tree walk has no
+    such option and ignores it).
     A chain with prefetched rows takes the chain fast path (module docstring); a chain with lazy
     rows is walked as a tree. Errors: as the branch's verifier raises them.
     """
