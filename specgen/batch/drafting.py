@@ -49,8 +49,7 @@ def plan_rows(costs: BatchCostTable | None, live: list, draining: bool = False) 
     row, so the batch's end is what counts (:func:`specgen.planning.batch.token_values`)."""
     auto = [(r, row) for r, row in live if row.request.draft is not None and row.spec.gamma == AUTO]
     for _, row in auto:
-        if row.request.planner.costs is None:
-            row.request.planner.attach(row.request.planner.load_costs())
+        row.request.planner.load()
     if auto and costs is None:
         costs = stand_in_costs([row for _, row in auto])
     values = token_values(costs, [row.request.remaining for _, row in live], draining) if auto else []

@@ -87,6 +87,8 @@ def speculative_round(request: Request, ctx: RoundContext, num_tokens: int | str
 def plan_and_draft(request: Request, ctx: RoundContext, num_tokens: int | str) -> tuple[Proposal, float]:
     """The plan + draft stages, timed as drafting: the request's planner decides and its draft session
     drafts (:meth:`specgen.planning.planner.Planner.draft`). Call inside the round's transaction."""
+    if num_tokens == AUTO:
+        request.planner.load()  # a first load (perhaps a measurement) is not drafting time
     with ctx.clock.stage("draft"):
         return request.planner.draft(request.draft, num_tokens, request.draft_room(ctx.target.context_length))
 

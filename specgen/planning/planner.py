@@ -32,7 +32,7 @@ class Planner:
 
     max_tokens / tree_width: the drafter's limits. load_costs: () -> the pipeline's cost table
     (None: a request that never plans with num_tokens="auto"); costs: the table once loaded
-    (:meth:`attach`, or :meth:`table` on first use). observed: the pipeline's running verify
+    (:meth:`attach`, or :meth:`load` on first use). observed: the pipeline's running verify
     timings (None: plan from the table alone); :meth:`table` reads the table through it and
     chain rounds and plain steps feed it (:meth:`observe_verify`). read_once: the round reads
     back once per verification, so a drafter that stops itself token by token (one read a
@@ -55,11 +55,16 @@ class Planner:
         if observed is not None:
             self.observed = observed
 
-    def table(self) -> CostTable:
-        """The table a round plans with: ``costs`` (loaded on first use), corrected by ``observed``."""
+    def load(self) -> CostTable:
+        """``costs``, loaded (read from the cache, or measured) on first use."""
         if self.costs is None:
             self.costs = self.load_costs()
-        return self.costs if self.observed is None else self.observed.table(self.costs)
+        return self.costs
+
+    def table(self) -> CostTable:
+        """The table a round plans with: ``costs`` (loaded on first use), corrected by ``observed``."""
+        costs = self.load()
+        return costs if self.observed is None else self.observed.table(costs)
 
     def draft(self, session, num_tokens: int | str, room: int) -> tuple[Proposal, float]:
         """The plan + draft stages -> (proposal, predicted accepted tokens of a planned tree).
