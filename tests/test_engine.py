@@ -86,7 +86,7 @@ def test_failed_round_rolls_back_everything(monkeypatch):
         raise Boom("injected")
 
     with monkeypatch.context() as patch:
-        patch.setattr(round_module, "verify_chain", failing_verify)
+        patch.setattr(round_module, "verify", failing_verify)
         with pytest.raises(Boom):
             speculative_round(request, ctx, 4)
     assert request.committed.tokens == tokens

@@ -135,7 +135,7 @@ def test_tree_round_rolls_back_and_continues(heads, monkeypatch, kind):
         raise RuntimeError("injected")
 
     with monkeypatch.context() as patch:
-        patch.setattr(round_module, "verify_tree", boom)
+        patch.setattr(round_module, "verify", boom)
         with pytest.raises(RuntimeError, match="injected"):
             speculative_round(request, ctx, pipe.drafter.num_tokens)
     assert request.committed.tokens == tokens and len(request.target_cache) == cache_len

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -56,7 +57,7 @@ def test_tree_round_charges_the_lazy_lm_head_to_verify(monkeypatch):
 
     pipe = tiny_pipeline("sampling.temperature=0", "drafter.num_tokens=2", drafter="ngram")
     request, ctx = pipe.open_request([1, 2, 3, 1, 2, 3, 1, 2], max_new_tokens=6, seed=0)
-    ctx.feature_layers = []  # take the tree path
+    ctx = dataclasses.replace(ctx, feature_layers=[])  # take the tree path (RoundContext is frozen)
     logits, offset = TreeOutput.logits, [0.0]
     ctx.clock.timer = lambda: time.perf_counter() + offset[0]
 

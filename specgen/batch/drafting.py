@@ -4,7 +4,7 @@ The planning itself is pure and lives in :mod:`specgen.planning.batch`; this sta
 feeds it the rows and runs their drafters. Rows with ``num_tokens="auto"`` are
 planned jointly against the batched cost table (a row drafting k tokens makes every
 row's forward 1 + k wide); rows with a fixed γ draft it as in a single request
-(:func:`specgen.engine.round.plan_and_draft`) and are fixed points of the plan; rows
+(:meth:`specgen.planning.planner.Planner.draft`) and are fixed points of the plan; rows
 without a drafter are plain. Then the joint stopping rule
 (:func:`specgen.planning.batch.truncate_batch`) cuts each auto row's draft. Every
 input is a row's past rounds, its drafter's output, or other rows' (independent of
@@ -21,7 +21,7 @@ from specgen.planning import (AUTO, BatchCostTable, DraftedRow, RowPlan, auto_ro
                               token_values, truncate_batch)
 from specgen.planning import cost_cache
 from specgen.planning.measure import BATCH_CONTEXT_TOKENS, BATCH_WIDTHS
-from specgen.engine.round import chain_prefix, draft_budget, plan_and_draft, shadow
+from specgen.planning.planner import chain_prefix
 
 
 #: Tokens a row of a measured batch holds at most: its calibration context and the widest feed.
@@ -37,7 +37,7 @@ def batch_costs(pipe, size: int, *, refresh: bool = False) -> BatchCostTable:
 
 def stand_in_costs(rows) -> BatchCostTable:
     """A batched table from the rows' single-request table, for a step run without one."""
-    chain = next(row.ctx.costs.chain for row in rows if row.ctx.costs is not None)
+    chain = next(row.request.planner.costs.chain for row in rows if row.request.planner.costs is not None)
     return BatchCostTable.from_chain(chain, max_width=len(chain))
 
 
@@ -48,15 +48,14 @@ def plan_rows(costs: BatchCostTable | None, live: list, draining: bool = False) 
     row, so the batch's end is what counts (:func:`specgen.planning.batch.token_values`)."""
     auto = [(r, row) for r, row in live if row.request.draft is not None and row.spec.gamma == AUTO]
     for _, row in auto:
-        if row.ctx.costs is None:
-            row.ctx.costs = row.ctx.load_costs()
+        row.request.planner.load()
     if auto and costs is None:
         costs = stand_in_costs([row for _, row in auto])
     values = token_values(costs, [row.request.remaining for _, row in live], draining) if auto else []
     drafted, plans, budgets = _plan_inputs(costs, live, values)
     if not auto:
         return drafted
-    probing = [row.ctx.history.probe_due for r, row in auto if budgets[r]]
+    probing = [row.request.planner.history.probe_due for r, row in auto if budgets[r]]
     if probing and all(probing):  # a probe widens every row's forward: the batch probes once all rows are due
         plans = [replace(p, low=1) if r in budgets and budgets[r] else p for (r, _), p in zip(live, plans, strict=True)]
     lengths = plan_batch(costs, plans)
@@ -74,7 +73,7 @@ def plan_rows(costs: BatchCostTable | None, live: list, draining: bool = False) 
             drafted[r] = chain_prefix(proposal, keep), 0.0
             if not keep and row.request.draft.shadows:
                 with row.ctx.clock.stage("draft"):
-                    shadow(row.request.draft, row.ctx.history, proposal)
+                    row.request.planner.shadow(row.request.draft, proposal)
     return drafted
 
 
@@ -89,14 +88,16 @@ def _plan_inputs(costs: BatchCostTable | None, live: list, values: list[float]):
         if request.draft is None:
             plans.append(RowPlan(feed=feed, value=value))
         elif row.spec.gamma != AUTO:
-            drafted[r] = plan_and_draft(request, row.ctx, row.spec.gamma)
+            with row.ctx.clock.stage("draft"):
+                drafted[r] = request.planner.draft(request.draft, row.spec.gamma,
+                                                   request.draft_room(row.ctx.target.context_length))
             size = len(drafted[r][0])
             plans.append(RowPlan((0.0,) * size, size, feed, value=value))
         else:
-            ctx = row.ctx
-            limit = min(ctx.max_tokens, ctx.costs.max_tokens, costs.widths[-1] - 1)
-            budgets[r] = budget = draft_budget(request, limit, ctx.target.context_length)
-            plans.append(auto_row(ctx.history, ctx.costs, costs, budget, feed, value))
+            planner = request.planner
+            limit = min(planner.max_tokens, planner.costs.max_tokens, costs.widths[-1] - 1)
+            budgets[r] = budget = min(limit, request.draft_room(row.ctx.target.context_length))
+            plans.append(auto_row(planner.history, planner.costs, costs, budget, feed, value))
     return drafted, plans, budgets
 
 
@@ -107,4 +108,4 @@ def _drafted(row, plan: RowPlan, drafted, auto: bool) -> DraftedRow:
     size = len(proposal)
     if not auto:
         return DraftedRow((0.0,) * size, (0.0,) * size, size, plan.feed, plan.value)
-    return drafted_row(row.ctx.history, proposal.confidence, size, plan)
+    return drafted_row(row.request.planner.history, proposal.confidence, size, plan)

@@ -211,7 +211,7 @@ def admit(pipe, kv: BatchCache, r: int, spec: RowSpec, reuse: bool = False) -> R
         cache = kv.clear_row(r)
     request, ctx = pipe.open_plan(spec, target_cache=cache)
     if request.draft is not None and spec.gamma == AUTO:
-        ctx.costs = pipe.cost_table()
+        request.planner.attach(pipe.cost_table())
     return Row(spec, request, ctx, time.perf_counter())
 
 
@@ -319,8 +319,8 @@ def step(kv: BatchCache, live: list[tuple[int, Row]], costs: BatchCostTable | No
             out.append((r, []))
         elif r in drafted:
             proposal, predicted, verdict, kept, depth = result
-            out.append((r, round_events(row.ctx, proposal, predicted, row.spec.gamma == AUTO, verdict, kept,
-                                        depth)))
+            out.append((r, round_events(row.request, row.ctx, proposal, predicted, row.spec.gamma == AUTO, verdict,
+                                        kept, depth)))
         else:
-            out.append((r, plain_events(row.ctx, result)))
+            out.append((r, plain_events(row.request, row.ctx, result)))
     return out

@@ -10,10 +10,11 @@ never half-committed, and the pipeline stays ready for the next request.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,9 +28,10 @@ from specgen.models.target import Target, TokenCache
 from specgen.config.options import (RequestOptions, check_prompt, check_prompt_ids, check_prompt_size, parse_chat,
                                     parse_int, parse_optional_text, request_options, with_overrides)
 from specgen.config.run import PrefixCacheSettings, RequestDefaults, RunConfig
-from specgen.planning import AUTO, CostTable
+from specgen.planning import AUTO, CostTable, calibration
 from specgen.planning.measure import Subject
 from specgen.planning.observed import ObservedCosts
+from specgen.planning.planner import Planner
 from specgen.processors import ProcessorStack
 from specgen.engine.request import RequestPlan, finish, record
 from specgen.engine.round import RoundContext, plain_step, speculative_round
@@ -55,8 +57,9 @@ class Pipeline:
     read_once: rounds that spend FLOPs to read back once per verification (constant
     host reads per round), the default off the CPU; on the CPU, where a read costs
     nothing, rounds do less arithmetic instead (see :class:`specgen.engine.round.RoundContext`).
-    observed: the verify timings its requests' rounds record and plan through once the
-    cost table is loaded (:mod:`specgen.planning.observed`; None: plans read the table alone).
+    observed: the verify timings its requests' rounds record and plan through (each request's
+    :class:`~specgen.planning.planner.Planner`) once the cost table is loaded
+    (:mod:`specgen.planning.observed`; None: plans read the table alone).
     prefix_cache: finished requests' target KV handles, which later requests start from
     (:mod:`specgen.models.prefix_cache`; sized by the config's ``prefix_cache`` group, off where
     the target does not declare ``prefix_reuse``).
@@ -93,21 +96,17 @@ class Pipeline:
 
     def cost_subject(self) -> Subject:
         """What this pipeline's cost tables are measured on: its target, and a draft session opened
-        on the calibration context after one round (which prefills a draft model and hands learned
-        heads a feature)."""
+        on the calibration context through the drafter's and the target's protocols
+        (:func:`specgen.planning.calibration.open_draft`)."""
         drafter = self.drafter
-
-        def open_draft(context: list[int], max_tokens: int):
-            request, ctx = self.open_request(context, max_new_tokens=max_tokens + 4, seed=0)
-            if request.draft is not None:
-                speculative_round(request, ctx, 1)
-            return request.draft
-
+        open_draft = None
+        if drafter is not None:
+            open_draft = functools.partial(calibration.open_draft, drafter, self.target, self.stack,
+                                           self.tokenizer.vocab_size)
         return Subject(self.target, self.tokenizer.vocab_size, self.config.checked,
                        trees=drafter is not None and (drafter.tree_width > 1 or drafter.feature_layers is not None),
                        feature_layers=None if drafter is None else drafter.feature_layers,
-                       open_draft=None if drafter is None else open_draft,
-                       draft_model=None if drafter is None else drafter.draft_model)
+                       open_draft=open_draft, draft_model=None if drafter is None else drafter.draft_model)
 
     @property
     def speculative(self) -> bool:
@@ -239,11 +238,13 @@ class Pipeline:
         stats.prefill_computed = len(ids) - stats.prefill_reused
         clock = Clock(self.device)
         stack = stack.with_timer(GrammarTimer(clock, stats.mask_seconds))
-        ctx = RoundContext(self.target, stack, stats, clock, read_once=self.read_once, observed=self.observed)
-        if use_spec and self.speculative:
-            ctx.feature_layers = self.drafter.feature_layers
-            ctx.max_tokens, ctx.tree_width = self.drafter.max_tokens, self.drafter.tree_width
-            ctx.load_costs = self.cost_table
+        drafter = self.drafter if use_spec and self.speculative else None
+        ctx = RoundContext(self.target, stack, stats, clock, read_once=self.read_once,
+                           feature_layers=None if drafter is None else drafter.feature_layers)
+        limits = {} if drafter is None else {"max_tokens": drafter.max_tokens, "tree_width": drafter.tree_width,
+                                             "load_costs": self.cost_table}
+        request.planner = Planner(observed=self.observed, read_once=self.read_once, **limits)
+        if drafter is not None:
             request.draft = self.drafter.session(DraftContext(request.committed, stack, request.draft_rng))
             stats.drafter_memory_bytes = self.drafter.extra_memory_bytes
         return request, ctx
@@ -255,7 +256,7 @@ class Pipeline:
         request, ctx = self.open_request(plan.ids, max_new_tokens=plan.max_new, seed=options.seed, stop=options.stop,
                                          use_spec=plan.use_spec, stack=plan.stack, stats=options.stats,
                                          target_cache=target_cache)
-        ctx.logprobs, ctx.raw_logprobs = options.logprobs, options.logprobs_of == "raw"
+        ctx = replace(ctx, logprobs=options.logprobs, raw_logprobs=options.logprobs_of == "raw")
         if options.echo:
             request.prompt_logprobs = self.score_ids(plan.ids, options.logprobs or 0)
         if plan.max_new == 0:  # echo with max_new_tokens=0: scored, nothing generated
@@ -293,8 +294,7 @@ class Pipeline:
         done = None
         if request.draft is not None and plan.gamma == AUTO:
             load = time.perf_counter()
-            ctx.costs = self.cost_table()  # measured once per machine and cached; not part of this request's time
-            ctx.observed = self.observed
+            request.planner.attach(self.cost_table(), self.observed)  # measured once per machine and cached; not part of this request's time
             start += time.perf_counter() - load
         try:
             while request.finish_reason is None:

@@ -17,7 +17,7 @@ import torch
 
 from specgen.processors import PathHistory
 from specgen.sampling.logprobs import TokenLogprob, token_logprobs
-from specgen.sampling.tree_structure import TreeVerdict
+from specgen.sampling.verdict import Verdict
 from specgen.engine.state import Request
 
 
@@ -36,12 +36,12 @@ def score_committed(ctx, raw: torch.Tensor, logits: torch.Tensor,
 
 def kept_scores(request: Request, ctx, scores: list[TokenLogprob] | None, kept: int) -> None:
     """After a commit that kept ``kept`` tokens: their logprobs join the request's and the emit stage's."""
-    ctx.scored = None if scores is None else scores[:kept]
+    request.scored = None if scores is None else scores[:kept]
     if scores is not None:
-        request.logprobs.extend(ctx.scored)
+        request.logprobs.extend(request.scored)
 
 
-def tree_scores(request: Request, ctx, tree: TreeVerdict, paths: list[list[int]],
+def tree_scores(request: Request, ctx, tree: Verdict, paths: list[list[int]],
                 row_logits: Callable[[int], torch.Tensor]) -> list[TokenLogprob]:
     """The emitted tokens' logprobs (:func:`score_committed`): token i from the row of the i-th node
     on the accepted path's way down (the root's first), processed on that node's path."""
@@ -53,6 +53,6 @@ def tree_scores(request: Request, ctx, tree: TreeVerdict, paths: list[list[int]]
     return score_committed(ctx, raw, logits, tree.emitted)
 
 
-def scored(ctx, i: int) -> TokenLogprob | None:
+def scored(request: Request, i: int) -> TokenLogprob | None:
     """The logprob of the last commit's i-th kept token (None when the request asks for none)."""
-    return None if ctx.scored is None else ctx.scored[i]
+    return None if request.scored is None else request.scored[i]

@@ -17,6 +17,7 @@ import torch
 from specgen.drafters import DraftSession
 from specgen.events import FinishReason
 from specgen.models import KVCache
+from specgen.planning.planner import Planner
 from specgen.processors import CommittedCounts
 from specgen.sampling.logprobs import TokenLogprob
 from specgen.text import TextState, TextStream
@@ -46,9 +47,11 @@ class Request:
         self.target_rng = torch.Generator(device=device).manual_seed(seed)
         self.draft_rng = torch.Generator(device=device).manual_seed(seed ^ 0x5DEECE66D)
         self.draft: DraftSession | None = None
+        self.planner: Planner | None = None  # how much this request drafts (set when it opens)
         self.finish_reason: FinishReason | None = None
         self.logprobs: list[TokenLogprob] = []  # the generated tokens' (when the request asks for them)
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt's (echo), first None
+        self.scored: list[TokenLogprob] | None = None  # the last commit's kept tokens' (what their events carry)
 
     @property
     def generated(self) -> list[int]:
@@ -57,6 +60,10 @@ class Request:
     @property
     def remaining(self) -> int:
         return self.max_new_tokens - self.committed.num_generated
+
+    def draft_room(self, context_length: int) -> int:
+        """Draft tokens a round may propose: never past max_new_tokens or the context."""
+        return max(0, min(self.remaining - 1, context_length - len(self.committed.tokens) - 1))
 
     def snapshot(self) -> Snapshot:
         return Snapshot(len(self.committed.tokens), len(self.target_cache),

@@ -4,10 +4,12 @@ Pure modules (no models): :mod:`~specgen.planning.costs` (cost tables, single
 and batched, one interpolation and draft-cost core), :mod:`~specgen.planning.acceptance`
 (a request's acceptance estimates), :mod:`~specgen.planning.chain` (the round
 planner and its stopping rule), :mod:`~specgen.planning.batch` (the batch
-planner) and :mod:`~specgen.planning.fit` (the batched table's fit). Measuring
-touches a model through the target protocol only: :mod:`~specgen.planning.measure`
-(timings) and :mod:`~specgen.planning.cost_cache` (memory, disk cache, fixed table);
-import those two explicitly.
+planner) and :mod:`~specgen.planning.fit` (the batched table's fit). A request's
+:class:`~specgen.planning.planner.Planner` (:mod:`~specgen.planning.planner`) holds its
+planning state and asks those. Measuring touches a model through the target protocol
+only: :mod:`~specgen.planning.measure` (timings), :mod:`~specgen.planning.calibration`
+(the draft session it times) and :mod:`~specgen.planning.cost_cache` (memory, disk
+cache, fixed table); import those, and the planner, explicitly.
 """
 
 from specgen.planning.batch import (DraftedRow, RowPlan, auto_row, batch_cost, batch_rate, drafted_row, plan_batch,

@@ -85,7 +85,7 @@ class ProcessorStack:
     def argmax_or_none(self, raw_logits: torch.Tensor, history: History) -> list[int | None]:
         """[N, vocab] -> N greedy tokens in one transfer, None for a row with nothing
         allowed (a dead end; the verifiers decide what it means, see
-        :func:`specgen.sampling.verify_chain_greedy`)."""
+        :func:`specgen.sampling.verify.verify_greedy`)."""
         return argmax_or_none(self.read_only(raw_logits, history))
 
     def read_only(self, raw_logits: torch.Tensor, history: History) -> torch.Tensor:

@@ -39,36 +39,17 @@ decoding's tokens (:func:`verify_chain`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from specgen.errors import NumericalError
 from specgen.sampling.probs import NoAllowedToken, draw_on_device, raise_for_row, sample_token, uniforms
+from specgen.sampling.verdict import Verdict
 
 #: Residual mass below this (relative to 1) is treated as round-off, see positive_residual.
 RESIDUAL_EPS = 1e-12
 #: Probability rows must sum to 1 within this tolerance.
 PROB_SUM_TOL = 1e-6
-#: How a round's last token came about (see the module docstring); "dead_end" adds no token.
-VerdictKind = Literal["resampled", "bonus", "dead_end"]
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Outcome of verifying one chain.
-
-    num_accepted: how many leading draft tokens were kept (0..len(draft)).
-    next_token: the one token the target adds (resampled or bonus); None for "dead_end".
-    kind: "resampled" if a draft token was rejected, "dead_end" if the target row
-        after the accepted tokens allows nothing (module docstring), else "bonus".
-    accept_probs: min(1, p/q) for every draft position that was checked.
-    """
-
-    num_accepted: int
-    next_token: int | None
-    kind: VerdictKind
-    accept_probs: tuple[float, ...]
 
 
 def positive_residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
@@ -241,7 +222,7 @@ def verify_chain(
     decoding's with the same seed, whatever the draft lengths.
 
     An all-zero target row ``i >= 1`` is a dead end: reaching it gives
-    ``Verdict(i, None, "dead_end", ...)`` (module docstring).
+    a "dead_end" verdict with ``i`` tokens accepted (module docstring).
 
     Host reads: one for the input checks, p(x) and q(x) of every draft token, the
     empty target rows and the uniforms together, one for the final draw.
@@ -268,20 +249,21 @@ def verify_chain(
     accept_probs: list[float] = []
     for i, token in enumerate(draft_tokens):
         if reads.dead[i]:
-            return Verdict(i, None, "dead_end", tuple(accept_probs))
+            return Verdict.chain(draft_tokens, i, None, "dead_end", tuple(accept_probs))
         if not reads.q_values[i] > 0.0:
             raise NumericalError(f"draft token {token} at position {i + 1} has zero draft probability")
         ratio = min(1.0, reads.p_values[i] / reads.q_values[i])
         accept_probs.append(ratio)
         if not reads.u_values[i] < ratio:
             next_token = _resample(target_probs, draft_probs, draft_tokens, reads, i, generator)
-            return Verdict(i, next_token, "resampled", tuple(accept_probs))
+            return Verdict.chain(draft_tokens, i, next_token, "resampled", tuple(accept_probs))
     if reads.dead[num_draft]:
-        return Verdict(num_draft, None, "dead_end", tuple(accept_probs))
+        return Verdict.chain(draft_tokens, num_draft, None, "dead_end", tuple(accept_probs))
     if reads.ahead is not None:
-        return Verdict(num_draft, _drawn_ahead(reads.ahead, num_draft, num_draft), "bonus", tuple(accept_probs))
+        bonus = _drawn_ahead(reads.ahead, num_draft, num_draft)
+        return Verdict.chain(draft_tokens, num_draft, bonus, "bonus", tuple(accept_probs))
     bonus = sample_token(target_probs[num_draft], generator, reads.u_values[num_draft])
-    return Verdict(num_draft, bonus, "bonus", tuple(accept_probs))
+    return Verdict.chain(draft_tokens, num_draft, bonus, "bonus", tuple(accept_probs))
 
 
 def _draws_ahead(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, index: torch.Tensor,
@@ -323,37 +305,11 @@ def _verify_coupled(target_probs: torch.Tensor, draft_tokens: list[int], reads: 
     accept_probs: list[float] = []
     for i, token in enumerate(draft_tokens):
         if reads.dead[i]:
-            return Verdict(i, None, "dead_end", tuple(accept_probs))
+            return Verdict.chain(draft_tokens, i, None, "dead_end", tuple(accept_probs))
         accept_probs.append(min(1.0, reads.p_values[i]))
         y = drawn(i)
         if y != token:
-            return Verdict(i, y, "resampled", tuple(accept_probs))
+            return Verdict.chain(draft_tokens, i, y, "resampled", tuple(accept_probs))
     if reads.dead[num_draft]:
-        return Verdict(num_draft, None, "dead_end", tuple(accept_probs))
-    return Verdict(num_draft, drawn(num_draft), "bonus", tuple(accept_probs))
-
-
-def verify_chain_greedy(target_tokens: list[int | None], draft_tokens: list[int]) -> Verdict:
-    """Greedy verification: keep the longest prefix equal to the target's argmaxes.
-
-    target_tokens: num_draft + 1 argmax ids of the processed target logits, None
-    where nothing is allowed (:func:`~specgen.sampling.probs.argmax_or_none`).
-    Reaching a None at position ``i >= 1`` gives ``Verdict(i, None, "dead_end", ...)``;
-    a None at position 0 raises NoAllowedToken. The output equals plain greedy
-    decoding token for token.
-    """
-    if len(target_tokens) != len(draft_tokens) + 1:
-        raise ValueError("need one more target token than draft tokens")
-    if target_tokens[0] is None:
-        raise NoAllowedToken("target: every token is forbidden at the first position (all logits are -inf)")
-    accept_probs: list[float] = []
-    for i, token in enumerate(draft_tokens):
-        if target_tokens[i] is None:
-            return Verdict(i, None, "dead_end", tuple(accept_probs))
-        if token != target_tokens[i]:
-            accept_probs.append(0.0)
-            return Verdict(i, target_tokens[i], "resampled", tuple(accept_probs))
-        accept_probs.append(1.0)
-    if target_tokens[-1] is None:
-        return Verdict(len(draft_tokens), None, "dead_end", tuple(accept_probs))
-    return Verdict(len(draft_tokens), target_tokens[-1], "bonus", tuple(accept_probs))
+        return Verdict.chain(draft_tokens, num_draft, None, "dead_end", tuple(accept_probs))
+    return Verdict.chain(draft_tokens, num_draft, drawn(num_draft), "bonus", tuple(accept_probs))

@@ -59,10 +59,10 @@ from specgen.sampling.rejection import (
     row_health,
     rows_health,
 )
+from specgen.sampling.verdict import Verdict
 from specgen.sampling.tree_coupled import coupled_levels, lazy_draws, prefetched_draws
 from specgen.sampling.tree_structure import (
     ROOT,
-    TreeVerdict,
     check_tree,
     ancestor_matrix,
     ancestors,
@@ -71,7 +71,7 @@ from specgen.sampling.tree_structure import (
     tree_paths,
 )
 
-__all__ = ["ROOT", "TreeVerdict", "ancestor_matrix", "ancestors", "tree_children", "tree_depths", "tree_paths",
+__all__ = ["ROOT", "ancestor_matrix", "ancestors", "tree_children", "tree_depths", "tree_paths",
            "verify_tree"]
 
 
@@ -120,7 +120,7 @@ def verify_tree(
     draft_probs: torch.Tensor | None,
     target_probs: Callable[[int], torch.Tensor] | torch.Tensor,
     generator: torch.Generator,
-) -> TreeVerdict:
+) -> Verdict:
     """Exact speculative sampling over a draft tree by recursive rejection sampling
     (the proof: module docstring, "Exactness").
 
@@ -228,7 +228,7 @@ def _lazy_visitor(root_row: torch.Tensor, target_probs: Callable[[int], torch.Te
     return visit
 
 
-def _walk(visit, tokens: list[int], children: dict[int, list[int]], decide) -> TreeVerdict:
+def _walk(visit, tokens: list[int], children: dict[int, list[int]], decide) -> Verdict:
     """The walk from the root, one level at a time: ``decide`` (a
     :data:`~specgen.sampling.tree_coupled.Decide`) keeps a child, and the walk descends into it,
     or gives the round's next token; an accepted node whose row is empty ends it ("dead_end")."""
@@ -241,13 +241,13 @@ def _walk(visit, tokens: list[int], children: dict[int, list[int]], decide) -> T
         accepted, next_token = decide(node, row, level, len(path), checked, accept_probs)
         if accepted is None:
             kind = "resampled" if children[node] else "bonus"
-            return TreeVerdict(path, [tokens[i] for i in path], next_token, kind, tuple(checked),
+            return Verdict.tree(path, [tokens[i] for i in path], next_token, kind, tuple(checked),
                                tuple(accept_probs))
         path.append(accepted)
         node = accepted
         row, level, empty = visit(node)
         if empty:
-            return TreeVerdict(path, [tokens[i] for i in path], None, "dead_end", tuple(checked),
+            return Verdict.tree(path, [tokens[i] for i in path], None, "dead_end", tuple(checked),
                                tuple(accept_probs))
 
 

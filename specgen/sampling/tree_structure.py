@@ -1,5 +1,5 @@
-"""The shape of a draft tree (checks, children, depths, root paths, ancestors, the tree
-part of an attention mask) and of its verification's outcome (:class:`TreeVerdict`).
+"""The shape of a draft tree: checks, children, depths, root paths, ancestors, the tree
+part of an attention mask (a verification's outcome is :class:`specgen.sampling.verdict.Verdict`).
 
 A tree is ``parents``: ``parents[i]`` is node ``i``'s parent, :data:`ROOT` (-1) for a
 child of the committed prefix, and ``parents[i] < i`` (nodes are topologically
@@ -8,50 +8,9 @@ ordered). Pure host-side functions; only :func:`ancestor_matrix` builds a tensor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from specgen.sampling.rejection import VerdictKind
-
 ROOT = -1
-
-
-@dataclass(frozen=True)
-class TreeVerdict:
-    """Outcome of verifying one draft tree.
-
-    path: accepted node indices, root -> leaf (empty if the first level failed).
-    tokens: the accepted nodes' tokens, same order as ``path``.
-    next_token: the one token the target adds after the path (resampled or bonus);
-        None for "dead_end".
-    kind: "dead_end" if the last accepted node's row allows nothing, else
-        "resampled" if a child of the last accepted node (or of the root) was
-        rejected, else "bonus" (that node is a leaf of the tree).
-    checked: every node whose acceptance was tested, in test order (accepted
-        nodes and rejected siblings alike).
-    accept_probs: ``min(1, r/q)`` for each node in ``checked`` (aligned with it);
-        ``r`` is the row in force at that moment (a residual after a rejected
-        sibling). The accepted nodes' values are ``accept_probs`` at the
-        positions where ``checked`` holds a ``path`` node.
-    """
-
-    path: list[int]
-    tokens: list[int]
-    next_token: int | None
-    kind: VerdictKind
-    checked: tuple[int, ...] = field(default=())
-    accept_probs: tuple[float, ...] = field(default=())
-
-    @property
-    def num_accepted(self) -> int:
-        """How many draft nodes were kept (the depth of the accepted path)."""
-        return len(self.path)
-
-    @property
-    def emitted(self) -> list[int]:
-        """All tokens this round commits: accepted tokens, then ``next_token`` (if any)."""
-        return [*self.tokens] if self.next_token is None else [*self.tokens, self.next_token]
 
 
 def _check_parents(parents: list[int]) -> None:
@@ -63,6 +22,7 @@ def _check_parents(parents: list[int]) -> None:
 
 
 def check_tree(tokens: list[int], parents: list[int]) -> None:
+    """ValueError unless ``tokens`` and ``parents`` form a tree (module docstring) of token ids."""
     if len(tokens) != len(parents):
         raise ValueError(f"tree has {len(tokens)} tokens but {len(parents)} parents")
     _check_parents(parents)
@@ -126,3 +86,8 @@ def ancestor_matrix(parents: list[int], device: torch.device | str | None = None
             mask[i] = mask[parent]
         mask[i, i] = True
     return mask if device is None else mask.to(device)
+
+
+def chain_parents(num_nodes: int) -> list[int]:
+    """The parents of a chain of ``num_nodes`` tokens: one child per node."""
+    return list(range(-1, num_nodes - 1))
