@@ -39,9 +39,11 @@ def test_batch_refusal_names_the_reason():
 
 def test_config_check_uses_the_same_rule():
     with pytest.raises(ConfigError, match=r"batch_size=2: drafters that read target features \(mtp\)"):
-        check_batch_size({"batch_size": 2, "drafter": {"kind": "mtp"}})
+        check_batch_size({"batch_size": 2, "drafter": {"kind": "mtp"}, "speculative": True})
     assert check_batch_size({"batch_size": 2, "drafter": {"kind": "mtp"}, "speculative": False}) == 2
-    assert check_batch_size({"batch_size": 4, "drafter": {"kind": "ngram"}}) == 4
+    assert check_batch_size({"batch_size": 4, "drafter": {"kind": "ngram"}, "speculative": True}) == 4
+    with pytest.raises(ConfigError, match="speculative is missing from the config"):
+        check_batch_size({"batch_size": 2, "drafter": {"kind": "mtp"}})
 
 
 def test_ngram_names_its_hf_counterpart():

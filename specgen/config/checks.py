@@ -176,7 +176,7 @@ def check_batch_size(cfg: Mapping) -> int:
         from specgen.drafters import batch_refusal, drafter_class
 
         kind = (cfg.get("drafter") or {}).get("kind")
-        drafter = drafter_class(kind) if cfg["speculative"] else None
+        drafter = drafter_class(kind) if required(cfg, "speculative") else None
         why = batch_refusal(drafter)
         if why:
             raise ConfigError(f"batch_size={size}: {why}; drafter={kind} needs batch_size=1 (or speculative=false)")
