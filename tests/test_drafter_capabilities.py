@@ -39,9 +39,9 @@ def test_batch_refusal_names_the_reason():
 
 def test_config_check_uses_the_same_rule():
     with pytest.raises(ConfigError, match=r"batch_size=2: drafters that read target features \(mtp\)"):
-        check_batch_size({"batch_size": 2, "drafter": {"kind": "mtp"}, "speculative": True})
-    assert check_batch_size({"batch_size": 2, "drafter": {"kind": "mtp"}, "speculative": False}) == 2
-    assert check_batch_size({"batch_size": 4, "drafter": {"kind": "ngram"}, "speculative": True}) == 4
+        check_batch_size({"batch_size": 2, "drafter": {"kind": "mtp"}, "speculative": True, "compile": False})
+    assert check_batch_size({"batch_size": 2, "drafter": {"kind": "mtp"}, "speculative": False, "compile": False}) == 2
+    assert check_batch_size({"batch_size": 4, "drafter": {"kind": "ngram"}, "speculative": True, "compile": False}) == 4
     with pytest.raises(ConfigError, match="speculative is missing from the config"):
         check_batch_size({"batch_size": 2, "drafter": {"kind": "mtp"}})
 

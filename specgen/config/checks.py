@@ -180,7 +180,7 @@ def check_batch_size(cfg: Mapping) -> int:
         why = batch_refusal(drafter)
         if why:
             raise ConfigError(f"batch_size={size}: {why}; drafter={kind} needs batch_size=1 (or speculative=false)")
-        why = batch_refusal(None, compiled=cfg["compile"])
+        why = batch_refusal(None, compiled=required(cfg, "compile"))
         if why:
             raise ConfigError(f"batch_size={size}: {why}; use compile=false or batch_size=1")
     return size
