@@ -15,6 +15,7 @@ import statistics
 import time
 
 import specgen
+from prefill_split_probe import probe_prompts  # the same prompts (scripts/ is on the path when a script runs)
 
 
 def cpu_ms(action, repeats: int) -> float:
@@ -37,9 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     pipe = specgen.pipeline(f"threads={args.threads}", "drafter=none", *args.overrides, progress=False)
     target = pipe.target
-    text = " ".join(f"item {i}: the quick brown fox jumps over the lazy dog." for i in range(3000))
-    long_ids = pipe.encode(text, chat=False)[:3000]
-    short_ids = pipe.encode("Name three colours.", chat=True)
+    long_ids, short_ids = probe_prompts(pipe)
     batch = target.new_batch(2, 4096)
     batch.clear_row(1)  # the context for both rows
     context, long_row, short_row = batch.context, batch.rows[0], batch.rows[1]
@@ -49,7 +48,7 @@ def main() -> None:
         short_row.crop(len(short_ids) - 1)
         context.forward_rows([short_row], [short_ids[-1:]], [1])
 
-    print(f"model {pipe.config['target'].get('name')} ({target.describe()['dtype']})  threads {args.threads}  "
+    print(f"model {pipe.config.target.get('name')} ({target.describe()['dtype']})  threads {args.threads}  "
           f"process CPU ms, median of {args.repeats}")
     print(f"decode step of a short row ({len(short_ids)} tokens): {cpu_ms(decode, args.repeats):.1f} ms")
     widths = [int(w) for w in args.widths.split(",")]

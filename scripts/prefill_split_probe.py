@@ -25,6 +25,12 @@ def cpu(action) -> float:
     return time.process_time() - start
 
 
+def probe_prompts(pipe) -> tuple[list[int], list[int]]:
+    """(a 3,000-token prompt of numbered filler lines, a short chat prompt) in ``pipe``'s tokens."""
+    text = " ".join(f"item {i}: the quick brown fox jumps over the lazy dog." for i in range(3000))
+    return pipe.encode(text, chat=False)[:3000], pipe.encode("Name three colours.", chat=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="1")
@@ -33,9 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     pipe = specgen.pipeline(f"threads={args.threads}", "drafter=none", *args.overrides, progress=False)
     target = pipe.target
-    text = " ".join(f"item {i}: the quick brown fox jumps over the lazy dog." for i in range(3000))
-    long_ids = pipe.encode(text, chat=False)[:3000]
-    short_ids = pipe.encode("Name three colours.", chat=True)
+    long_ids, short_ids = probe_prompts(pipe)
     print(f"model {pipe.config.target.get('name')}  threads {args.threads}  short prompt {len(short_ids)} "
           f"tokens  long prompt {len(long_ids)} tokens  (process CPU time)")
     for width in (int(w) for w in args.widths.split(",")):
