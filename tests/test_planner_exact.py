@@ -79,6 +79,13 @@ def _p_value(pipe) -> float:
     return goodness_of_fit(counts, expected)[0]
 
 
+@pytest.fixture(autouse=True)
+def draft_in_prefill_rounds(monkeypatch):
+    """These rules are tested where TOKEN's bias sits, the first token after PROMPT, so the prefill
+    round drafts here too (by default it drafts nothing: :func:`specgen.planning.planner.prefills`)."""
+    monkeypatch.setattr("specgen.planning.planner.prefills", lambda feed: False)
+
+
 @pytest.fixture(scope="module")
 def sampled():
     pipe = tiny_pipeline(*VOCAB8, "sampling.temperature=1.0")

@@ -9,8 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import tiny_pipeline
+from conftest import TINY, tiny_pipeline
 from exact import exact_distribution, goodness_of_fit, sample_counts
+
+import specgen
 from specgen.drafters import Proposal
 from specgen.engine import pipeline as pipeline_module
 from specgen.engine import round as round_module
@@ -128,3 +130,31 @@ def _peeking_draft(pipe):
         return chain_prefix(proposal, keep), predicted
 
     return peeking
+
+
+
+@pytest.mark.parametrize("policy", ["prefill rounds plain", "control: prefill rounds draft"])
+def test_a_planned_round_that_prefills_drafts_nothing(policy, monkeypatch):
+    """Two tokens a request: the first round prefills the 3-token prompt, so it drafts nothing (its
+    first token waits on the prefill alone) and the second has no room to. Single requests, and
+    batched rows on a cache that feeds a fresh prompt in its row's first step (int8; torch float
+    prefills a row apart, and its first step feeds one token). A 1-token prompt's first round feeds
+    one token and drafts. The control lets prefill rounds draft, and then rows do."""
+    if policy.startswith("control"):
+        monkeypatch.setattr("specgen.planning.planner.prefills", lambda feed: False)
+        monkeypatch.setattr("specgen.batch.drafting.prefills", lambda feed: False)
+    pipe = tiny_pipeline("target.source.vocab_size=8", "drafter.source.vocab_size=8", "sampling.temperature=1.0")
+    quantized = specgen.pipeline(*TINY, "dtype=int8", "drafter=tiny", "sampling.temperature=1.0", progress=False)
+    assert pipe.drafter.num_tokens == quantized.drafter.num_tokens == "auto"
+    assert not quantized.target.new_batch(8, 64).prefills_apart
+    requests = [dict(prompt_ids=[1, 2, 3], max_new_tokens=2, seed=s) for s in range(8)]
+    single = [pipe.generate(**r).stats.drafted for r in requests]
+    batched = [g.stats.drafted for g in quantized.generate_batch(requests, batch_size=8)]
+    one_token = [pipe.generate(prompt_ids=[1], max_new_tokens=2, seed=s).stats.drafted for s in range(8)]
+    assert sum(one_token) > 0
+    if policy.startswith("control"):
+        assert sum(single) > 0 and sum(batched) > 0, (single, batched)
+    else:
+        assert single == [0] * 8 and batched == [0] * 8, (single, batched)
+        first = next(iter(pipe.stream(prompt_ids=[1, 2, 3], max_new_tokens=8, seed=0)))
+        assert first.kind == "plain" and first.gamma == 0 and first.round == 1

@@ -121,7 +121,8 @@ async def send(pilot, text: str) -> ReplyView:
 
 #: Backgrounds chat.tcss gives each kind (shades of green by draft position).
 TOKEN_COLOURS = {"token--accepted-1": "#1B5E20", "token--accepted-2": "#388E3C", "token--accepted-3": "#81C784",
-                 "token--accepted-4": "#C8E6C9", "token--resampled": "#F57C00", "token--bonus": "#1565C0"}
+                 "token--accepted-4": "#C8E6C9", "token--resampled": "#F57C00", "token--bonus": "#1565C0",
+                 "token--plain": "#121212"}
 
 
 def token_backgrounds(view: ReplyView) -> set[str]:
@@ -252,7 +253,8 @@ def test_run_reply_streams_batches_and_finishes(pipe):
     assert final.done and updates[-1] is final and len(updates) > 2
     tokens = [t for u in updates for t in u.tokens]
     assert len(tokens) == final.snapshot.new_tokens
-    assert {t.kind for t in tokens} <= {"accepted", "resampled", "bonus"}
+    assert tokens[0].kind == "plain"  # the prefill round drafts nothing (planned, auto)
+    assert {t.kind for t in tokens[1:]} <= {"accepted", "resampled", "bonus"}
     assert str(final.snapshot.guarantee) == "exact" and final.snapshot.rounds == final.snapshot.target_calls
 
 
@@ -318,7 +320,8 @@ def test_chat_streams_coloured_tokens_and_updates_panel(cfg, tmp_path):
             view = await send(pilot, "hello")
             await wait_for(pilot, lambda: app.active is None)
             kinds = {t.kind for t in view.tokens}
-            assert "accepted" in kinds and kinds <= {"accepted", "resampled", "bonus"}
+            assert "accepted" in kinds and kinds <= {"plain", "accepted", "resampled", "bonus"}
+            assert view.tokens[0].kind == "plain"  # the prefill round drafts nothing
             assert token_backgrounds(view) == {TOKEN_COLOURS[token_class(t)] for t in view.tokens if t.text}
             assert "rounds" in panel_text(app, "numbers") and " 1 " in panel_text(app, "acceptance")
             assert "draft" in panel_text(app, "timings")

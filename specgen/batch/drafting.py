@@ -21,7 +21,7 @@ from specgen.planning import (AUTO, BatchCostTable, DraftedRow, RowPlan, auto_ro
                               token_values, truncate_batch)
 from specgen.planning import cost_cache
 from specgen.planning.measure import BATCH_CONTEXT_TOKENS, BATCH_WIDTHS
-from specgen.planning.planner import chain_prefix
+from specgen.planning.planner import chain_prefix, prefills
 
 
 #: Tokens a row of a measured batch holds at most: its calibration context and the widest feed.
@@ -96,7 +96,8 @@ def _plan_inputs(costs: BatchCostTable | None, live: list, values: list[float]):
         else:
             planner = request.planner
             limit = min(planner.max_tokens, planner.costs.max_tokens, costs.widths[-1] - 1)
-            budgets[r] = budget = min(limit, request.draft_room(row.ctx.target.context_length))
+            room = 0 if prefills(feed) else request.draft_room(row.ctx.target.context_length)
+            budgets[r] = budget = min(limit, room)
             plans.append(auto_row(planner.history, planner.costs, costs, budget, feed, value))
     return drafted, plans, budgets
 

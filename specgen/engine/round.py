@@ -90,7 +90,8 @@ def plan_and_draft(request: Request, ctx: RoundContext, num_tokens: int | str) -
     if num_tokens == AUTO:
         request.planner.load()  # a first load (perhaps a measurement) is not drafting time
     with ctx.clock.stage("draft"):
-        return request.planner.draft(request.draft, num_tokens, request.draft_room(ctx.target.context_length))
+        feed = len(request.target_cache.uncached(request.committed.tokens))
+        return request.planner.draft(request.draft, num_tokens, request.draft_room(ctx.target.context_length), feed)
 
 
 def round_events(request: Request, ctx: RoundContext, proposal: Proposal, predicted: float, auto: bool,

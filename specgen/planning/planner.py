@@ -27,6 +27,16 @@ from specgen.planning.costs import CostTable
 from specgen.planning.observed import ObservedCosts
 
 
+def prefills(feed: int) -> bool:
+    """Whether a round whose forward feeds ``feed`` tokens before its draft prefills prompt tokens (a
+    request's first round, past what the prefix cache held). A planned round that prefills drafts
+    nothing, so its first token waits on the prefill alone (time to first token): a verify beside it
+    would add its width to that forward, or a decode of its own where a backend splits prompt decodes
+    from the rows it reads (llama.cpp). It looks at the request's own state, never at the target's p.
+    """
+    return feed > 1
+
+
 class Planner:
     """One request's planning state and decisions (module docstring).
 
@@ -66,12 +76,14 @@ class Planner:
         costs = self.load()
         return costs if self.observed is None else self.observed.table(costs)
 
-    def draft(self, session, num_tokens: int | str, room: int) -> tuple[Proposal, float]:
+    def draft(self, session, num_tokens: int | str, room: int, feed: int = 1) -> tuple[Proposal, float]:
         """The plan + draft stages -> (proposal, predicted accepted tokens of a planned tree).
 
         session: the request's draft session (None: nothing is drafted); num_tokens: γ, or
         "auto" to plan; room: the most draft tokens the request can take this round (its
-        token limit and context). Planned: a budget from past rounds (:func:`plan_budget`), the
+        token limit and context); feed: the tokens the round's forward feeds before any draft
+        (more than one where it prefills: :func:`prefills`, where a planned round drafts
+        nothing). Planned: a budget from past rounds (:func:`plan_budget`), the
         drafting, then the cut from the drafter's own confidence (:meth:`cut`), or a drafter
         that stops itself with a :class:`ChainStopper`. A planned round that verifies no draft
         records the first token a shadowing session drafts (:meth:`shadow`), which
@@ -80,7 +92,7 @@ class Planner:
         auto = num_tokens == AUTO
         costs = self.table() if auto else None
         limit = min(self.max_tokens, costs.max_tokens) if auto else num_tokens
-        budget = max(0, min(limit, room))
+        budget = 0 if auto and prefills(feed) else max(0, min(limit, room))
         # A chain drafted token by token stops itself (one host read a token: a CPU's way, not read_once's).
         online = auto and session is not None and session.stops_online and not self.read_once
         if auto:
