@@ -75,10 +75,11 @@ def test_chunks_sized_by_time_keep_every_row_solo(monkeypatch, decodes):
     assert tokens == solo
 
 
-def test_prefill_take_is_sized_by_the_measured_cost_per_token(monkeypatch):
+def test_prefill_take_is_sized_by_the_measured_cost_per_token():
     lm = load_llama_cpp(TINY_SOURCE, name="t", threads=1).lm
     batch = lm.new_batch(2, 256)
     budget = llama_batch.PREFILL_BUDGET
+    assert batch.splits_free  # the tiny model measures splits free (test above): chunks sized by time
     assert batch.prefill_take(0, 100) == budget  # nothing measured yet
     batch.forward([[1, 2, 3], [4] * 5], [0, 0])  # two chunks, timed
     assert batch._cheapest is not None and set(batch._rates) == {0, 1}
@@ -88,7 +89,7 @@ def test_prefill_take_is_sized_by_the_measured_cost_per_token(monkeypatch):
     assert batch.prefill_take(0, 100) == budget
     batch.clear_row(0)
     assert batch.prefill_take(0, 100) == budget and 0 not in batch._rates
-    monkeypatch.setattr(llama_cpp.LlamaCppLM, "prefill_splits_free", property(lambda self: False))
+    batch.splits = "grid"
     assert batch.prefill_take(1, 100) == batch.prefill_chunk - 5  # to the end of the solo run's chunk
 
 

@@ -91,8 +91,6 @@ class BatchScheduler:
             raise ConfigError(f"the batch scheduler cannot run this pipeline: {why}")
         self.pipe, self.variants = pipe, variants
         self.batch = Batch(pipe, parse_batch_size(batch_size), chunked_prefill=chunked_prefill)
-        if chunked_prefill:  # how prompt chunks may be split is measured now, not in a request's step
-            getattr(self.batch.kv, "splits_free", None)
         self._waiting: queue.SimpleQueue[Handle | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None

@@ -65,8 +65,9 @@ class LlamaBatch:
     #: alone; :meth:`prefill` is for the cost model's timings.
     prefills_apart = False
 
-    def __init__(self, lm, size: int, row_context: int):
+    def __init__(self, lm, size: int, row_context: int, splits_free: bool = False):
         self.lm, self.size = lm, int(size)
+        self._splits_free = bool(splits_free)
         self.row_context = -(-int(row_context) // ROW_ALIGN) * ROW_ALIGN
         check_fits(lm, self.size, self.row_context)
         self.context = lm.open_context(self.row_context, 1)
@@ -116,9 +117,9 @@ class LlamaBatch:
 
     @property
     def splits_free(self) -> bool:
-        """Whether a prompt's decodes may be split anywhere without changing a logit
-        (``lm.prefill_splits_free``, measured once per model by :func:`split_gap`)."""
-        return self.splits != "grid" and bool(getattr(self.lm, "prefill_splits_free", False))
+        """Whether a prompt's decodes may be split anywhere without changing a logit (as the model
+        measured when it made this batch, :func:`split_gap`), unless :attr:`splits` is "grid"."""
+        return self.splits != "grid" and self._splits_free
 
     def prefill_take(self, r: int, length: int) -> int:
         """How many tokens row ``r``'s next prompt chunk feeds (no logits read; at least 1), of a prompt

@@ -238,8 +238,10 @@ class LlamaCppLM(TargetDefaults):
 
     def new_batch(self, size: int, row_context: int | None = None) -> LlamaBatch:
         """A batch of ``size`` rows of ``row_context`` tokens each (None: ``batch_row_context``),
-        at most :attr:`context_length`, on a context of its own (:class:`LlamaBatch`)."""
-        return LlamaBatch(self, size, min(row_context or self.batch_row_context, self._context))
+        at most :attr:`context_length`, on a context of its own (:class:`LlamaBatch`), told whether
+        prompts' decodes split freely (:attr:`prefill_splits_free`, measured on the first batch)."""
+        return LlamaBatch(self, size, min(row_context or self.batch_row_context, self._context),
+                          splits_free=self.prefill_splits_free)
 
     def open_context(self, n_ctx: int, sequences: int) -> LlamaContext:
         """A further context on this model: ``sequences`` streams of n_ctx / sequences cells each."""
