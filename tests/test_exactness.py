@@ -43,6 +43,13 @@ CASES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def draft_in_prefill_rounds(monkeypatch):
+    """The prefill round drafts here too (by default it drafts nothing:
+    :func:`specgen.planning.planner.prefills`), so a 3-token output has three drafted positions."""
+    monkeypatch.setattr("specgen.planning.planner.prefills", lambda feed: False)
+
+
 def _pipeline(drafter: str, overrides: tuple[str, ...]):
     vocab = VOCAB8 if drafter == "tiny" else VOCAB8[:1]
     return tiny_pipeline(*vocab, *overrides, drafter=drafter)

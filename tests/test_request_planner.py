@@ -100,7 +100,14 @@ def _p_value(pipe) -> float:
     return goodness_of_fit(counts, expected)[0]
 
 
+def _draft_in_prefill_rounds(monkeypatch) -> None:
+    """The cut is tested at every drafted position, the first token's included: the prefill round
+    drafts here too (by default it drafts nothing, :func:`specgen.planning.planner.prefills`)."""
+    monkeypatch.setattr("specgen.planning.planner.prefills", lambda feed: False)
+
+
 def test_the_planners_cut_is_exact(sampled, monkeypatch):
+    _draft_in_prefill_rounds(monkeypatch)
     monkeypatch.setattr("specgen.planning.cost_cache.cost_table", lambda subject, **kwargs: TABLE)
     assert _p_value(sampled) > MIN_P_VALUE
 
@@ -108,6 +115,7 @@ def test_the_planners_cut_is_exact(sampled, monkeypatch):
 def test_a_planner_cut_that_peeks_at_the_target_is_caught(sampled, monkeypatch):
     """Negative control (contract 5): a Planner whose cut drops the draft wherever the target's p of
     its first token is below q (the drafts verification might reject) must fail the same test."""
+    _draft_in_prefill_rounds(monkeypatch)
     monkeypatch.setattr("specgen.planning.cost_cache.cost_table", lambda subject, **kwargs: TABLE)
     monkeypatch.setattr(Planner, "draft", _peeking_draft(sampled))
     assert _p_value(sampled) < MIN_P_VALUE
@@ -116,8 +124,8 @@ def test_a_planner_cut_that_peeks_at_the_target_is_caught(sampled, monkeypatch):
 def _peeking_draft(pipe):
     draft = Planner.draft
 
-    def peeking(self, session, num_tokens, room):
-        proposal, predicted = draft(self, session, num_tokens, room)
+    def peeking(self, session, num_tokens, room, feed=1):
+        proposal, predicted = draft(self, session, num_tokens, room, feed)
         if not len(proposal) or proposal.draft_probs is None:
             return proposal, predicted
         committed = session.ctx.committed
@@ -130,7 +138,6 @@ def _peeking_draft(pipe):
         return chain_prefix(proposal, keep), predicted
 
     return peeking
-
 
 
 @pytest.mark.parametrize("policy", ["prefill rounds plain", "control: prefill rounds draft"])
