@@ -491,4 +491,7 @@ def test_a_batch_whose_full_rows_exceed_the_memory_available_is_refused_before_a
     assert opened == []
     monkeypatch.setattr(llama_batch, "available_memory", lambda: 256 * lm.kv_bytes_per_token * 4)
     lm.new_batch(4, 256)
-    assert opened == [(256, 1)]
+    # the split probe's context (measured on the first batch that fits), then the batch's own
+    assert opened == [(256, 1), (256, 1)]
+    lm.new_batch(4, 256)
+    assert len(opened) == 3  # the probe ran once

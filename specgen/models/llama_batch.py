@@ -68,7 +68,7 @@ class LlamaBatch:
     def __init__(self, lm, size: int, row_context: int, splits_free: bool = False):
         self.lm, self.size = lm, int(size)
         self._splits_free = bool(splits_free)
-        self.row_context = -(-int(row_context) // ROW_ALIGN) * ROW_ALIGN
+        self.row_context = row_cells(row_context)
         check_fits(lm, self.size, self.row_context)
         self.context = lm.open_context(self.row_context, 1)
         self.rows: list[LlamaKV] = [self.context.new_handle()]
@@ -197,6 +197,11 @@ class LlamaBatch:
 
     def maybe_compact(self) -> None:
         """See :meth:`compact`."""
+
+
+def row_cells(row_context: int) -> int:
+    """The KV cells a batch row of ``row_context`` tokens takes: rounded up to :data:`ROW_ALIGN`."""
+    return -(-int(row_context) // ROW_ALIGN) * ROW_ALIGN
 
 
 def check_fits(lm, size: int, row_context: int) -> None:

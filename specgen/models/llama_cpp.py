@@ -25,7 +25,7 @@ import weakref
 import torch
 
 from specgen.errors import ConfigError, ModelLoadError
-from specgen.models.llama_batch import LlamaBatch, batch_gap, split_gap
+from specgen.models.llama_batch import LlamaBatch, batch_gap, check_fits, row_cells, split_gap
 from specgen.models.invariance import GAP_PREFIX, chain_gap_probe, prefix_gap, worst
 from specgen.models.llama_context import BATCH_TOKENS, FLASH, LlamaContext, LlamaKV, available, library
 from specgen.models.llama_pool import ContextPool
@@ -239,9 +239,11 @@ class LlamaCppLM(TargetDefaults):
     def new_batch(self, size: int, row_context: int | None = None) -> LlamaBatch:
         """A batch of ``size`` rows of ``row_context`` tokens each (None: ``batch_row_context``),
         at most :attr:`context_length`, on a context of its own (:class:`LlamaBatch`), told whether
-        prompts' decodes split freely (:attr:`prefill_splits_free`, measured on the first batch)."""
-        return LlamaBatch(self, size, min(row_context or self.batch_row_context, self._context),
-                          splits_free=self.prefill_splits_free)
+        prompts' decodes split freely (:attr:`prefill_splits_free`, measured on the first batch that fits).
+        ConfigError, before any context is opened, where the rows need more memory than is available."""
+        cells = row_cells(min(row_context or self.batch_row_context, self._context))
+        check_fits(self, size, cells)
+        return LlamaBatch(self, size, cells, splits_free=self.prefill_splits_free)
 
     def open_context(self, n_ctx: int, sequences: int) -> LlamaContext:
         """A further context on this model: ``sequences`` streams of n_ctx / sequences cells each."""
