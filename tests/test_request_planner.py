@@ -141,6 +141,34 @@ def _peeking_draft(pipe):
 
 
 @pytest.mark.parametrize("policy", ["prefill rounds plain", "control: prefill rounds draft"])
+def test_a_prefill_round_asks_a_shadowing_drafter_nothing(policy, monkeypatch):
+    """One token a request, from a 6-token prompt: its only round prefills, so the n-gram drafter (a
+    shadowing one) is asked for no shadow token either, single or batched (its index would read the
+    whole prompt inside the time to first token). A 1-token prompt's round feeds one token, drafts
+    nothing (one token left) and shadows. The control lets prefill rounds draft, and then they ask."""
+    from specgen.drafters.ngram import NgramSession
+
+    if policy.startswith("control"):
+        monkeypatch.setattr("specgen.planning.planner.prefills", lambda feed: False)
+        monkeypatch.setattr("specgen.batch.drafting.prefills", lambda feed: False)
+    asked = []
+    propose = NgramSession.propose
+    monkeypatch.setattr(NgramSession, "propose", lambda self, budget: asked.append(budget) or propose(self, budget))
+    pipe = tiny_pipeline(drafter="ngram")
+    quantized = specgen.pipeline(*TINY, "dtype=int8", "drafter=ngram", progress=False)
+    assert pipe.drafter.num_tokens == quantized.drafter.num_tokens == "auto"
+    prompt = [1, 2, 3, 1, 2, 3]
+    pipe.generate(prompt_ids=prompt, max_new_tokens=1)
+    quantized.generate_batch([dict(prompt_ids=prompt, max_new_tokens=1)] * 4, batch_size=4)
+    if policy.startswith("control"):
+        assert asked
+    else:
+        assert asked == []
+        pipe.generate(prompt_ids=[1], max_new_tokens=1)
+        assert asked == [1]
+
+
+@pytest.mark.parametrize("policy", ["prefill rounds plain", "control: prefill rounds draft"])
 def test_a_planned_round_that_prefills_drafts_nothing(policy, monkeypatch):
     """Two tokens a request: the first round prefills the 3-token prompt, so it drafts nothing (its
     first token waits on the prefill alone) and the second has no room to. Single requests, and

@@ -52,7 +52,7 @@ def plan_rows(costs: BatchCostTable | None, live: list, draining: bool = False) 
     if auto and costs is None:
         costs = stand_in_costs([row for _, row in auto])
     values = token_values(costs, [row.request.remaining for _, row in live], draining) if auto else []
-    drafted, plans, budgets = _plan_inputs(costs, live, values)
+    drafted, plans, budgets, prefilling = _plan_inputs(costs, live, values)
     if not auto:
         return drafted
     probing = [row.request.planner.history.probe_due for r, row in auto if budgets[r]]
@@ -71,17 +71,19 @@ def plan_rows(costs: BatchCostTable | None, live: list, draining: bool = False) 
         if r in budgets:
             proposal = drafted[r][0]
             drafted[r] = chain_prefix(proposal, keep), 0.0
-            if not keep and row.request.draft.shadows:
+            if not keep and row.request.draft.shadows and r not in prefilling:  # a prefill round shadows nothing
                 with row.ctx.clock.stage("draft"):
                     row.request.planner.shadow(row.request.draft, proposal)
     return drafted
 
 
 def _plan_inputs(costs: BatchCostTable | None, live: list, values: list[float]):
-    """-> (proposals of the fixed-γ rows, drafted now; every row's plan input; each auto row's budget)."""
+    """-> (proposals of the fixed-γ rows, drafted now; every row's plan input; each auto row's budget;
+    the auto rows whose round prefills, :func:`prefills`)."""
     drafted: dict[int, tuple[Proposal, float]] = {}
     plans: list[RowPlan] = []
     budgets: dict[int, int] = {}
+    prefilling: set[int] = set()
     for j, (r, row) in enumerate(live):
         request, feed = row.request, len(row.request.target_cache.uncached(row.request.committed.tokens))
         value = values[j] if values else 1.0
@@ -96,10 +98,12 @@ def _plan_inputs(costs: BatchCostTable | None, live: list, values: list[float]):
         else:
             planner = request.planner
             limit = min(planner.max_tokens, planner.costs.max_tokens, costs.widths[-1] - 1)
-            room = 0 if prefills(feed) else request.draft_room(row.ctx.target.context_length)
+            if prefills(feed):
+                prefilling.add(r)
+            room = 0 if r in prefilling else request.draft_room(row.ctx.target.context_length)
             budgets[r] = budget = min(limit, room)
             plans.append(auto_row(planner.history, planner.costs, costs, budget, feed, value))
-    return drafted, plans, budgets
+    return drafted, plans, budgets, prefilling
 
 
 def _drafted(row, plan: RowPlan, drafted, auto: bool) -> DraftedRow:

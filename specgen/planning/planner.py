@@ -83,7 +83,7 @@ class Planner:
         "auto" to plan; room: the most draft tokens the request can take this round (its
         token limit and context); feed: the tokens the round's forward feeds before any draft
         (more than one where it prefills: :func:`prefills`, where a planned round drafts
-        nothing). Planned: a budget from past rounds (:func:`plan_budget`), the
+        nothing and records no shadow). Planned: a budget from past rounds (:func:`plan_budget`), the
         drafting, then the cut from the drafter's own confidence (:meth:`cut`), or a drafter
         that stops itself with a :class:`ChainStopper`. A planned round that verifies no draft
         records the first token a shadowing session drafts (:meth:`shadow`), which
@@ -92,7 +92,8 @@ class Planner:
         auto = num_tokens == AUTO
         costs = self.table() if auto else None
         limit = min(self.max_tokens, costs.max_tokens) if auto else num_tokens
-        budget = 0 if auto and prefills(feed) else max(0, min(limit, room))
+        prefill = auto and prefills(feed)
+        budget = 0 if prefill else max(0, min(limit, room))
         # A chain drafted token by token stops itself (one host read a token: a CPU's way, not read_once's).
         online = auto and session is not None and session.stops_online and not self.read_once
         if auto:
@@ -106,7 +107,7 @@ class Planner:
         predicted, drafted = 0.0, proposal
         if auto and not online and len(proposal):
             proposal, predicted = self.cut(proposal, costs, budget)
-        if auto and not len(proposal):
+        if auto and not len(proposal) and not prefill:  # a prefill round asks the drafter nothing
             self.shadow(session, drafted)
         return proposal, predicted
 
