@@ -28,6 +28,28 @@ def test_every_option_composes(group):
         assert cfg["processors"] if group == "stack" else cfg[group] is not None
 
 
+def test_a_kept_compose_is_a_copy_and_follows_the_conf_files(tmp_path, monkeypatch):
+    """A compose repeated with the same overrides gives an equal config that its callers may change
+    freely, and a changed conf file is read again. Control: the same override on a different file state
+    is the file's new value."""
+    import shutil
+
+    from specgen.config import compose as composing
+
+    conf = tmp_path / "conf"
+    shutil.copytree(conf_dir(), conf)
+    monkeypatch.setattr(composing, "conf_dir", lambda: conf)
+    first = compose(["target=tiny"])
+    first.max_new_tokens = 7
+    again = compose(["target=tiny"])
+    assert again.max_new_tokens != 7 and to_container(again) == to_container(compose(["target=tiny"]))
+    config = conf / "config.yaml"
+    default = again.max_new_tokens
+    edited = config.read_text().replace(f"max_new_tokens: {default}\n", f"max_new_tokens: {default * 10}\n", 1)
+    config.write_text(edited)  # another size too, whatever the file system's clock resolution
+    assert compose(["target=tiny"]).max_new_tokens == default * 10
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "none", "tiny"])
 @pytest.mark.parametrize("sampling", ["default", "creative"])
 def test_tiny_builds_with_every_weightless_drafter(drafter, sampling):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +22,11 @@ TEXT_KEYS = ("prompt", "system", "prompt_file", "output", "grammar.schema", "gra
 SOURCE_KEYS = ("kind", "tokenizer", "trust_remote_code", "revision", "cache_dtype", "pip", "version", "sha256",
                "filename", "packages", "package_prefix", "num_parts", "repo", "path", "package", "file")
 _ABSENT = object()
+#: Composed configs kept per process, by overrides, config name and the conf files' state
+#: (:func:`_conf_state`): composing reads and merges a dozen YAML files, a pipeline built again
+#: with the same overrides takes a copy. The oldest goes beyond this many.
+COMPOSED_KEPT = 64
+_composed: OrderedDict[tuple, DictConfig] = OrderedDict()
 
 
 def conf_dir() -> Path:
@@ -113,6 +120,30 @@ def compose_prepared(prepared: Sequence[str], config_name: str = "config") -> Di
 
 
 def _hydra_compose(prepared: list[str], config_name: str) -> DictConfig:
+    """Hydra's compose of ``prepared`` on :func:`conf_dir`; a copy of the kept result where the same
+    overrides were composed on the same conf files before (not for ``hydra.*`` overrides, which may
+    point Hydra at files outside conf/)."""
+    if any(p.lstrip("+~").startswith("hydra") for p in prepared):
+        return _hydra_compose_fresh(prepared, config_name)
+    key = (tuple(prepared), config_name, _conf_state())
+    kept = _composed.get(key)
+    if kept is None:
+        kept = _composed[key] = _hydra_compose_fresh(prepared, config_name)
+        while len(_composed) > COMPOSED_KEPT:
+            _composed.popitem(last=False)
+    else:
+        _composed.move_to_end(key)
+    return copy.deepcopy(kept)
+
+
+def _conf_state() -> tuple:
+    """The conf files' paths, sizes and modification times: a kept compose is reused only while they hold."""
+    root = conf_dir()
+    return tuple(sorted((str(f.relative_to(root)), f.stat().st_size, f.stat().st_mtime_ns)
+                        for f in root.rglob("*.yaml")))
+
+
+def _hydra_compose_fresh(prepared: list[str], config_name: str) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
