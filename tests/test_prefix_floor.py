@@ -18,6 +18,7 @@ import specgen
 from specgen.models import llama_cpp
 from specgen.models.invariance import probe_tokens, span_splits
 from specgen.models.llama_cpp import LlamaCppLM
+from specgen.engine.pipeline import unfed
 from specgen.models.prefix_cache import PrefixCache
 from specgen.models.target import TokenCache
 
@@ -85,6 +86,28 @@ def test_a_parked_handle_is_settled_in_the_background_and_a_taker_waits_for_it()
     assert cache.stats.settled == 16 and cache.stats.hits == 1
 
 
+def test_a_settle_feeds_the_tail_no_forward_fed_and_a_whole_handle_with_a_tail_is_settled_too():
+    """The ids a request committed after its handle's entries (its last sampled token) are fed by the
+    settle after the unreusable entries, so the next turn finds them; a handle whose entries are all
+    reusable is settled for its tail (and the entries before it that make up a prefill of the floor). Control: without a tail a whole handle is parked as it is."""
+    fed = []
+
+    def settle(handle, ids):
+        fed.append(list(ids))
+        handle.tokens.extend(ids)
+        handle.exact = len(handle.tokens)
+
+    cache = PrefixCache(lambda: Marked([], 0), entries=4, max_bytes=1 << 30, floor=8, settle=settle)
+    cache.park(Marked(range(40), 24), tail=[99])
+    cache.park(Marked(range(100, 120), 20), tail=[7])
+    cache.park(Marked(range(200, 220), 20))
+    cache.wait_settled()
+    assert fed == [[*range(24, 40), 99], [*range(113, 120), 7]]  # a prefill feeds at least the floor
+    handle, reused = cache.acquire([*range(40), 99, *range(500, 510)])  # the next turn adds 10 ids
+    assert reused == 41 and handle.tokens == [*range(40), 99]
+    assert unfed([1, 2], [1, 2, 3]) == [3] and unfed([1, 2], [1, 4, 3]) == [] and unfed([1, 2], [1, 2]) == []
+
+
 def test_a_settle_that_fails_drops_the_handle_and_an_evicted_one_waits_for_its_settle():
     def settle(handle, ids):
         raise RuntimeError("decode refused")
@@ -122,10 +145,10 @@ def test_a_floored_target_reuses_prompts_then_settled_replies_and_gives_the_fres
         turns.append((len(ids), got.stats.prefill_reused))
         cached.prefix_cache.wait_settled()
         ids = ids + want.token_ids + added
-    # each parked handle holds its prompt and 11 reply entries (the last token is never fed), settled:
-    # turn 2 adds 3 ids after them, so it backs off to feed 8; turn 3 adds 10 and reuses all 45
-    assert [reused for _, reused in turns] == [0, turns[1][0] - 8, turns[1][0] + 11]
-    assert cached.prefix_cache.stats.settled == 3 * 11
+    # each parked handle holds its prompt and 11 reply entries, settled with the reply's last token (which
+    # no decode fed): turn 2 adds 3 ids after them, so it backs off to feed 8; turn 3 adds 10 and reuses all 46
+    assert [reused for _, reused in turns] == [0, turns[1][0] - 8, turns[1][0] + 12]
+    assert cached.prefix_cache.stats.settled == 3 * 12
 
 
 @needs_llama

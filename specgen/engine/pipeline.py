@@ -312,8 +312,14 @@ class Pipeline:
         finally:  # also when the stream is closed early or a round fails: then the handle is released
             request.release(keep_target=done is not None)
             if done is not None:
-                self.prefix_cache.park(request.target_cache)
+                self.prefix_cache.park(request.target_cache, unfed(request.target_cache.tokens, request.committed.tokens))
         yield done
+
+
+def unfed(entries: list[int], committed: list[int]) -> list[int]:
+    """The committed ids past a handle's ``entries`` (a finished request's last sampled token, which
+    no forward fed); none where the entries are not a prefix of them."""
+    return list(committed[len(entries):]) if list(committed[:len(entries)]) == list(entries) else []
 
 
 def prefix_cache_for(target: Target, settings: PrefixCacheSettings) -> PrefixCache:

@@ -22,7 +22,8 @@ backend whose decode steps compute otherwise than its prefills), a request start
 :attr:`TokenCache.reusable` entries only and feeds at least ``floor`` ids. A parked handle
 holding other entries (a reply's, written by decode steps) is then settled in the background:
 a thread of its own re-feeds those entries in one prefill, so the next turn finds them
-reusable. It runs while the handle is parked, that is while the user reads the reply and
+reusable, and with them the request's tokens that no forward fed (a reply's last token), so the
+next turn feeds only what it adds. It runs while the handle is parked, that is while the user reads the reply and
 writes the next message; a request that takes the handle before then waits for it.
 """
 
@@ -120,21 +121,24 @@ class PrefixCache:
             self.stats.computed += len(ids) - reused
         return handle, reused
 
-    def park(self, handle: TokenCache) -> None:
+    def park(self, handle: TokenCache, tail: Sequence[int] = ()) -> None:
         """Give back a handle whose request ended normally (its ``tokens`` name exactly its
         committed entries); released at once when the cache is off or the handle is empty.
-        Settled in the background where it holds entries that are not reusable."""
+        tail: the ids the request committed after those entries, which no forward fed (its last
+        sampled token). Settled in the background where it holds entries that are not reusable
+        or there is a tail: the settle feeds both."""
         if not self.enabled or not handle.tokens:
             handle.release()
             return
-        settle = self._settle is not None and handle.reusable < len(handle.tokens)
+        settle = self._settle is not None and (handle.reusable < len(handle.tokens) or len(tail) > 0)
         with self._lock:
             self._parked.append(handle)
             if settle:
                 self._settling.append(handle)
             evicted = self._over_bounds()
         if settle:
-            threading.Thread(target=self._settle_one, args=(handle,), name="specgen-prefix-settle", daemon=True).start()
+            threading.Thread(target=self._settle_one, args=(handle, [int(t) for t in tail]),
+                             name="specgen-prefix-settle", daemon=True).start()
         for old in evicted:
             self._release(old)
 
@@ -150,11 +154,11 @@ class PrefixCache:
         for old in evicted:
             self._release(old)
 
-    def _settle_one(self, handle: TokenCache) -> None:
-        """Re-feed ``handle``'s entries past its reusable ones in one prefill (a settle thread); a
-        handle that fails is dropped from the cache and released."""
+    def _settle_one(self, handle: TokenCache, tail: list[int]) -> None:
+        """Re-feed ``handle``'s entries past its reusable ones, then ``tail``, in one prefill (a settle
+        thread); a handle that fails is dropped from the cache and released."""
         start, failed = time.perf_counter(), False
-        ids = list(handle.tokens)
+        ids = list(handle.tokens) + tail
         try:
             kept = handle.keep_prefix_of(ids, self.floor)
             self._settle(handle, ids[kept:])
