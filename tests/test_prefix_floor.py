@@ -89,7 +89,8 @@ def test_a_parked_handle_is_settled_in_the_background_and_a_taker_waits_for_it()
 def test_a_settle_feeds_the_tail_no_forward_fed_and_a_whole_handle_with_a_tail_is_settled_too():
     """The ids a request committed after its handle's entries (its last sampled token) are fed by the
     settle after the unreusable entries, so the next turn finds them; a handle whose entries are all
-    reusable is settled for its tail (and the entries before it that make up a prefill of the floor). Control: without a tail a whole handle is parked as it is."""
+    reusable is settled for its tail (and the entries before it that make up a prefill of the floor).
+    Control: without a tail a whole handle is parked as it is."""
     fed = []
 
     def settle(handle, ids):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ _ABSENT = object()
 #: with the same overrides takes a copy. The oldest goes beyond this many.
 COMPOSED_KEPT = 64
 _composed: OrderedDict[tuple, DictConfig] = OrderedDict()
+_composed_lock = threading.Lock()
 
 
 def conf_dir() -> Path:
@@ -126,13 +128,16 @@ def _hydra_compose(prepared: list[str], config_name: str) -> DictConfig:
     if any(p.lstrip("+~").startswith("hydra") for p in prepared):
         return _hydra_compose_fresh(prepared, config_name)
     key = (tuple(prepared), config_name, _conf_state())
-    kept = _composed.get(key)
+    with _composed_lock:
+        kept = _composed.get(key)
+        if kept is not None:
+            _composed.move_to_end(key)
     if kept is None:
-        kept = _composed[key] = _hydra_compose_fresh(prepared, config_name)
-        while len(_composed) > COMPOSED_KEPT:
-            _composed.popitem(last=False)
-    else:
-        _composed.move_to_end(key)
+        kept = _hydra_compose_fresh(prepared, config_name)
+        with _composed_lock:
+            _composed[key] = kept
+            while len(_composed) > COMPOSED_KEPT:
+                _composed.popitem(last=False)
     return copy.deepcopy(kept)
 
 

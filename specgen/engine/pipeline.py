@@ -312,7 +312,8 @@ class Pipeline:
         finally:  # also when the stream is closed early or a round fails: then the handle is released
             request.release(keep_target=done is not None)
             if done is not None:
-                self.prefix_cache.park(request.target_cache, unfed(request.target_cache.tokens, request.committed.tokens))
+                handle = request.target_cache
+                self.prefix_cache.park(handle, unfed(handle.tokens, request.committed.tokens))
         yield done
 
 

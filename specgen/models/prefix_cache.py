@@ -23,8 +23,9 @@ backend whose decode steps compute otherwise than its prefills), a request start
 holding other entries (a reply's, written by decode steps) is then settled in the background:
 a thread of its own re-feeds those entries in one prefill, so the next turn finds them
 reusable, and with them the request's tokens that no forward fed (a reply's last token), so the
-next turn feeds only what it adds. It runs while the handle is parked, that is while the user reads the reply and
-writes the next message; a request that takes the handle before then waits for it.
+next turn feeds only what it adds. It runs while the handle is parked, that is while the user
+reads the reply and writes the next message; a request that takes the handle before then waits
+for it.
 """
 
 from __future__ import annotations
