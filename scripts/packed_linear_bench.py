@@ -17,6 +17,7 @@ import torch
 
 import specgen
 from specgen.models import packed_linear
+from specgen.models.target import hf_model_of
 
 
 def main() -> None:
@@ -27,8 +28,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--sizes", default="1,2,3,4,5,8,12,16")
     args = parser.parse_args()
-    pipe = specgen.pipeline(f"target={args.target}", "drafter=none", f"threads={args.threads}", f"dtype={args.dtype}")
+    pipe = specgen.pipeline(f"target={args.target}", "backend=torch", "drafter=none", f"threads={args.threads}",
+                            f"dtype={args.dtype}")
     lm = pipe.target
+    model = hf_model_of(lm)
     vocab = pipe.tokenizer.vocab_size
     context = [(7919 * i + 11) % vocab for i in range(192)]
     cache = lm.new_cache()
@@ -38,7 +41,7 @@ def main() -> None:
     times = {mode: {n: [] for n in sizes} for mode in ("linear", "packed")}
     for _ in range(args.repeats):
         for mode in times:
-            packed_linear.set_enabled(lm.model, mode == "packed")
+            packed_linear.set_enabled(model, mode == "packed")
             for n in sizes:
                 feed = [context[-1]] + context[: n - 1]
                 lm.forward(cache, feed, keep=n)  # untimed: packs the weights; a shape's first forward may cost more
