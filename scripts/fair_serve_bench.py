@@ -25,8 +25,8 @@ solo's p50, and whether every short and long output equals its solo run token fo
 --warmup trials of each arm are run the same way but not counted: a batch's llama.cpp context grows
 to the rows in use when they are first used (:class:`specgen.models.llama_batch.LlamaBatch`), once
 per scheduler, and the figures are a running server's.
---prefill-tokens sets llama_context.PREFILL_TOKENS (the width a prompt's decodes are split at,
-solo and batched alike) before the model loads. Wall-clock numbers depend on machine load:
+--prefill-tokens sets llama_cpp.prefill_split (the width a prompt's decodes are split at, solo and
+batched alike; by default the model's measured one). Wall-clock numbers depend on machine load:
 report the load with them.
 """
 
@@ -40,7 +40,6 @@ import time
 import specgen
 from specgen.batch import BatchScheduler
 from specgen.events import FinishEvent, TokenEvent
-from specgen.models import llama_context
 
 SHORT = ["Name three colours.", "What is two plus two?", "Say hello in French.", "Give one word for happy."]
 
@@ -106,9 +105,8 @@ def main() -> None:
     parser.add_argument("--arms", default="shorts,chunked,whole", help="the arms beside solo, comma-separated")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    if args.prefill_tokens:
-        llama_context.PREFILL_TOKENS = args.prefill_tokens
-    pipe = specgen.pipeline(f"threads={args.threads}", "drafter=none", *args.overrides, progress=False)
+    split = [f"llama_cpp.prefill_split={args.prefill_tokens}"] if args.prefill_tokens else []
+    pipe = specgen.pipeline(f"threads={args.threads}", "drafter=none", *split, *args.overrides, progress=False)
     text = " ".join(f"item {i}: the quick brown fox jumps over the lazy dog." for i in range(args.long_tokens))
     long_ids = pipe.encode(text, chat=False)[: args.long_tokens]
     shorts = (SHORT * args.shorts)[: args.shorts]
@@ -143,7 +141,7 @@ def main() -> None:
             scheduler.close()
     base = statistics.median(ttft["solo"])
     print(f"model {pipe.config.target.get('name')}  long prompt {len(long_ids)} tokens  "
-          f"prefill split {llama_context.PREFILL_TOKENS}  splits free {pipe.target.prefill_splits_free}  shorts/trial {len(shorts)} from {args.delay:g} s, "
+          f"prefill split {pipe.target.prefill_width}  splits free {pipe.target.prefill_splits_free}  shorts/trial {len(shorts)} from {args.delay:g} s, "
           f"{args.gap:g} s apart  trials {args.trials} "
           f"(+{args.warmup} uncounted)")
     for name, values in ttft.items():

@@ -94,6 +94,8 @@ BAD_OVERRIDES = [
      "llama_cpp.context must be auto, null (the model's training context) or an integer of at least 256"),
     (["llama_cpp.tiny_type=Q2_K"], "llama_cpp.tiny_type='Q2_K' is not one of Q8_0, F32"),
     (["llama_cpp.flash_attention=maybe"], "llama_cpp.flash_attention='maybe' is not one of auto, off, on"),
+    (["llama_cpp.prefill_split=4"], "llama_cpp.prefill_split must be auto or an integer from 8 to 512"),
+    (["llama_cpp.prefill_split=wide"], "llama_cpp.prefill_split must be auto or an integer from 8 to 512"),
 ]
 
 

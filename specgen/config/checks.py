@@ -128,6 +128,9 @@ LLAMA_MIN_SEQUENCES = 3
 LLAMA_MIN_ROW_CONTEXT = 256
 #: The most KV handles (contexts) a model may hold at once: llama.cpp's own limit on sequences per context.
 LLAMA_MAX_SEQUENCES = 256
+#: llama_cpp.prefill_split's bounds (tokens per decode): below, prompts would be split too fine for
+#: llama.cpp's wide kernels; above, a batch step's prefill chunk would hold its other rows up for long.
+LLAMA_MIN_PREFILL_SPLIT, LLAMA_MAX_PREFILL_SPLIT = 8, 512
 
 
 def check_llama_cpp(section: Mapping) -> dict:
@@ -138,8 +141,17 @@ def check_llama_cpp(section: Mapping) -> dict:
     from specgen.models.llama_cpp import FLASH_MODES, REPACK
 
     section = dict(section)
-    for key in ("sequences", "context", "batch_row_context", "flash_attention", "tiny_type", "repack"):
+    for key in ("sequences", "context", "batch_row_context", "flash_attention", "tiny_type", "repack",
+                "prefill_split"):
         required(section, key, "llama_cpp.")
+    if section["prefill_split"] != "auto":
+        try:
+            section["prefill_split"] = parse_int(section["prefill_split"], "llama_cpp.prefill_split",
+                                                 minimum=LLAMA_MIN_PREFILL_SPLIT, maximum=LLAMA_MAX_PREFILL_SPLIT)
+        except ConfigError:
+            raise ConfigError(f"llama_cpp.prefill_split must be auto or an integer from {LLAMA_MIN_PREFILL_SPLIT} "
+                              f"to {LLAMA_MAX_PREFILL_SPLIT} (tokens per decode), "
+                              f"got {section['prefill_split']!r}") from None
     if section["context"] not in (None, "auto"):
         try:
             section["context"] = parse_int(section["context"], "llama_cpp.context", minimum=LLAMA_MIN_ROW_CONTEXT)

@@ -44,7 +44,7 @@ class RequestDefaults:
 class LlamaCppSettings:
     """The ``llama_cpp`` section (:func:`specgen.config.checks.check_llama_cpp`): KV handles a model
     holds at once, the KV cells of each context ("auto", None or tokens), a batched row's tokens, and
-    the flash-attention, tiny-model GGUF type and repack choices."""
+    the flash-attention, tiny-model GGUF type and repack choices, and the prefill split ("auto" or tokens)."""
 
     sequences: int
     context: int | str | None
@@ -52,6 +52,7 @@ class LlamaCppSettings:
     tiny_type: str
     flash_attention: str
     repack: str
+    prefill_split: int | str
 
 
 @dataclass(frozen=True)

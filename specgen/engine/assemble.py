@@ -187,7 +187,8 @@ def build_pipeline(cfg: RunConfig | Mapping, *, progress: bool = True) -> Pipeli
             return load_llama_cpp(source, name=name, threads=threads, extra_eos=extra_eos, progress=progress,
                                   sequences=llama.sequences, context=llama.context, tiny_type=llama.tiny_type,
                                   batch_row_context=llama.batch_row_context, flash_attention=llama.flash_attention,
-                                  vocab_size=vocab_size, repack=_repack(llama.repack, name))
+                                  vocab_size=vocab_size, repack=_repack(llama.repack, name),
+                                  prefill_split=llama.prefill_split)
         return load_model(source, name=name, dtype=dtype, device=device, extra_eos=extra_eos, progress=progress,
                           packed=run.packed_weights, vocab_size=vocab_size,
                           invariant=run.invariant_verify and name == "target")

@@ -135,8 +135,10 @@ def load_llama_cpp(source: Mapping, *, name: str, threads: int, extra_eos: tuple
     (:mod:`specgen.models.llama_cpp`), with specgen's tokenizer for it; a tiny model is
     written as a GGUF in ``tiny_type`` first (None: :func:`~specgen.models.gguf_write.tiny_gguf`'s type).
     ``vocab_size``: as for :func:`load_model`; ``options``: :class:`~specgen.models.llama_cpp.LlamaCppLM`'s
-    (``sequences``, ``batch_row_context``, ``flash_attention``, ``repack``, and ``context``, the KV cells of
-    each of the model's contexts, its ``context_length``), its defaults where not given."""
+    (``sequences``, ``batch_row_context``, ``flash_attention``, ``repack``, ``prefill_split``, and ``context``,
+    the KV cells of each of the model's contexts, its ``context_length``), its defaults where not given; a
+    tiny model's ``prefill_split`` ``"auto"`` is :data:`~specgen.models.llama_context.PREFILL_TOKENS` (its
+    speed is nothing to measure)."""
     from specgen.models.llama_cpp import LlamaCppLM
     from specgen.models.loading import gguf_file, load_tokenizer, writable_cache_dir
 
@@ -146,6 +148,10 @@ def load_llama_cpp(source: Mapping, *, name: str, threads: int, extra_eos: tuple
         args = {k: v for k, v in source.items() if k != "kind"}
         model = build_tiny_model(**args)
         typed = {} if tiny_type is None else {"quant": tiny_type}
+        if options.get("prefill_split", "auto") == "auto":
+            from specgen.models import llama_context
+
+            options["prefill_split"] = llama_context.PREFILL_TOKENS
         path, tokenizer, eos = tiny_gguf(model, writable_cache_dir("gguf"), **typed), TinyTokenizer(model.config.vocab_size), []
     else:
         path = gguf_file(source, progress=progress)
@@ -153,7 +159,8 @@ def load_llama_cpp(source: Mapping, *, name: str, threads: int, extra_eos: tuple
     info = TokenizerInfo(tokenizer, (*extra_eos, *eos))
     if "context" in options:
         options["context_length"] = options.pop("context")
-    lm = LlamaCppLM(path, vocab_size=vocab_size or info.vocab_size, name=name, threads=threads, **options)
+    lm = LlamaCppLM(path, vocab_size=vocab_size or info.vocab_size, name=name, threads=threads, progress=progress,
+                    **options)
     return LoadedModel(lm, info)
 
 

@@ -143,7 +143,7 @@ def file_sha256(path: pathlib.Path) -> str:
     """sha256 of ``path``, remembered in the cache by (path, size, mtime) to avoid rehashing."""
     path = path.resolve()
     stat = path.stat()
-    entry = _read_json(cache_root() / _HASH_INDEX).get(str(path))
+    entry = read_json(cache_root() / _HASH_INDEX).get(str(path))
     if isinstance(entry, list) and entry[:2] == [stat.st_size, stat.st_mtime_ns]:
         return str(entry[2])
     digest = hashlib.sha256()
@@ -160,15 +160,15 @@ def remember_sha256(path: pathlib.Path, sha256: str) -> None:
     path = path.resolve()
     stat = path.stat()
     index_path = cache_root() / _HASH_INDEX
-    index = _read_json(index_path)
+    index = read_json(index_path)
     index[str(path)] = [stat.st_size, stat.st_mtime_ns, sha256]
     try:
-        _write_json_atomic(index_path, index)
+        write_json_atomic(index_path, index)
     except OSError:
         pass
 
 
-def _read_json(path: pathlib.Path) -> dict:
+def read_json(path: pathlib.Path) -> dict:
     """The JSON object in ``path``; an empty dict if it is absent or unreadable."""
     try:
         data = json.loads(path.read_text())
@@ -177,7 +177,7 @@ def _read_json(path: pathlib.Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _write_json_atomic(path: pathlib.Path, data: dict) -> None:
+def write_json_atomic(path: pathlib.Path, data: dict) -> None:
     """Write ``data`` as JSON to ``path`` via a temporary file and rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

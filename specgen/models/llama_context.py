@@ -30,13 +30,13 @@ from specgen.models.target import TokenCache
 #: context actually uses (:attr:`LlamaContext.batch_tokens`) is the widest that LlamaCppLM measures
 #: equal to single-token decodes, at most this.
 BATCH_TOKENS = 32
-#: The most tokens of one sequence fed per decode before its kept rows (a prompt's context, the tokens
-#: before the first kept row, with that row in the last decode). Such a span is decoded alone, split
-#: from its own first position, so every path that feeds it (plain, speculative, a batched row) splits
-#: it alike and reads the first kept row from the same decode. It is also the chunk a batch prefills a
-#: long prompt by, one per step (:func:`specgen.batch.steps.prefill_chunks`), so it bounds what a
-#: request admitted meanwhile waits for: narrow, as llama.cpp's CPU prefill costs about the same per
-#: token in decodes of this width as in wider ones.
+#: The prefill split of a context opened without one: the most tokens of one sequence fed per decode
+#: before its kept rows (a prompt's context, the tokens before the first kept row, with that row in the
+#: last decode). Such a span is decoded alone, split from its own first position, so every path that
+#: feeds it (plain, speculative, a batched row) splits it alike and reads the first kept row from the
+#: same decode. It is also the chunk a batch prefills a long prompt by, one per step
+#: (:func:`specgen.batch.steps.prefill_chunks`), so it bounds what a request admitted meanwhile waits
+#: for. A GGUF model's contexts use the split it measures (:mod:`specgen.models.llama_split`).
 PREFILL_TOKENS = 32
 #: llama.cpp's flash-attention switch by name (its enum: 0 off, 1 on; llama.cpp's own -1 "auto" is
 #: not used: LlamaCppLM chooses by measurement).
@@ -124,7 +124,8 @@ class LlamaContext:
 
     n_ctx: KV cells in all; sequences: handles live at once; unified: one shared cell
     pool (else one stream of n_ctx / sequences cells per sequence); vocab_size: logits
-    are cut to it; name: for messages. Native calls on one context are serialised by
+    are cut to it; name: for messages; prefill_tokens: the prefill split (None: PREFILL_TOKENS).
+    Native calls on one context are serialised by
     its lock (a llama.cpp context is not thread safe). on_idle: called with the context
     when its last live handle is released (None: nothing is).
     """
@@ -132,12 +133,13 @@ class LlamaContext:
     on_idle = None
 
     def __init__(self, lib, model, owner, *, name: str, n_ctx: int, sequences: int, unified: bool, threads: int,
-                 flash_attention: str, vocab_size: int):
+                 flash_attention: str, vocab_size: int, prefill_tokens: int | None = None):
         self._lib, self.owner, self.name = lib, owner, name
+        prefill_tokens = PREFILL_TOKENS if prefill_tokens is None else int(prefill_tokens)
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = int(n_ctx)
-        # llama.cpp needs room for one output per sequence; this class feeds PREFILL_TOKENS at most
-        cparams.n_batch = cparams.n_ubatch = min(max(PREFILL_TOKENS, int(sequences)), int(n_ctx))
+        # llama.cpp needs room for one output per sequence; this class feeds prefill_tokens at most
+        cparams.n_batch = cparams.n_ubatch = min(max(prefill_tokens, int(sequences)), int(n_ctx))
         cparams.n_seq_max = int(sequences)
         cparams.kv_unified = bool(unified)
         cparams.n_threads = cparams.n_threads_batch = int(threads)
@@ -154,7 +156,7 @@ class LlamaContext:
         #: Tokens per llama_decode of the rows that give logits; longer feeds are split into this many.
         self.batch_tokens = min(BATCH_TOKENS, int(cparams.n_batch))
         #: Tokens per llama_decode of a sequence's span before its first kept row.
-        self.prefill_tokens = min(PREFILL_TOKENS, int(cparams.n_batch))
+        self.prefill_tokens = min(prefill_tokens, int(cparams.n_batch))
         #: The fewest tokens a decode must hold for its entries to be a fresh prefill's (1: any decode;
         #: LlamaCppLM raises it where narrow decodes compute otherwise): a span is split so that no
         #: decode of it is narrower where it can be (:func:`span_splits`), and handles count the

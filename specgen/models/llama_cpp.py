@@ -20,6 +20,7 @@ batched rows, which are batched only where it is zero (else they run one after a
 from __future__ import annotations
 
 import ctypes
+import sys
 import weakref
 
 import torch
@@ -28,6 +29,7 @@ from specgen.errors import ConfigError, ModelLoadError
 from specgen.models.llama_batch import LlamaBatch, batch_gap, check_fits, row_cells, split_gap
 from specgen.models.invariance import GAP_PREFIX, chain_gap_probe, prefix_gap, worst
 from specgen.models.llama_context import BATCH_TOKENS, FLASH, LlamaContext, LlamaKV, available, library
+from specgen.models.llama_split import PREFILL_WIDTHS, measure_costs, model_facts, prefill_width
 from specgen.models.llama_pool import ContextPool
 from specgen.models.target import Capabilities, TargetDefaults
 
@@ -61,7 +63,10 @@ class LlamaCppLM(TargetDefaults):
     Which attention path gives logits independent of the decode width depends on the build
     (llamafile's small-matrix kernels) and the thread count; :meth:`verify_gap` measures it.
     repack: one of REPACK (``auto`` keeps repacked weights only where some decode width is batch
-    invariant with them).
+    invariant with them). prefill_split: the most tokens a prompt's decodes hold (:attr:`prefill_width`),
+    or ``"auto"``: the narrowest of PREFILL_WIDTHS that costs about as little per token as the
+    cheapest, measured once per model file and machine (:mod:`specgen.models.llama_split`; ``progress``:
+    a line on stderr says so while it is measured).
     """
 
     backend = "llama_cpp"
@@ -69,7 +74,8 @@ class LlamaCppLM(TargetDefaults):
 
     def __init__(self, path, *, vocab_size: int, name: str = "model", threads: int = 1,
                  context_length: int | str | None = "auto", sequences: int = 64, flash_attention: str = "auto",
-                 batch_row_context: int = 4096, repack: str = "auto"):
+                 batch_row_context: int = 4096, repack: str = "auto", prefill_split: int | str = "auto",
+                 progress: bool = False):
         if flash_attention not in FLASH_MODES:
             raise ConfigError(f"llama_cpp.flash_attention={flash_attention!r} is not one of {', '.join(FLASH_MODES)}")
         if repack not in REPACK:
@@ -78,6 +84,7 @@ class LlamaCppLM(TargetDefaults):
         self.name = name
         self.path = str(path)
         self.threads, self.batch_row_context = int(threads), int(batch_row_context)
+        self._prefill_split, self._progress = prefill_split, progress
         self._capabilities: Capabilities | None = None
         self._splits_free: bool | None = None
         # ggml's AMX kernels (run from repacked buffers) raised SIGILL on an AMX VM: a build with them never repacks
@@ -94,6 +101,10 @@ class LlamaCppLM(TargetDefaults):
                 break
             self._close_now()  # no width is batch invariant on this attention path: try the other
         weakref.finalize(self, _close, self._pool.close, self._lib, self._model)
+        if prefill_split == "auto":  # measured on the weights and attention path chosen above
+            self.prefill_width = self._measured_split(vocab_size)
+            for context in self._pool.contexts():  # opened with room for the widest split
+                context.prefill_tokens = min(context.prefill_tokens, self.prefill_width)
 
     def _open(self, repacked: bool, vocab_size: int, context_length: int | None, sequences: int) -> int | None:
         """Load the model (its weights repacked for llama.cpp's CPU kernels or as stored) with its
@@ -113,6 +124,9 @@ class LlamaCppLM(TargetDefaults):
         self._context = (trained if context_length is None else min(trained, AUTO_CONTEXT)
                          if context_length == "auto" else int(context_length))
         self.vocab_size, self.decode_width, self.prefill_floor = vocab_size, BATCH_TOKENS, 1
+        #: The most tokens of a prompt fed per decode (every context's prefill split; under
+        #: prefill_split "auto" the widest of PREFILL_WIDTHS until it is measured).
+        self.prefill_width = PREFILL_WIDTHS[-1] if self._prefill_split == "auto" else int(self._prefill_split)
         try:
             first = self._open_own()
         except ModelLoadError:
@@ -138,6 +152,23 @@ class LlamaCppLM(TargetDefaults):
         self._gaps = {w: g for w, g in self._gaps.items() if w <= self.decode_width}  # wider feeds now split
         return widest
 
+    def _measured_split(self, vocab_size: int) -> int:
+        """The prefill split :func:`~specgen.models.llama_split.prefill_width` chooses for the loaded model:
+        as kept, or measured on a context of its own."""
+        facts = model_facts(self._lib, self.path, threads=self.threads, repacked=self.repacked,
+                            flash_attention=self.flash_attention)
+
+        def opened(widest: int) -> LlamaContext:
+            return LlamaContext(self._lib, self._model, None, name=self.name, n_ctx=widest, sequences=1,
+                                unified=True, threads=self.threads, flash_attention=self.flash_attention,
+                                vocab_size=vocab_size, prefill_tokens=widest)
+
+        def report(line: str) -> None:
+            print(f"specgen: measuring {self.name}'s prefill split on llama.cpp (once for this machine, then kept): "
+                  f"{line}", file=sys.stderr, flush=True)
+
+        return prefill_width(facts, lambda: measure_costs(opened, vocab_size), report if self._progress else None)
+
     def _widest_invariant(self) -> int | None:
         """The widest decode of 2..BATCH_TOKENS tokens whose logits equal single-token decodes, by
         bisection (llama.cpp's CPU kernels switch paths above some width); None where 2 already differ."""
@@ -159,7 +190,7 @@ class LlamaCppLM(TargetDefaults):
         are every handle's."""
         context = LlamaContext(self._lib, self._model, None, name=self.name, n_ctx=self._context, sequences=1,
                                unified=True, threads=self.threads, flash_attention=self.flash_attention,
-                               vocab_size=self.vocab_size)
+                               vocab_size=self.vocab_size, prefill_tokens=self.prefill_width)
         context.batch_tokens = min(context.batch_tokens, self.decode_width)
         context.prefill_floor = self.prefill_floor
         return context
@@ -245,11 +276,12 @@ class LlamaCppLM(TargetDefaults):
         check_fits(self, size, cells)
         return LlamaBatch(self, size, cells, splits_free=self.prefill_splits_free)
 
-    def open_context(self, n_ctx: int, sequences: int) -> LlamaContext:
-        """A further context on this model: ``sequences`` streams of n_ctx / sequences cells each."""
+    def open_context(self, n_ctx: int, sequences: int, prefill_tokens: int | None = None) -> LlamaContext:
+        """A further context on this model: ``sequences`` streams of n_ctx / sequences cells each, its
+        prompts split at ``prefill_tokens`` (None: :attr:`prefill_width`, as every context of the model)."""
         context = LlamaContext(self._lib, self._model, self, name=self.name, n_ctx=n_ctx, sequences=sequences,
                                unified=False, threads=self.threads, flash_attention=self.flash_attention,
-                               vocab_size=self.vocab_size)
+                               vocab_size=self.vocab_size, prefill_tokens=prefill_tokens or self.prefill_width)
         context.batch_tokens = min(context.batch_tokens, self.decode_width)
         context.prefill_floor = self.prefill_floor
         return context
