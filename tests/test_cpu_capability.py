@@ -51,7 +51,8 @@ def test_a_wrong_packed_result_means_no(monkeypatch):
     assert cpu.packs.__wrapped__(torch.float32) is False
 
 
-def test_without_packed_bfloat16_a_layer_runs_linear(no_packed_bfloat16):
+def test_without_packed_bfloat16_a_layer_runs_linear(no_packed_bfloat16, monkeypatch):
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)  # not the size gate: the CPU's
     layer = PackedLinear.of(torch.nn.Linear(64, 50).to(torch.bfloat16))
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
     with torch.inference_mode():
@@ -61,7 +62,8 @@ def test_without_packed_bfloat16_a_layer_runs_linear(no_packed_bfloat16):
 
 
 @pytest.mark.skipif(not packed_linear.packable(torch.bfloat16), reason="this CPU cannot pack bfloat16 weights")
-def test_where_the_cpu_packs_bfloat16_a_layer_is_packed():
+def test_where_the_cpu_packs_bfloat16_a_layer_is_packed(monkeypatch):
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
     layer = PackedLinear.of(torch.nn.Linear(64, 50).to(torch.bfloat16))
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
     with torch.inference_mode():
@@ -71,7 +73,8 @@ def test_where_the_cpu_packs_bfloat16_a_layer_is_packed():
 
 
 @pytest.mark.parametrize("drafter", ["drafter=ngram", "drafter=tiny"])
-def test_bfloat16_runs_and_declares_approximate_without_packed_bfloat16(no_packed_bfloat16, drafter):
+def test_bfloat16_runs_and_declares_approximate_without_packed_bfloat16(no_packed_bfloat16, drafter, monkeypatch):
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)  # the tiny model's layers, as a released model's
     pipe = specgen.pipeline(*TINY, drafter, "dtype=bfloat16", progress=False)
     out = pipe.generate("12 13 14 12 13 14", max_new_tokens=8)
     assert str(out.guarantee).startswith("approximate: bfloat16") and out.token_ids

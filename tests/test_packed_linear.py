@@ -17,6 +17,23 @@ from specgen.models.tiny import build_tiny_model
 pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="this torch build has no oneDNN")
 
 
+@pytest.fixture(autouse=True)
+def _pack_small_weights(monkeypatch):
+    """The layers here are small: they are packed as a released model's are (the size gate has its own test)."""
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
+
+
+def test_weights_below_the_size_gate_run_linear_and_those_at_it_are_packed(monkeypatch):
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 64 * 300)
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 64, generator=generator)
+    small, large = PackedLinear.of(torch.nn.Linear(64, 299)), PackedLinear.of(torch.nn.Linear(64, 300))
+    with torch.inference_mode():
+        assert torch.equal(small(x), F.linear(x, small.weight, small.bias))
+        assert torch.allclose(large(x), F.linear(x, large.weight, large.bias), rtol=1e-5, atol=1e-4)
+    assert small.packed.packed is None and large.packed.packed is not None
+
+
 def _layer(rows: int, bias: bool) -> tuple[torch.nn.Linear, torch.Generator]:
     generator = torch.Generator().manual_seed(rows + 100 * bias)
     layer = torch.nn.Linear(64, 300, bias=bias)

@@ -17,7 +17,8 @@ Contract:
 * bfloat16 is packed only where this CPU's oneDNN packs it
   (:func:`specgen.models.cpu.packs`: AVX-512 or AVX-NE-CONVERT). Elsewhere --
   other dtypes or devices, a dtype this CPU cannot pack, autograd, a torch
-  build without oneDNN, ``packed_weights=false`` -- ``F.linear`` runs.
+  build without oneDNN, ``packed_weights=false``, a weight of fewer than
+  PACK_MIN_ELEMENTS elements -- ``F.linear`` runs.
 
 What it changes in forward and verify costs: docs/benchmarks.md, "Verify costs and packed weights"
 (``python scripts/packed_linear_bench.py``).
@@ -37,6 +38,9 @@ from specgen.models import cpu
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 #: The row count the weights are packed for (a hint to oneDNN: every row count runs on the packed copy).
 PACK_ROWS = 8
+#: Smaller weights run ``F.linear``: oneDNN's packed call has a fixed cost of its own that a product this
+#: small does not repay (test models' layers; a released model's smallest weight is larger).
+PACK_MIN_ELEMENTS = 1 << 16
 
 
 def available() -> bool:
@@ -79,6 +83,7 @@ def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     does not apply (not a CPU, a dtype this CPU does not pack, autograd needed, no oneDNN).
     x: [..., in]; weight: [out, in]."""
     if not (x.device.type == "cpu" and weight.dtype == x.dtype and x.numel() > 0
+            and weight.numel() >= PACK_MIN_ELEMENTS
             and x.shape[-1] == weight.shape[-1] and _AVAILABLE and packable(x.dtype)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return None
