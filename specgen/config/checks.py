@@ -144,39 +144,33 @@ def check_llama_cpp(section: Mapping) -> dict:
     for key in ("sequences", "context", "batch_row_context", "flash_attention", "tiny_type", "repack",
                 "prefill_split"):
         required(section, key, "llama_cpp.")
-    if section["prefill_split"] != "auto":
-        try:
-            section["prefill_split"] = parse_int(section["prefill_split"], "llama_cpp.prefill_split",
-                                                 minimum=LLAMA_MIN_PREFILL_SPLIT, maximum=LLAMA_MAX_PREFILL_SPLIT)
-        except ConfigError:
-            raise ConfigError(f"llama_cpp.prefill_split must be auto or an integer from {LLAMA_MIN_PREFILL_SPLIT} "
-                              f"to {LLAMA_MAX_PREFILL_SPLIT} (tokens per decode), "
-                              f"got {section['prefill_split']!r}") from None
-    if section["context"] not in (None, "auto"):
-        try:
-            section["context"] = parse_int(section["context"], "llama_cpp.context", minimum=LLAMA_MIN_ROW_CONTEXT)
-        except ConfigError:
-            raise ConfigError(f"llama_cpp.context must be auto, null (the model's training context) or an integer "
-                              f"of at least {LLAMA_MIN_ROW_CONTEXT} (tokens), got {section['context']!r}") from None
-    try:
-        section["sequences"] = parse_int(section["sequences"], "llama_cpp.sequences",
-                                         minimum=LLAMA_MIN_SEQUENCES, maximum=LLAMA_MAX_SEQUENCES)
-    except ConfigError:
-        raise ConfigError(f"llama_cpp.sequences must be an integer from {LLAMA_MIN_SEQUENCES} (a run holds that "
-                          f"many KV handles at once) to {LLAMA_MAX_SEQUENCES} (llama.cpp's limit), "
-                          f"got {section['sequences']!r}") from None
-    try:
-        section["batch_row_context"] = parse_int(section["batch_row_context"],
-                                                 "llama_cpp.batch_row_context", minimum=LLAMA_MIN_ROW_CONTEXT)
-    except ConfigError:
-        raise ConfigError(f"llama_cpp.batch_row_context must be an integer of at least {LLAMA_MIN_ROW_CONTEXT} "
-                          f"(tokens), got {section['batch_row_context']!r}") from None
+    _llama_integer(section, "prefill_split", f"auto or an integer from {LLAMA_MIN_PREFILL_SPLIT} to "
+                   f"{LLAMA_MAX_PREFILL_SPLIT} (tokens per decode)", LLAMA_MIN_PREFILL_SPLIT, LLAMA_MAX_PREFILL_SPLIT,
+                   keep=("auto",))
+    _llama_integer(section, "context", f"auto, null (the model's training context) or an integer of at least "
+                   f"{LLAMA_MIN_ROW_CONTEXT} (tokens)", LLAMA_MIN_ROW_CONTEXT, keep=(None, "auto"))
+    _llama_integer(section, "sequences", f"an integer from {LLAMA_MIN_SEQUENCES} (a run holds that many KV handles "
+                   f"at once) to {LLAMA_MAX_SEQUENCES} (llama.cpp's limit)", LLAMA_MIN_SEQUENCES, LLAMA_MAX_SEQUENCES)
+    _llama_integer(section, "batch_row_context", f"an integer of at least {LLAMA_MIN_ROW_CONTEXT} (tokens)",
+                   LLAMA_MIN_ROW_CONTEXT)
     for key, choices in (("flash_attention", FLASH_MODES), ("tiny_type", QUANT_TYPES), ("repack", REPACK)):
         value = str(section[key])
         if value not in choices:
             raise ConfigError(f"llama_cpp.{key}={value!r} is not one of {', '.join(choices)}")
         section[key] = value
     return section
+
+
+def _llama_integer(section: dict, key: str, allowed: str, minimum: int, maximum: int | None = None,
+                   keep: tuple = ()) -> None:
+    """``section[key]`` as an int in [minimum, maximum] unless it is one of ``keep``; else ConfigError
+    "llama_cpp.<key> must be <allowed>, got <value>"."""
+    if section[key] in keep:
+        return
+    try:
+        section[key] = parse_int(section[key], f"llama_cpp.{key}", minimum=minimum, maximum=maximum)
+    except ConfigError:
+        raise ConfigError(f"llama_cpp.{key} must be {allowed}, got {section[key]!r}") from None
 
 
 def check_batch_size(cfg: Mapping) -> int:
