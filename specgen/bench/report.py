@@ -29,7 +29,7 @@ def environment(pipe) -> dict:
     if device.type == "cuda":
         device_name = torch.cuda.get_device_name(device)
     else:
-        device_name = _cpu_name()
+        device_name = cpu.model_name() or "cpu"
     return {
         "torch": torch.__version__, "transformers": transformers.__version__, "specgen": specgen.__version__,
         "python": platform.python_version(), "platform": platform.platform(),
@@ -38,16 +38,6 @@ def environment(pipe) -> dict:
         "numerics": pipe.target.describe()["dtype"],  # the path that runs, e.g. "int8 (torch _weight_int8pack_mm, ...)"
         "device": str(device), "device_name": device_name, "cpu": cpu.describe(),
     }
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
 
 
 def run_config(cfg: Mapping, names: Mapping[str, str]) -> dict:

@@ -12,6 +12,8 @@ where the answer is no; nothing else reads CPU flags:
   (AVX512-BF16 or AMX-BF16) *and* packable, the condition under which a
   bfloat16 forward beats float32's; without it bfloat16 is emulated.
 * :func:`describe` -- the capability in one line, for CI logs and benchmark records.
+* :func:`model_name` -- the CPU's model name, for benchmark records and the keys of
+  measurements kept per machine.
 """
 
 from __future__ import annotations
@@ -38,6 +40,19 @@ def flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+@functools.cache
+def model_name() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``), else what ``platform.processor()`` says (may be '')."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def torch_capability() -> str:

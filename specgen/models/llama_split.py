@@ -8,8 +8,8 @@ admitted beside a long prompt waits for (a batch prefills one split per step,
 PREFILL_WIDTHS whose cost per token is within PREFILL_SLACK of the cheapest.
 :func:`prefill_width` measures them once per model file, llama.cpp build, CPU, thread count and
 weight and attention layout, and keeps the choice in ``<cache_root>/llama/prefill-<key>.json``.
-The split changes which decodes a prompt is fed in, never which logits a request gets: every
-path of a model (plain, speculative, batched rows, the prefix cache) splits alike.
+Every path of a model (plain, speculative, batched rows, the prefix cache) splits alike, so which
+path serves a request never changes its logits.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pathlib
 import time
 from collections.abc import Callable
 
+from specgen.models import cpu
 from specgen.models.gguf_cache import cache_root, read_json, write_json_atomic
 from specgen.models.invariance import probe_tokens
 
@@ -94,17 +95,9 @@ def model_facts(lib, path: str, **layout) -> dict:
     """What a GGUF model's prefill costs depend on besides ``layout`` (threads, weights, attention):
     the file (path, size, modification time), the llama.cpp build (``lib``, llama-cpp-python's
     low-level module) and the CPU."""
-    stat = pathlib.Path(path).stat()
-    return {"file": str(pathlib.Path(path).resolve()), "size": stat.st_size, "mtime": stat.st_mtime_ns,
+    file = pathlib.Path(path)
+    stat = file.stat()
+    return {"file": str(file.resolve()), "size": stat.st_size, "mtime": stat.st_mtime_ns,
             "version": getattr(lib, "__version__", "?"),
-            "build": lib.llama_print_system_info().decode("utf-8", "replace"), "cpu": _cpu_name(), **layout}
-
-
-def _cpu_name() -> str:
-    """The CPU's model name (Linux ``/proc/cpuinfo``), else ''."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
-    except OSError:
-        return ""
+            "build": lib.llama_print_system_info().decode("utf-8", "replace"), "cpu": cpu.model_name(), **layout}
 

@@ -80,7 +80,8 @@ class PackedWeight:
 def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    cache: PackedWeight) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` on ``cache``'s packed copy of ``weight``, or None where that
-    does not apply (not a CPU, a dtype this CPU does not pack, autograd needed, no oneDNN).
+    does not apply (not a CPU, a dtype this CPU does not pack, a weight under PACK_MIN_ELEMENTS,
+    autograd needed, no oneDNN).
     x: [..., in]; weight: [out, in]."""
     if not (x.device.type == "cpu" and weight.dtype == x.dtype and x.numel() > 0
             and weight.numel() >= PACK_MIN_ELEMENTS
