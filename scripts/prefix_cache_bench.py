@@ -18,14 +18,19 @@ the longest prefix it still holds (its TTFT: the first token out).
 
     python scripts/prefix_cache_bench.py [--turns 5] [--repeats 3] [--max-new-tokens 32] [--llama-cpp] [override ...]
 
-Where the target reuses only entries of prefills (``prefill_floor`` above 1), the cached arm
-settles each reply in the background once the turn ends (:mod:`specgen.models.prefix_cache`):
-the user's think time. The next turn starts only when that is done, and ``settle_ms`` is how
-long it took: the think time the cached TTFT of the next turn assumes (0 where nothing settles).
+The cached arm settles each reply in the background once the turn ends
+(:mod:`specgen.models.prefix_cache`): it feeds what the next turn's prompt starts with (the
+reply as the chat template renders it and the next user header; with
+``prefix_cache.anticipate=false`` only where the target reuses only entries of prefills,
+``prefill_floor`` above 1). That runs in the user's think time: the next turn starts only when it
+is done, and ``settle_ms`` is how long it took, the think time the cached TTFT of the next turn
+assumes (0 where nothing settles). So the cached arm may feed fewer tokens than ``new``, and cost
+less than ``ideal``.
 
 Overrides are specgen's (``threads=1`` is the default here; ``backend=``, ``target=`` ...).
 Prints one row per turn: prompt tokens, tokens the cache gave, new tokens, the median TTFT
-of each arm, the ratios, and the settle time after the turn. A machine shared with other work makes single timings noisy:
+of each arm, the ratios (of the medians; ``llama/cached paired``: the median of each repeat's own
+ratio, and its least), and the settle time after the turn. A machine shared with other work makes single timings noisy:
 compare the paired medians, and say how loaded the machine was.
 """
 
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {target.name} on {target.backend}, {' '.join(overrides)}, guarantee {arms['cached'].guarantee.label()}; "
           f"{args.repeats} repeats, medians; both arms gave the same tokens on every turn")
     print("turn  prompt  cached  new  ttft_cached_ms  ttft_fresh_ms  ideal_ms  fresh/cached  cached/ideal  settle_ms"
-          + ("  ttft_llama_ms  llama/cached" if llm is not None else ""))
+          + ("  ttft_llama_ms  llama/cached  paired (least)" if llm is not None else ""))
     for index in range(args.turns):
         on, off, settle, seconds = (statistics.median(times[name][index])
                                     for name in ("cached", "fresh", "cached settle", "ideal"))
@@ -154,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
                f"  {1e3 * settle:>9.1f}")
         if llm is not None:
             theirs = statistics.median(times["llama.cpp"][index])
-            row += f"  {1e3 * theirs:>13.1f}  {theirs / on:>12.2f}"
+            paired = [a / b for a, b in zip(times["llama.cpp"][index], times["cached"][index])]
+            row += f"  {1e3 * theirs:>13.1f}  {theirs / on:>12.2f}  {statistics.median(paired):>6.2f} ({min(paired):.2f})"
         print(row)
 
 

@@ -58,7 +58,7 @@ def check_run_config(cfg: Mapping) -> dict:
     by :func:`check_jsonl_paths`, and ``batch_size`` (a positive int, checked against the
     drafter and ``compile`` by :func:`check_batch_size`). The grammar and
     ``drafter.num_tokens`` are checked by :func:`check_components`, the ``llama_cpp`` section by
-    :func:`check_llama_cpp`, the ``prefix_cache`` counts as ints >= 0. Raises :class:`ConfigError`
+    :func:`check_llama_cpp`, the ``prefix_cache`` counts as ints >= 0 and its ``anticipate`` as a bool. Raises :class:`ConfigError`
     naming the first bad key. :meth:`specgen.config.run.RunConfig.from_cfg` calls this once per run.
     """
     cfg = dict(cfg)
@@ -97,6 +97,8 @@ def check_run_config(cfg: Mapping) -> dict:
     section = required(cfg, "prefix_cache") or {}
     cfg["prefix_cache"] = {key: parse_int(required(section, key, "prefix_cache."), f"prefix_cache.{key}", minimum=0)
                            for key in ("entries", "bytes")}
+    cfg["prefix_cache"]["anticipate"] = parse_bool(required(section, "anticipate", "prefix_cache."),
+                                                   "prefix_cache.anticipate")
     return cfg
 
 

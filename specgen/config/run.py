@@ -57,10 +57,12 @@ class LlamaCppSettings:
 
 @dataclass(frozen=True)
 class PrefixCacheSettings:
-    """The ``prefix_cache`` section: finished requests' KV handles kept (0 = off) and the KV bytes they may hold."""
+    """The ``prefix_cache`` section: finished requests' KV handles kept (0 = off), the KV bytes they may
+    hold, and whether a chat's parked handle is fed its next turn's template ids in the background."""
 
     entries: int
     bytes: int
+    anticipate: bool
 
 
 #: Top-level keys a RunConfig types (or keeps as a checked component mapping); any other key is ``extra``.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -190,7 +190,26 @@ class Pipeline:
         if use_spec:
             gamma = self.drafter.num_tokens if options.num_tokens is None else options.num_tokens
         return RequestPlan(ids, min(max_new, room), max_new > room, options, use_spec, guarantee,
-                           self._stack_for(options.schema, options.regex), gamma)
+                           self._stack_for(options.schema, options.regex), gamma,
+                           self._next_turn(prompt, ids, options))
+
+    def _next_turn(self, prompt, ids: list[int], options: RequestOptions) -> Callable[[str], list[int]] | None:
+        """For chat messages rendered with the template, while the prefix cache anticipates: the
+        reply's text -> the ids the next turn's prompt starts with (the conversation with that reply
+        and a user header, :meth:`TokenizerInfo.next_turn_ids`), or [] where they do not start
+        with this prompt's ``ids`` or leave no room in the context. None for other prompts."""
+        if (isinstance(prompt, str) or prompt is None or not self.prefix_cache.enabled
+                or not self.config.prefix_cache.anticipate):
+            return None
+        messages = list(prompt)
+        system = parse_optional_text(self.defaults.system if options.system is None else options.system, "system")
+        limit = self.target.context_length
+
+        def next_turn(reply: str) -> list[int]:
+            expected = self.tokenizer.next_turn_ids(messages, reply, system=system)
+            return expected if expected[:len(ids)] == ids and len(ids) < len(expected) < limit else []
+
+        return next_turn
 
     def _stack_for(self, schema, regex) -> ProcessorStack:
         if schema is None and regex is None:
@@ -313,7 +332,8 @@ class Pipeline:
             request.release(keep_target=done is not None)
             if done is not None:
                 handle = request.target_cache
-                self.prefix_cache.park(handle, unfed(handle.tokens, request.committed.tokens))
+                ahead = None if plan.next_turn is None else functools.partial(plan.next_turn, done.generation.text)
+                self.prefix_cache.park(handle, unfed(handle.tokens, request.committed.tokens), ahead)
         yield done
 
 
@@ -325,9 +345,9 @@ def unfed(entries: list[int], committed: list[int]) -> list[int]:
 
 def prefix_cache_for(target: Target, settings: PrefixCacheSettings) -> PrefixCache:
     """The prefix cache a pipeline on ``target`` keeps: the run config's ``prefix_cache`` section,
-    off when the target does not declare ``prefix_reuse``. Where the target reuses only entries of
-    prefills (``prefill_floor`` above 1), parked handles are settled by a prefill of the rest (see
-    :mod:`specgen.models.prefix_cache`)."""
+    off when the target does not declare ``prefix_reuse``. Parked handles are settled by a prefill
+    of what the next request is expected to start with and, where the target reuses only entries
+    of prefills (``prefill_floor`` above 1), of the rest (see :mod:`specgen.models.prefix_cache`)."""
     capabilities = target.capabilities
     entries = settings.entries if capabilities.prefix_reuse else 0
 
@@ -335,4 +355,4 @@ def prefix_cache_for(target: Target, settings: PrefixCacheSettings) -> PrefixCac
         target.forward(handle, ids, keep=1)
 
     return PrefixCache(target.new_cache, entries=entries, max_bytes=settings.bytes,
-                       floor=capabilities.prefill_floor, settle=settle if capabilities.prefill_floor > 1 else None)
+                       floor=capabilities.prefill_floor, settle=settle)

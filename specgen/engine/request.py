@@ -9,7 +9,7 @@ build its :class:`~specgen.events.Generation` the same way in both engines.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specgen.events import FinishEvent, Generation, TokenEvent
@@ -24,7 +24,9 @@ from specgen.stats import Stats
 class RequestPlan:
     """One checked request: the prompt's ids, its token limit (``context_bound``: the
     context, not max_new_tokens, sets it), its resolved options, whether it speculates,
-    its guarantee, processor stack and γ (0 when it does not speculate)."""
+    its guarantee, processor stack and γ (0 when it does not speculate). next_turn: for
+    chat messages, the reply's text -> the ids a next turn's prompt is expected to start with
+    ([] when not known); None for other prompts."""
 
     ids: list[int]
     max_new: int
@@ -34,6 +36,7 @@ class RequestPlan:
     guarantee: Guarantee
     stack: ProcessorStack
     gamma: int | str
+    next_turn: Callable[[str], list[int]] | None
 
 
 def record(stats: Stats, events: Sequence[TokenEvent], start: float) -> None:

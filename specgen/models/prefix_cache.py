@@ -17,15 +17,22 @@ released at once, every request starts empty). A backend whose logits after a ca
 prefix are not bit for bit those of a fresh prefill declares ``Capabilities.prefix_reuse``
 False: the cache is then off on it. Every method is thread safe.
 
+A parked handle may be **settled** in the background: a thread of its own syncs it to the ids the
+next request is expected to start with and feeds what it does not hold in one prefill. For a chat
+those ids are the next turn's (``ahead``): the conversation as the chat template renders it, the
+reply included (a reply the tokenizer splits otherwise than the model generated it is re-fed as
+rendered), up to the next user message's content, so the next turn prefills only that message and
+the generation prompt. It runs while the handle is parked, that is while the user reads the reply
+and writes the next message; a request that takes the handle before then waits for it. A settle
+writes entries as a prefill does, so a request served from them gets a fresh prefill's logits
+wherever the target declares ``prefix_reuse``.
+
 Where only some entries are a fresh prefill's (``Capabilities.prefill_floor`` above 1: a
 backend whose decode steps compute otherwise than its prefills), a request starts from the
 :attr:`TokenCache.reusable` entries only and feeds at least ``floor`` ids. A parked handle
-holding other entries (a reply's, written by decode steps) is then settled in the background:
-a thread of its own re-feeds those entries in one prefill, so the next turn finds them
-reusable, and with them the request's tokens that no forward fed (a reply's last token), so the
-next turn feeds only what it adds. It runs while the handle is parked, that is while the user
-reads the reply and writes the next message; a request that takes the handle before then waits
-for it.
+holding other entries (a reply's, written by decode steps) is then settled even without ``ahead``:
+those entries are re-fed in one prefill, so the next turn finds them reusable, and with them the
+request's tokens that no forward fed (a reply's last token).
 """
 
 from __future__ import annotations
@@ -122,24 +129,33 @@ class PrefixCache:
             self.stats.computed += len(ids) - reused
         return handle, reused
 
-    def park(self, handle: TokenCache, tail: Sequence[int] = ()) -> None:
+    def park(self, handle: TokenCache, tail: Sequence[int] = (),
+             ahead: Callable[[], Sequence[int]] | None = None) -> None:
         """Give back a handle whose request ended normally (its ``tokens`` name exactly its
         committed entries); released at once when the cache is off or the handle is empty.
         tail: the ids the request committed after those entries, which no forward fed (its last
-        sampled token). Settled in the background where it holds entries that are not reusable
-        or there is a tail: the settle feeds both."""
+        sampled token). ahead: called once, in the settle thread, for the ids the next request
+        is expected to start with (a chat's next turn: the conversation as its template renders
+        it, up to the next user message's content), or [] when none is known.
+
+        Settled in the background where there is ``ahead``, or where the target reuses only
+        prefilled entries (``floor`` above 1) and the handle holds others or there is a tail: the
+        settle syncs the handle to the ids ``ahead`` gives (else its entries and the tail) and
+        feeds what it does not hold in one prefill."""
         if not self.enabled or not handle.tokens:
             handle.release()
             return
-        settle = self._settle is not None and (handle.reusable < len(handle.tokens) or len(tail) > 0)
+        floored = self.floor > 1 and (handle.reusable < len(handle.tokens) or len(tail) > 0)
+        settle = self._settle is not None and (floored or ahead is not None)
         with self._lock:
             self._parked.append(handle)
             if settle:
                 self._settling.append(handle)
             evicted = self._over_bounds()
         if settle:
-            threading.Thread(target=self._settle_one, args=(handle, [int(t) for t in tail]),
-                             name="specgen-prefix-settle", daemon=True).start()
+            # Not a daemon: an exiting interpreter waits for a forward it began.
+            threading.Thread(target=self._settle_one, args=(handle, [int(t) for t in tail], ahead),
+                             name="specgen-prefix-settle").start()
         for old in evicted:
             self._release(old)
 
@@ -155,14 +171,23 @@ class PrefixCache:
         for old in evicted:
             self._release(old)
 
-    def _settle_one(self, handle: TokenCache, tail: list[int]) -> None:
-        """Re-feed ``handle``'s entries past its reusable ones, then ``tail``, in one prefill (a settle
+    def _settle_one(self, handle: TokenCache, tail: list[int],
+                    ahead: Callable[[], Sequence[int]] | None) -> None:
+        """Sync ``handle`` to the ids ``ahead`` gives (else its entries, then ``tail``) and feed what it
+        does not hold, its entries past the reusable ones included, in one prefill (a settle
         thread); a handle that fails is dropped from the cache and released."""
         start, failed = time.perf_counter(), False
-        ids = list(handle.tokens) + tail
         try:
-            kept = handle.keep_prefix_of(ids, self.floor)
-            self._settle(handle, ids[kept:])
+            expected = [int(i) for i in ahead()] if ahead is not None else []
+        except Exception:  # nothing is known of the next request: settle as without ahead
+            expected = []
+        ids = expected or list(handle.tokens) + tail
+        kept = len(ids)
+        try:
+            known = bool(expected) or self.floor > 1  # else only the tail: the next request feeds it as cheaply
+            if known and not (ids == list(handle.tokens) and handle.reusable == len(ids)):
+                kept = handle.keep_prefix_of(ids, self.floor)
+                self._settle(handle, ids[kept:])
         except Exception:  # the handle's entries are unknown now: drop it; the next request starts empty
             failed = True
         with self._lock:

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from functools import cached_property
 
 from specgen.errors import PromptError
+from specgen.models.prefix_cache import common_prefix
 
 Messages = Sequence[dict]
 
@@ -25,6 +26,17 @@ def real_vocab_size(tokenizer) -> int:
     while size > 0 and _PLACEHOLDER.fullmatch(str(convert(size - 1) or "")):
         size -= 1
     return size
+
+
+#: Two user messages whose renderings part where a message's content starts (:meth:`TokenizerInfo.next_turn_ids`).
+_NEXT_TURN_PROBES = ("Hello", "Why")
+
+
+def _with_system(messages: list[dict], system: str | None) -> list[dict]:
+    """``messages`` with a leading system message ``system`` unless they start with one."""
+    if system and (not messages or messages[0].get("role") != "system"):
+        return [{"role": "system", "content": system}, *messages]
+    return messages
 
 
 class TokenizerInfo:
@@ -84,14 +96,31 @@ class TokenizerInfo:
         if use_chat:
             if not self.has_chat_template:
                 raise PromptError("chat=true but this tokenizer has no chat template; use chat=false")
-            if system and messages[0].get("role") != "system":
-                messages = [{"role": "system", "content": system}, *messages]
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return [int(i) for i in ids]
+            return self._render(_with_system(messages, system), generation_prompt=True)
         text = prompt if system is None else f"{system}\n\n{prompt}"
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def next_turn_ids(self, messages: Messages, reply: str, *, system: str | None = None) -> list[int]:
+        """What the next turn's prompt begins with: the chat template's ids for ``messages`` (with
+        ``system`` as :meth:`encode_prompt` adds it), then the assistant's ``reply`` and a user
+        message, up to where that message's content starts (the common prefix of two renderings
+        with different messages). [] where the tokenizer has no chat template or it cannot render
+        that conversation."""
+        if not self.has_chat_template:
+            return []
+        history = [*_with_system(list(messages), system), {"role": "assistant", "content": reply}]
+        try:
+            first, second = (self._render([*history, {"role": "user", "content": text}], generation_prompt=False)
+                             for text in _NEXT_TURN_PROBES)
+        except Exception:  # a template that refuses this history (e.g. an alternation check): nothing to anticipate
+            return []
+        return first[:common_prefix(first, second)]
+
+    def _render(self, messages: list[dict], *, generation_prompt: bool) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
 
     def decode(self, ids: Sequence[int]) -> str:
         if self._backend is not None:
