@@ -44,17 +44,17 @@ def fastest(fn, x: torch.Tensor, repeats: int) -> float:
 def chosen_micro_kernels() -> list[str]:
     """Wrap inductor's micro-kernel factory to record the class it picks for each compile."""
     import torch._inductor.lowering  # noqa: F401 (loads the codegen modules in an order without cycles)
-    from torch._inductor.codegen import cpp_micro_gemm
+    from torch._inductor.codegen import cpp_gemm_template
 
     picked: list[str] = []
-    create = cpp_micro_gemm.create_micro_gemm
+    create = cpp_gemm_template.create_micro_gemm
 
     def recording(*args, **kwargs):
         micro = create(*args, **kwargs)
         picked.append(type(micro).__name__ if micro is not None else "none")
         return micro
 
-    cpp_micro_gemm.create_micro_gemm = recording
+    cpp_gemm_template.create_micro_gemm = recording  # the template's own reference: the kernel it generates
     return picked
 
 
@@ -71,6 +71,7 @@ def main() -> None:
     inductor.freezing = True
     inductor.max_autotune = True
     inductor.max_autotune_gemm_backends = "CPP"
+    inductor.fx_graph_cache = False  # generate each kernel anew, so the micro-kernel it picks is seen
     picked = chosen_micro_kernels()
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (args.n, args.k), generator=gen, dtype=torch.int32)  # [N, K]
