@@ -58,8 +58,9 @@ def check_run_config(cfg: Mapping) -> dict:
     by :func:`check_jsonl_paths`, and ``batch_size`` (a positive int, checked against the
     drafter and ``compile`` by :func:`check_batch_size`). The grammar and
     ``drafter.num_tokens`` are checked by :func:`check_components`, the ``llama_cpp`` section by
-    :func:`check_llama_cpp`, the ``prefix_cache`` counts as ints >= 0 and its ``anticipate`` as a bool. Raises :class:`ConfigError`
-    naming the first bad key. :meth:`specgen.config.run.RunConfig.from_cfg` calls this once per run.
+    :func:`check_llama_cpp`, the ``prefix_cache`` counts as ints >= 0 and its ``anticipate`` as a
+    bool. Raises :class:`ConfigError` naming the first bad key.
+    :meth:`specgen.config.run.RunConfig.from_cfg` calls this once per run.
     """
     cfg = dict(cfg)
     for key in ("speculative", "compile", "packed_weights", "invariant_verify", "observe_costs"):
