@@ -15,9 +15,9 @@ import specgen
 from specgen.errors import ConfigError
 from specgen.models import llama_cpp
 from specgen.models.prefix_cache import PrefixCache
-from specgen.models.target import TokenCache
 from specgen.models.tiny import TinyTokenizer
 from specgen.models.tokenizer import TokenizerInfo
+from test_prefix_cache import ListCache
 
 VARIED = ("target=tiny", "threads=1", "target.source.vocab_size=64", "target.source.init_scale=3.0", "drafter=ngram")
 needs_llama = pytest.mark.skipif(not llama_cpp.available(), reason="llama-cpp-python is not installed")
@@ -105,19 +105,6 @@ def test_negative_control_a_corrupted_anticipated_entry_changes_the_tokens(templ
     assert turns[0][0] == turns[0][1] and turns[1][0] != turns[1][1]
 
 
-class Handle(TokenCache):
-    """A handle with no KV."""
-
-    def __init__(self, tokens):
-        self.tokens, self.released = list(tokens), False
-
-    def release(self):
-        self.released = True
-
-    def _truncate(self, length):
-        pass
-
-
 def feeding(fed: list):
     def settle(handle, ids):
         fed.append(list(ids))
@@ -133,9 +120,9 @@ def test_a_parked_handle_is_synced_to_the_anticipated_ids_and_a_taker_waits_for_
         gate.wait(5)
         record(handle, ids)
 
-    cache = PrefixCache(lambda: Handle([]), entries=2, max_bytes=1 << 30, settle=settle)
+    cache = PrefixCache(lambda: ListCache([]), entries=2, max_bytes=1 << 30, settle=settle)
     # the reply's last entries retokenize otherwise (8, 9 -> 89), then the next turn's header 50, 51
-    cache.park(Handle(range(10)), tail=[10], ahead=lambda: [*range(8), 89, 50, 51])
+    cache.park(ListCache(range(10)), tail=[10], ahead=lambda: [*range(8), 89, 50, 51])
     taken = []
     taker = threading.Thread(target=lambda: taken.append(cache.acquire([*range(8), 89, 50, 51, 60, 61])))
     taker.start()
@@ -152,14 +139,14 @@ def test_without_anticipated_ids_a_handle_all_of_whose_entries_are_reusable_is_p
     """An ``ahead`` that knows nothing ([]) or fails leaves the handle and its tail alone where every
     entry is reusable (floor 1): the next request feeds the tail as cheaply as a settle would."""
     fed = []
-    cache = PrefixCache(lambda: Handle([]), entries=4, max_bytes=1 << 30, settle=feeding(fed))
+    cache = PrefixCache(lambda: ListCache([]), entries=4, max_bytes=1 << 30, settle=feeding(fed))
 
     def broken():
         raise RuntimeError("the template refused")
 
-    cache.park(Handle(range(10)), tail=[10], ahead=lambda: [])
-    cache.park(Handle(range(20, 30)), tail=[30], ahead=broken)
-    cache.park(Handle(range(40, 50)), tail=[50])
+    cache.park(ListCache(range(10)), tail=[10], ahead=lambda: [])
+    cache.park(ListCache(range(20, 30)), tail=[30], ahead=broken)
+    cache.park(ListCache(range(40, 50)), tail=[50])
     cache.wait_settled()
     assert fed == [] and len(cache) == 3 and cache.stats.settled == 0
     assert [h.tokens for h in cache._parked] == [list(range(10)), list(range(20, 30)), list(range(40, 50))]

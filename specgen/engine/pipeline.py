@@ -117,8 +117,11 @@ class Pipeline:
         prompt = check_prompt(prompt)
         check_prompt_size(prompt, self.target.context_length)
         chat = parse_chat(self.defaults.chat if chat is None else chat)
-        system = parse_optional_text(self.defaults.system if system is None else system, "system")
-        return self.tokenizer.encode_prompt(prompt, chat=chat, system=system)
+        return self.tokenizer.encode_prompt(prompt, chat=chat, system=self._system(system))
+
+    def _system(self, system) -> str | None:
+        """A request's system message: its own, else the pipeline's default (checked)."""
+        return parse_optional_text(self.defaults.system if system is None else system, "system")
 
     def generate(self, prompt: str | Sequence[dict] | None = None, options: RequestOptions | None = None, *,
                  prompt_ids: Sequence[int] | None = None, **overrides) -> Generation:
@@ -201,9 +204,7 @@ class Pipeline:
         if (isinstance(prompt, str) or prompt is None or not self.prefix_cache.enabled
                 or not self.config.prefix_cache.anticipate):
             return None
-        messages = list(prompt)
-        system = parse_optional_text(self.defaults.system if options.system is None else options.system, "system")
-        limit = self.target.context_length
+        messages, system, limit = list(prompt), self._system(options.system), self.target.context_length
 
         def next_turn(reply: str) -> list[int]:
             expected = self.tokenizer.next_turn_ids(messages, reply, system=system)
