@@ -7,7 +7,9 @@ conversation anticipates nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 
 import pytest
 
@@ -176,6 +178,66 @@ def test_next_turn_ids_end_where_the_next_users_content_starts():
     assert info.next_turn_ids(messages, "there") == []
     hf.chat_template = None
     assert info.next_turn_ids(messages, "there") == []
+
+
+class _OneCallerTokenizer:
+    """A tokenizer that records how many threads are inside an encoding call at once."""
+
+    chat_template = "a template"
+    eos_token_id = None
+
+    def __init__(self):
+        self.inside = 0
+        self.most = 0
+        self._count = threading.Lock()
+
+    def __len__(self):
+        return 8
+
+    def _enter(self, ids):
+        with self._count:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+        time.sleep(0.02)  # a Rust call holding its borrow
+        with self._count:
+            self.inside -= 1
+        return ids
+
+    def encode(self, text, add_special_tokens=False):
+        return self._enter([1, 2])
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return self._enter([1, 2, 3 + len(messages[-1]["content"]) % 4])
+
+
+@pytest.mark.parametrize("locked", [True, False])
+def test_the_settle_threads_rendering_and_a_requests_encoding_do_not_overlap(locked):
+    """The settle thread renders the next turn while a request encodes; a fast tokenizer fails when two
+    threads set its state at once, so TokenizerInfo encodes one call at a time. Negative control: without
+    its lock the same calls overlap."""
+    stub = _OneCallerTokenizer()
+    info = TokenizerInfo(stub)
+    if not locked:
+        info._encoding = contextlib.nullcontext()
+    start = threading.Barrier(3)
+
+    def settle():
+        start.wait()
+        for _ in range(4):
+            info.next_turn_ids([{"role": "user", "content": "hi"}], "there")
+
+    def request():
+        start.wait()
+        for _ in range(4):
+            info.encode_prompt("Hello", chat=True)
+            info.token_ids("word")
+
+    threads = [threading.Thread(target=settle), threading.Thread(target=request), threading.Thread(target=settle)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert stub.most == 1 if locked else stub.most >= 2
 
 
 @pytest.mark.parametrize("value", ["maybe", "2"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 
@@ -45,10 +46,15 @@ class TokenizerInfo:
     vocab_size: number of ids that have a token (``len(tokenizer)`` without
         trailing placeholder ids); logits are cut to this width on both sides.
     eos_ids: every id that ends generation (tokenizer EOS + generation config EOS).
+
+    Encoding (prompts, chat templates, word variants) holds a lock: a fast tokenizer may set its
+    truncation and padding state per call, and two threads doing so at once fail ("Already
+    borrowed"); the prefix cache's settle thread renders the next turn while a request encodes.
     """
 
     def __init__(self, tokenizer, extra_eos: Iterable[int] = ()):
         self.tokenizer = tokenizer
+        self._encoding = threading.Lock()
         self.vocab_size = real_vocab_size(tokenizer)
         eos = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
         self.eos_ids = sorted({int(i) for i in [*eos, *extra_eos] if i is not None and int(i) < self.vocab_size})
@@ -98,7 +104,7 @@ class TokenizerInfo:
                 raise PromptError("chat=true but this tokenizer has no chat template; use chat=false")
             return self._render(_with_system(messages, system), generation_prompt=True)
         text = prompt if system is None else f"{system}\n\n{prompt}"
-        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+        return self._encode(text)
 
     def next_turn_ids(self, messages: Messages, reply: str, *, system: str | None = None) -> list[int]:
         """What the next turn's prompt begins with: the chat template's ids for ``messages`` (with
@@ -117,10 +123,15 @@ class TokenizerInfo:
         return first[:common_prefix(first, second)]
 
     def _render(self, messages: list[dict], *, generation_prompt: bool) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+        with self._encoding:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]
+
+    def _encode(self, text: str) -> list[int]:
+        with self._encoding:
+            return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
         if self._backend is not None:
@@ -131,7 +142,7 @@ class TokenizerInfo:
         """Id sequences a word may appear as (bare and with a leading space), for bad words."""
         variants = []
         for text in (word, " " + word):
-            ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+            ids = self._encode(text)
             if ids and ids not in variants:
                 variants.append(ids)
         return variants
