@@ -16,7 +16,7 @@ arms in each turn; and, with ``--llama-cpp``,
 llama-cpp-python's own ``Llama.generate`` fed the same prompt ids turn after turn, which reuses
 the longest prefix it still holds (its TTFT: the first token out).
 
-    python scripts/prefix_cache_bench.py [--turns 5] [--repeats 3] [--max-new-tokens 32] [--llama-cpp] [override ...]
+    python scripts/prefix_cache_bench.py [--turns 5] [--repeats 3] [--max-new-tokens 32] [--llama-cpp] [--typing] [override ...]
 
 The cached arm settles each reply in the background once the turn ends
 (:mod:`specgen.models.prefix_cache`): it feeds what the next turn's prompt starts with (the
@@ -26,6 +26,12 @@ reply as the chat template renders it and the next user header; with
 is done, and ``settle_ms`` is how long it took, the think time the cached TTFT of the next turn
 assumes (0 where nothing settles). So the cached arm may feed fewer tokens than ``new``, and cost
 less than ``ideal``.
+
+``--typing``: before each turn the cached arm also prepares the user's message as ``specgen-chat``
+does while it is typed (``Pipeline.prepare``: the conversation up to the message's last complete
+word) and waits for it, the typist's time; ``typed_ms`` is how long that took. Its TTFT is then the
+prefill of the last word, the message's end and the generation prompt, so it may cost less than
+``ideal``; the other arms do not prepare (llama-cpp-python cannot).
 
 Overrides are specgen's (``threads=1`` is the default here; ``backend=``, ``target=`` ...).
 Prints one row per turn: prompt tokens, tokens the cache gave, new tokens, the median TTFT
@@ -87,9 +93,10 @@ def ideal_step(target, cache, ids: list[int], reply: list[int]) -> tuple[float, 
 
 
 def run_conversation(arms: dict, turns: list[str], max_new: int, times: dict, reused: dict, lengths: dict,
-                     new: dict, llm=None) -> None:
+                     new: dict, llm=None, typing: bool = False) -> None:
     """Every turn on both arms (alternating which goes first), then on llama.cpp's own API when
-    ``llm``, then the ideal prefill; records each arm's TTFT per turn (and the cached arm's settle)."""
+    ``llm``, then the ideal prefill; records each arm's TTFT per turn (and the cached arm's settle).
+    ``typing``: the cached arm first prepares each message as typed (``Pipeline.prepare``) and waits."""
     messages: list[dict] = []
     target = arms["fresh"].target
     ideal = target.new_cache()
@@ -98,6 +105,11 @@ def run_conversation(arms: dict, turns: list[str], max_new: int, times: dict, re
         order = list(arms) if index % 2 == 0 else list(reversed(arms))
         replies = {}
         for name in order:
+            if typing and name == "cached":  # the message typed but for its last word, in the typist's pauses
+                start = time.perf_counter()
+                arms[name].prepare(list(messages), chat=True)
+                arms[name].prefix_cache.wait_settled()
+                times.setdefault("cached typing", {}).setdefault(index, []).append(time.perf_counter() - start)
             gen = arms[name].generate(list(messages), chat=True, max_new_tokens=max_new)
             replies[name] = gen
             times[name].setdefault(index, []).append(gen.stats.ttft)
@@ -124,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--llama-cpp", action="store_true", help="also time llama-cpp-python's own API (GGUF targets)")
+    parser.add_argument("--typing", action="store_true",
+                        help="the cached arm prepares each message but its last word first, as specgen-chat does while it is typed")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     overrides = ["threads=1", *args.overrides]
@@ -145,11 +159,12 @@ def main(argv: list[str] | None = None) -> None:
         arms["cached"].prefix_cache.clear()
         if llm is not None:
             llm.reset()
-        run_conversation(arms, turns, args.max_new_tokens, times, reused, lengths, new, llm)
+        run_conversation(arms, turns, args.max_new_tokens, times, reused, lengths, new, llm, args.typing)
     target = arms["fresh"].target
     print(f"# {target.name} on {target.backend}, {' '.join(overrides)}, guarantee {arms['cached'].guarantee.label()}; "
           f"{args.repeats} repeats, medians; both arms gave the same tokens on every turn")
     print("turn  prompt  cached  new  ttft_cached_ms  ttft_fresh_ms  ideal_ms  fresh/cached  cached/ideal  settle_ms"
+          + ("  typed_ms" if args.typing else "")
           + ("  ttft_llama_ms  llama/cached  paired (least)" if llm is not None else ""))
     for index in range(args.turns):
         on, off, settle, seconds = (statistics.median(times[name][index])
@@ -157,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         row = (f"{index + 1:>4}  {lengths[index]:>6}  {statistics.median(reused[index]):>6.0f}  {new[index]:>3}  "
                f"{1e3 * on:>14.1f}  {1e3 * off:>13.1f}  {1e3 * seconds:>8.1f}  {off / on:>12.2f}  {on / seconds:>12.2f}"
                f"  {1e3 * settle:>9.1f}")
+        if args.typing:
+            row += f"  {1e3 * statistics.median(times['cached typing'][index]):>8.1f}"
         if llm is not None:
             theirs = statistics.median(times["llama.cpp"][index])
             paired = [a / b for a, b in zip(times["llama.cpp"][index], times["cached"][index])]

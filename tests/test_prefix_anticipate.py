@@ -93,18 +93,23 @@ def test_without_anticipation_the_next_turn_feeds_the_template_and_the_replys_la
 def test_negative_control_a_corrupted_anticipated_entry_changes_the_tokens(templated, path):
     cached = specgen.pipeline(*VARIED, *path, progress=False)
     fresh = specgen.pipeline(*VARIED, *path, "prefix_cache.entries=0", progress=False)
-    settle = cached.prefix_cache._settle
-
-    def wrong(handle, ids):
-        """The last anticipated entry is written for another id while the handle claims the expected one."""
-        settle(handle, [*ids[:-1], (ids[-1] + 17) % 64])
-        handle.tokens[-1] = ids[-1]
-
-    cached.prefix_cache._settle = wrong
+    corrupt_last_fed(cached.prefix_cache)
     turns = chat(cached, fresh)
     _, _, stats, expected = turns[1]
     assert stats.prefill_reused == len(expected)  # the corrupted entry was served
     assert turns[0][0] == turns[0][1] and turns[1][0] != turns[1][1]
+
+
+def corrupt_last_fed(cache: PrefixCache) -> None:
+    """Make ``cache``'s settles write the last entry they feed for another id (of the tiny model's 64)
+    while the handle claims the expected one."""
+    settle = cache._settle
+
+    def wrong(handle, ids):
+        settle(handle, [*ids[:-1], (ids[-1] + 17) % 64])
+        handle.tokens[-1] = ids[-1]
+
+    cache._settle = wrong
 
 
 def feeding(fed: list):
@@ -154,7 +159,8 @@ def test_without_anticipated_ids_a_handle_all_of_whose_entries_are_reusable_is_p
     assert [h.tokens for h in cache._parked] == [list(range(10)), list(range(20, 30)), list(range(40, 50))]
 
 
-def test_next_turn_ids_end_where_the_next_users_content_starts():
+def word_level() -> tuple:
+    """A fast word-level tokenizer with a chat template (``start role : content | ...``) -> (it, its TokenizerInfo)."""
     tokenizers = pytest.importorskip("tokenizers")
     from transformers import PreTrainedTokenizerFast
 
@@ -164,7 +170,11 @@ def test_next_turn_ids_end_where_the_next_users_content_starts():
     hf = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
     hf.chat_template = ("start {% for m in messages %}{{ m.role }} : {{ m.content }} | {% endfor %}"
                         "{% if add_generation_prompt %}assistant :{% endif %}")
-    info = TokenizerInfo(hf)
+    return hf, TokenizerInfo(hf)
+
+
+def test_next_turn_ids_end_where_the_next_users_content_starts():
+    hf, info = word_level()
     messages = [{"role": "user", "content": "hi"}]
     expected = info.next_turn_ids(messages, "there there", system="brief")
     assert hf.convert_ids_to_tokens(expected) == ["start", "system", ":", "brief", "|", "user", ":", "hi", "|",

@@ -452,6 +452,47 @@ def test_messages_sent_while_a_reply_streams_are_queued_as_their_own_turns(cfg, 
     asyncio.run(scenario())
 
 
+class PreparingPipe(GatedPipe):
+    """A GatedPipe that records each prompt it is asked to prepare, then prepares it on the real pipeline."""
+
+    def __init__(self, pipe, after: int = 10):
+        super().__init__(pipe, after)
+        self.prepared: list = []
+
+    def prepare(self, prompt, **kwargs):
+        self.prepared.append(prompt)
+        return self.pipe.prepare(prompt, **kwargs)
+
+
+def test_a_pause_in_typing_prepares_the_message_so_far_but_not_while_a_reply_streams(cfg, pipe):
+    spy = PreparingPipe(pipe, after=5)
+
+    async def scenario():
+        app = ChatApp(cfg, pipeline=spy)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.click("#prompt")
+            await pilot.press(*"hello the")
+            await wait_for(pilot, lambda: spy.prepared and "hello the" in str(spy.prepared[-1]))
+            draft = app.history.copy()
+            draft.add("user", "hello the")
+            expected, _ = fit_history(pipe, draft)
+            assert spy.prepared[-1] == expected  # the prompt the message will be sent as, so far
+            await pilot.press("r", "e", "enter")
+            await wait_for(pilot, spy.paused.is_set)
+            before = len(spy.prepared)
+            app._prepare("more words")  # what a pause in typing calls: refused while the reply streams
+            await pilot.press(*"more")
+            await pilot.pause(3 * app_module.PREPARE_PAUSE)
+            assert len(spy.prepared) == before
+            spy.gate.set()
+            await wait_for(pilot, lambda: app.active is None)
+            app._prepare("more words")
+            await wait_for(pilot, lambda: len(spy.prepared) > before)
+            assert "more words" in str(spy.prepared[-1]) and "hello there" in str(spy.prepared[-1])
+
+    asyncio.run(scenario())
+
+
 def test_messages_typed_while_the_models_load_are_queued(cfg, pipe, monkeypatch):
     loaded = threading.Event()
 

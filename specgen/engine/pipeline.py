@@ -119,6 +119,23 @@ class Pipeline:
         chat = parse_chat(self.defaults.chat if chat is None else chat)
         return self.tokenizer.encode_prompt(prompt, chat=chat, system=self._system(system))
 
+    def prepare(self, prompt, *, chat=None, system=None) -> None:
+        """Start feeding, in the background, what a request still being written will begin with, so
+        that when it comes it prefills only the rest: ``prompt`` (chat messages whose last is the
+        user's, or a text) as :meth:`encode` renders it, up to the last complete word of its last
+        message (:meth:`TokenizerInfo.typed_prefix_ids`), into the prefix cache
+        (:meth:`PrefixCache.prepare`). Returns at once; nothing happens where the prefix cache is off
+        or those ids would not fit the context. A request served from prepared entries gets a fresh
+        prefill's logits wherever the target declares ``prefix_reuse``. Bad input raises as
+        :meth:`encode` does."""
+        if not self.prefix_cache.enabled:
+            return
+        prompt = check_prompt(prompt)
+        chat = parse_chat(self.defaults.chat if chat is None else chat)
+        ids = self.tokenizer.typed_prefix_ids(prompt, chat=chat, system=self._system(system))
+        if len(ids) < self.target.context_length:
+            self.prefix_cache.prepare(ids)
+
     def _system(self, system) -> str | None:
         """A request's system message: its own, else the pipeline's default (checked)."""
         return parse_optional_text(self.defaults.system if system is None else system, "system")

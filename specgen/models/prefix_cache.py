@@ -27,6 +27,12 @@ and writes the next message; a request that takes the handle before then waits f
 writes entries as a prefill does, so a request served from them gets a fresh prefill's logits
 wherever the target declares ``prefix_reuse``.
 
+A request still being written can be **prepared** (:meth:`PrefixCache.prepare`): the ids its prompt
+is expected to start with (a chat message up to its last complete word, as the user types it) are
+fed the same way, into the parked handle sharing the most of them (a fresh one where none does),
+so the request prefills only what was written last. Calls coalesce: the latest ids are fed next,
+and a request that takes a handle drops ids not yet begun.
+
 Where only some entries are a fresh prefill's (``Capabilities.prefill_floor`` above 1: a
 backend whose decode steps compute otherwise than its prefills), a request starts from the
 :attr:`TokenCache.reusable` entries only and feeds at least ``floor`` ids. A parked handle
@@ -91,6 +97,8 @@ class PrefixCache:
         self.floor, self._settle = int(floor), settle
         self._parked: list[TokenCache] = []
         self._settling: list[TokenCache] = []  # parked handles a settle thread is feeding
+        self._wanted: list[int] | None = None  # the latest ids prepare() was given, not yet begun
+        self._preparing = False  # a prepare thread runs
         self._lock = threading.Condition()
         self.stats = PrefixCacheStats()
 
@@ -109,15 +117,8 @@ class PrefixCache:
         is synced to ``ids``: it holds exactly those ``reused`` ids. A handle being settled is
         waited for."""
         with self._lock:
-            while True:
-                best, best_len = None, 0
-                for i, handle in enumerate(self._parked):
-                    n = common_prefix(handle.tokens, ids)
-                    if n > 0 and n >= best_len:  # later entries are more recent: ties go to them
-                        best, best_len = i, n
-                if best is None or self._parked[best] not in self._settling:
-                    break
-                self._lock.wait()
+            self._wanted = None  # a request has come: what was prepared for it is all it gets
+            best = self._best_for(ids)
             handle = self._parked.pop(best) if best is not None else None
         if handle is None:
             handle = self._fresh()
@@ -159,10 +160,66 @@ class PrefixCache:
         for old in evicted:
             self._release(old)
 
-    def wait_settled(self) -> None:
-        """Block until no parked handle is being settled."""
+    def prepare(self, ids: Sequence[int]) -> None:
+        """Feed, in the background, the ids a coming request's prompt is expected to start with: the
+        parked handle sharing the longest prefix with them (waited for while it settles), else a
+        fresh one, is synced to them and fed what it does not hold, as a settle does, and stays
+        parked. Returns at once. While a prepare runs, later calls only leave their ids for it to
+        feed next (the latest win); :meth:`acquire` drops ids not yet begun. Nothing happens where
+        the cache is off or does not settle, or for fewer than 2 ids."""
+        if not self.enabled or self._settle is None or len(ids) < 2:
+            return
         with self._lock:
-            self._lock.wait_for(lambda: not self._settling)
+            self._wanted = [int(i) for i in ids]
+            if self._preparing:
+                return
+            self._preparing = True
+        threading.Thread(target=self._prepare_latest, name="specgen-prefix-prepare").start()
+
+    def wait_settled(self) -> None:
+        """Block until no parked handle is being settled or prepared."""
+        with self._lock:
+            self._lock.wait_for(lambda: not self._settling and not self._preparing)
+
+    def _best_for(self, ids: Sequence[int]) -> int | None:
+        """The index of the parked handle sharing the longest prefix with ``ids`` (ties: the most
+        recently parked), waiting while it settles; None where none shares one. Holds the lock."""
+        while True:
+            best, best_len = None, 0
+            for i, handle in enumerate(self._parked):
+                n = common_prefix(handle.tokens, ids)
+                if n > 0 and n >= best_len:  # later entries are more recent: ties go to them
+                    best, best_len = i, n
+            if best is None or self._parked[best] not in self._settling:
+                return best
+            self._lock.wait()
+
+    def _prepare_latest(self) -> None:
+        """Feed the latest ids :meth:`prepare` was given until none are left (a prepare thread)."""
+        while True:
+            with self._lock:
+                ids, self._wanted = self._wanted, None
+                if ids is None:
+                    self._preparing = False
+                    self._lock.notify_all()
+                    return
+                best = self._best_for(ids)
+                if best is not None:  # moved to the most recent end, and marked, in one step
+                    handle = self._parked.pop(best)
+                    self._parked.append(handle)
+                    self._settling.append(handle)
+            if best is None:
+                try:
+                    handle = self._fresh()
+                except Exception:  # no handle to spare (or the target failed to make one): nothing is prepared
+                    continue
+                with self._lock:
+                    self._parked.append(handle)
+                    self._settling.append(handle)
+                    evicted = self._over_bounds()
+                for old in evicted:
+                    self._release(old)
+            self._settle_one(handle, [], lambda: ids)
 
     def clear(self) -> None:
         """Release every parked handle."""

@@ -122,6 +122,27 @@ class TokenizerInfo:
             return []
         return first[:common_prefix(first, second)]
 
+    def typed_prefix_ids(self, prompt: str | Messages, *, chat: bool | str = "auto",
+                         system: str | None = None) -> list[int]:
+        """What a prompt whose last message (or text) is still being typed will begin with: its ids as
+        :meth:`encode_prompt` gives them, the message cut after its last whitespace (the word being
+        typed dropped), up to where two renderings continuing it with different words part. [] where
+        the prompt's last message is not the user's or the template cannot render it."""
+        if isinstance(prompt, str):
+            head, rest = _typed_head(prompt), None
+        else:
+            messages = list(prompt)
+            if not messages or messages[-1].get("role") != "user" or not isinstance(messages[-1].get("content"), str):
+                return []
+            head, rest = _typed_head(messages[-1]["content"]), messages[:-1]
+        try:
+            first, second = (self.encode_prompt(head + text if rest is None
+                                                else [*rest, {"role": "user", "content": head + text}],
+                                                chat=chat, system=system) for text in _NEXT_TURN_PROBES)
+        except Exception:  # a template that refuses this conversation: nothing to prepare
+            return []
+        return first[:common_prefix(first, second)]
+
     def _render(self, messages: list[dict], *, generation_prompt: bool) -> list[int]:
         with self._encoding:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
@@ -171,6 +192,12 @@ class TokenizerInfo:
         if mine_special != theirs_special:
             return f"special tokens differ ({mine_special} vs {theirs_special})"
         return None
+
+
+def _typed_head(text: str) -> str:
+    """``text`` up to and with its last whitespace: the words a typist has finished."""
+    cut = max((i for i, c in enumerate(text) if c.isspace()), default=-1)
+    return text[:cut + 1]
 
 
 def _drops_text(pre_tokenizer) -> bool:

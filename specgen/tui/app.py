@@ -7,7 +7,9 @@ reply's :class:`~specgen.tui.session.UpdateInbox`: at most one ReplyReady messag
 waits at a time, so fast tokens never back up the UI's queue. Only one reply
 streams at a time; messages sent meanwhile (or while the models load) are queued
 and sent in order, each as its own turn. Esc sets the reply's cancel flag and the
-worker closes the stream between events.
+worker closes the stream between events. While nothing streams, a pause in typing
+(PREPARE_PAUSE) prefills the message so far in a worker (:func:`prepare_reply`), so
+sending it prefills only its last words.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from specgen.config.options import SEED_MAX
 from specgen.config.run import RunConfig
 from specgen.tui.panel import StatsPanel
 from specgen.tui.reply import ErrorMessage, Legend, Notice, ReplyView, UserMessage
-from specgen.tui.session import ReplyRequest, ReplyUpdate, UpdateInbox, load_pipeline, run_reply
+from specgen.tui.session import ReplyRequest, ReplyUpdate, UpdateInbox, load_pipeline, prepare_reply, run_reply
 from specgen.tui.tally import PanelSnapshot
 
 USAGE = """usage: specgen-chat [key=value ...]
@@ -45,6 +47,10 @@ prompt=... is sent as the first message; system=... sets the system message.
 The chat samples by default (sampling=creative: temperature 0.8, top-k 50, top-p 0.95,
 repetition penalty 1.1; speculation stays exact); sampling=default is greedy.
 """
+
+
+#: Seconds without a keystroke after which the message typed so far is prefilled in the background.
+PREPARE_PAUSE = 0.3
 
 
 @dataclass
@@ -125,6 +131,7 @@ class ChatApp(App[int]):
         self.load_error: str | None = None
         self.queued: deque[UserMessage] = deque()
         self.panel_choice: bool | None = None  # Ctrl+O's show (True) / hide (False); None: by width
+        self.typing_pause = None  # the timer that prepares the message being typed
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="main"):
@@ -214,6 +221,23 @@ class ChatApp(App[int]):
             self.notify(f"queued: sent when {waiting}")
         else:
             self._send(text)
+
+    @on(Input.Changed, "#prompt")
+    def _typed(self, event: Input.Changed) -> None:
+        """A keystroke: prepare the message so far once typing pauses for PREPARE_PAUSE."""
+        if self.typing_pause is not None:
+            self.typing_pause.stop()
+        self.typing_pause = self.set_timer(PREPARE_PAUSE, lambda: self._prepare(event.value))
+
+    def _prepare(self, text: str) -> None:
+        """Prefill ``text`` as the next message, unless a reply streams or waits (it would share the CPU)."""
+        if self.pipe is None or self.history is None or self.active is not None or self.queued or not text.strip():
+            return
+        self._prepare_in_worker(self.history.copy(), text)
+
+    @work(thread=True, group="prepare")
+    def _prepare_in_worker(self, history: ChatHistory, text: str) -> None:
+        prepare_reply(self.pipe, history, text)
 
     def _send_queued(self) -> None:
         """Send the oldest queued message, if nothing is streaming."""

@@ -53,6 +53,20 @@ def fit_history(pipe, history: ChatHistory, max_new_tokens: int | None = None) -
                       + (" (Ctrl+N starts a new chat)" if len(drops) > 1 else ""))
 
 
+def prepare_reply(pipe, history: ChatHistory, typed: str) -> None:
+    """While ``typed`` is being written as the next user message of ``history``: prefill in the
+    background what that turn's prompt will begin with (:meth:`Pipeline.prepare`: the conversation
+    up to the message's last complete word, fitted as the reply will fit it). A conversation that
+    does not fit, or bad input, prepares nothing: sending the message reports it."""
+    draft = history.copy()
+    draft.add("user", typed)
+    try:
+        prompt, _ = fit_history(pipe, draft)
+        pipe.prepare(prompt)
+    except SpecgenError:
+        pass
+
+
 def reply_guarantee(pipe, speculative: bool) -> Guarantee:
     """The guarantee a reply runs under when speculation is on or off for it."""
     if pipe.speculative and not speculative:
