@@ -30,7 +30,7 @@ from specgen.tui import app as app_module
 from specgen.tui.app import ChatApp, ConfigScreen, chat_config, main
 from specgen.tui.panel import StatsPanel, bar, guarantee_class, split_cells, token_content
 from specgen.tui.reply import ErrorMessage, Notice, ReplyView, UserMessage, token_class
-from specgen.tui.session import ReplyRequest, ReplyUpdate, UpdateInbox, fit_history, run_reply
+from specgen.tui.session import ReplyRequest, ReplyUpdate, UpdateInbox, fit_history, prepare_reply, run_reply
 from specgen.tui.tally import PanelSnapshot, Tally
 
 TINY = ["target=tiny", "drafter=tiny", "threads=1", "invariant_verify=true", "sampling.temperature=0.8",
@@ -491,6 +491,22 @@ def test_a_pause_in_typing_prepares_the_message_so_far_but_not_while_a_reply_str
             assert "more words" in str(spy.prepared[-1]) and "hello there" in str(spy.prepared[-1])
 
     asyncio.run(scenario())
+
+
+def test_preparing_a_message_never_raises_into_the_app(pipe):
+    """A failure in the background prefill (here the pipeline's prepare raising) prepares nothing;
+    the app's worker must not see it, since an uncaught worker error ends a Textual app."""
+    class Failing(PreparingPipe):
+        def prepare(self, prompt, **kwargs):
+            super().prepare(prompt, **kwargs)
+            raise RuntimeError("the target failed")
+
+    spy = Failing(pipe)
+    history = ChatHistory(False)
+    prepare_reply(spy, history, "hello the")
+    assert spy.prepared and history.messages == []  # it was called, it raised, nothing escaped
+    prepare_reply(spy, history, "a " * 100_000)  # too long for the context: refused before prepare
+    assert len(spy.prepared) == 1
 
 
 def test_messages_typed_while_the_models_load_are_queued(cfg, pipe, monkeypatch):

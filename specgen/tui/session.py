@@ -56,14 +56,15 @@ def fit_history(pipe, history: ChatHistory, max_new_tokens: int | None = None) -
 def prepare_reply(pipe, history: ChatHistory, typed: str) -> None:
     """While ``typed`` is being written as the next user message of ``history``: prefill in the
     background what that turn's prompt will begin with (:meth:`Pipeline.prepare`: the conversation
-    up to the message's last complete word, fitted as the reply will fit it). A conversation that
-    does not fit, or bad input, prepares nothing: sending the message reports it."""
+    up to the message's last complete word, fitted as the reply will fit it). Nothing it meets stops
+    the chat: a conversation that does not fit, bad input or a failure prepares nothing, and sending
+    the message reports what is wrong."""
     draft = history.copy()
     draft.add("user", typed)
     try:
         prompt, _ = fit_history(pipe, draft)
         pipe.prepare(prompt)
-    except SpecgenError:
+    except Exception:  # a background prefill must not end the app (an uncaught worker error would)
         pass
 
 
