@@ -148,11 +148,7 @@ class PrefixCache:
             return
         floored = self.floor > 1 and (handle.reusable < len(handle.tokens) or len(tail) > 0)
         settle = self._settle is not None and (floored or ahead is not None)
-        with self._lock:
-            self._parked.append(handle)
-            if settle:
-                self._settling.append(handle)
-            evicted = self._over_bounds()
+        evicted = self._admit(handle, settle)
         if settle:
             # Not a daemon: an exiting interpreter waits for a forward it began.
             threading.Thread(target=self._settle_one, args=(handle, [int(t) for t in tail], ahead),
@@ -213,11 +209,7 @@ class PrefixCache:
                     handle = self._fresh()
                 except Exception:  # no handle to spare (or the target failed to make one): nothing is prepared
                     continue
-                with self._lock:
-                    self._parked.append(handle)
-                    self._settling.append(handle)
-                    evicted = self._over_bounds()
-                for old in evicted:
+                for old in self._admit(handle, settling=True):
                     self._release(old)
             self._settle_one(handle, [], lambda: ids)
 
@@ -263,6 +255,15 @@ class PrefixCache:
         with self._lock:
             self._lock.wait_for(lambda: handle not in self._settling)
         handle.release()
+
+    def _admit(self, handle: TokenCache, settling: bool) -> list[TokenCache]:
+        """Park ``handle`` as the most recent (marked as settling where ``settling``) -> the handles its
+        arrival pushes past the bounds, taken out of the cache for the caller to release."""
+        with self._lock:
+            self._parked.append(handle)
+            if settling:
+                self._settling.append(handle)
+            return self._over_bounds()
 
     def _over_bounds(self) -> list[TokenCache]:
         evicted = []

@@ -6,7 +6,7 @@ import hashlib
 import json
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
 
 from specgen.errors import PromptError
@@ -29,8 +29,19 @@ def real_vocab_size(tokenizer) -> int:
     return size
 
 
-#: Two user messages whose renderings part where a message's content starts (:meth:`TokenizerInfo.next_turn_ids`).
-_NEXT_TURN_PROBES = ("Hello", "Why")
+#: Two texts whose renderings part where they start (:meth:`TokenizerInfo.next_turn_ids`, ``typed_prefix_ids``).
+_PROBES = ("Hello", "Why")
+
+
+def _before_probes(render: Callable[[str], list[int]]) -> list[int]:
+    """The ids ``render`` gives before the text it is passed, for any text: the common prefix of its
+    renderings of the two :data:`_PROBES`; [] where it raises (a template that refuses the conversation,
+    e.g. an alternation check)."""
+    try:
+        first, second = (render(text) for text in _PROBES)
+    except Exception:
+        return []
+    return first[:common_prefix(first, second)]
 
 
 def _with_system(messages: list[dict], system: str | None) -> list[dict]:
@@ -115,12 +126,8 @@ class TokenizerInfo:
         if not self.has_chat_template:
             return []
         history = [*_with_system(list(messages), system), {"role": "assistant", "content": reply}]
-        try:
-            first, second = (self._render([*history, {"role": "user", "content": text}], generation_prompt=False)
-                             for text in _NEXT_TURN_PROBES)
-        except Exception:  # a template that refuses this history (e.g. an alternation check): nothing to anticipate
-            return []
-        return first[:common_prefix(first, second)]
+        return _before_probes(lambda text: self._render([*history, {"role": "user", "content": text}],
+                                                        generation_prompt=False))
 
     def typed_prefix_ids(self, prompt: str | Messages, *, chat: bool | str = "auto",
                          system: str | None = None) -> list[int]:
@@ -129,19 +136,14 @@ class TokenizerInfo:
         typed dropped), up to where two renderings continuing it with different words part. [] where
         the prompt's last message is not the user's or the template cannot render it."""
         if isinstance(prompt, str):
-            head, rest = _typed_head(prompt), None
-        else:
-            messages = list(prompt)
-            if not messages or messages[-1].get("role") != "user" or not isinstance(messages[-1].get("content"), str):
-                return []
-            head, rest = _typed_head(messages[-1]["content"]), messages[:-1]
-        try:
-            first, second = (self.encode_prompt(head + text if rest is None
-                                                else [*rest, {"role": "user", "content": head + text}],
-                                                chat=chat, system=system) for text in _NEXT_TURN_PROBES)
-        except Exception:  # a template that refuses this conversation: nothing to prepare
+            head = _typed_head(prompt)
+            return _before_probes(lambda text: self.encode_prompt(head + text, chat=chat, system=system))
+        messages = list(prompt)
+        if not messages or messages[-1].get("role") != "user" or not isinstance(messages[-1].get("content"), str):
             return []
-        return first[:common_prefix(first, second)]
+        head, rest = _typed_head(messages[-1]["content"]), messages[:-1]
+        return _before_probes(lambda text: self.encode_prompt([*rest, {"role": "user", "content": head + text}],
+                                                              chat=chat, system=system))
 
     def _render(self, messages: list[dict], *, generation_prompt: bool) -> list[int]:
         with self._encoding:
